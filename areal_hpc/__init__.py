@@ -1,0 +1,1 @@
+"""areal-hpc: Slurm-native, fully asynchronous RL for LLM reasoning."""

@@ -1,0 +1,42 @@
+"""Critic-free group advantages: reward normalised over the n samples of one prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def group_advantages(
+    rewards: np.ndarray,
+    group_ids: np.ndarray,
+    norm: str = "mean_std",
+    std_eps: float = 1e-4,
+) -> np.ndarray:
+    """Per-sequence advantage: r - mean(group), divided by (std(group) + eps) when norm == 'mean_std'."""
+    if norm not in ("mean", "mean_std"):
+        raise ValueError(f"advantage norm must be 'mean' or 'mean_std', got {norm!r}")
+    rewards = np.asarray(rewards, dtype=np.float64)
+    group_ids = np.asarray(group_ids)
+    adv = np.zeros_like(rewards)
+    for g in np.unique(group_ids):
+        idx = group_ids == g
+        r = rewards[idx]
+        a = r - r.mean()
+        if norm == "mean_std":
+            a = a / (r.std() + std_eps)
+        adv[idx] = a
+    return adv.astype(np.float32)
+
+
+def informative_groups(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
+    """Boolean mask over sequences: True where the group's rewards are not all equal.
+
+    Dynamic sampling drops groups whose success rate is 0 or 1: their advantages are all zero and
+    they only dilute the token normalisation.
+    """
+    rewards = np.asarray(rewards)
+    group_ids = np.asarray(group_ids)
+    keep = np.zeros(len(rewards), dtype=bool)
+    for g in np.unique(group_ids):
+        idx = group_ids == g
+        keep[idx] = rewards[idx].max() > rewards[idx].min()
+    return keep

@@ -1,0 +1,224 @@
+"""Typed run configuration: dataclasses per part, loaded from YAML with dotted overrides (OmegaConf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line naming the key, the value and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING  # a local Hugging Face folder (config.json, safetensors, tokenizer files)
+    build_tiny: bool = False  # build a tiny model + tokenizer into `path` if it does not exist
+    arch: str = "llama"  # tiny-model architecture: llama | qwen2
+    hidden_size: int = 128
+    intermediate_size: int = 512
+    num_layers: int = 2
+    num_heads: int = 4
+    dtype: str = "float32"  # float32 | bfloat16
+
+
+@dataclass
+class DataConfig:
+    kind: str = "arithmetic"  # arithmetic (synthetic) | jsonl | parquet
+    path: str = ""  # dataset file for jsonl / parquet
+    question_key: str = "question"
+    answer_key: str = "answer"
+    prompt_template: str = "{question}"
+    heldout_size: int = 500
+    max_operand: int = 99  # arithmetic: operands drawn from [0, max_operand]
+    train_size: int = 9500  # arithmetic: number of training problems
+    seed: int = 0
+
+
+@dataclass
+class RewardConfig:
+    timeout_s: float = 5.0
+    num_workers: int = 2
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "torch"  # torch | vllm
+    n_samples: int = 8  # samples per prompt (group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    batch_prompts: int = 32  # B: prompts (groups) per training step
+    eta: int = 4  # staleness bound in versions; 0 = synchronous
+    max_running: int = 0  # cap on prompts in flight per the scheduler (0 = no cap)
+    interrupt: bool = True  # abort and resume in-flight requests on new weights
+
+
+@dataclass
+class PPOConfig:
+    eps_clip: float = 0.2
+    behav_imp_weight_cap: float = 5.0  # 0 disables the cap
+    n_minibatches: int = 4
+    adv_norm: str = "mean_std"  # mean | mean_std
+    drop_uniform_groups: bool = True  # dynamic sampling: skip groups with all-equal rewards
+    prox: str = "recompute"  # recompute | loglinear
+
+
+@dataclass
+class TrainerConfig:
+    engine: str = "torch"  # torch | deepspeed
+    lr: float = 2e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    max_tokens_per_mb: int = 4096
+    versions: int = 100  # training steps (policy versions) to run
+    max_wall_s: float = 0.0  # stop after this many seconds of RL (0 = no limit)
+    warm_start_steps: int = 0  # supervised steps on reference answers before RL (0 = none)
+    warm_start_lr: float = 1e-3
+    warm_start_examples: int = 1000
+    warm_start_batch: int = 64
+    checkpoint_every: int = 0  # versions between checkpoints (0 = only at the end)
+    seed: int = 1
+
+
+@dataclass
+class StoreConfig:
+    run_dir: str = "runs/${run_name}"
+
+
+@dataclass
+class ClusterConfig:
+    n_generators: int = 1
+    n_trainers: int = 1
+    threads_per_rank: int = 1
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    eval_every: int = 10  # versions between held-out evaluations (0 = only first and last)
+    eval_prompts: int = 500
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    run_name: str = "demo"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# key -> allowed values, for string choices
+_CHOICES = {
+    "model.arch": ("llama", "qwen2"),
+    "model.dtype": ("float32", "bfloat16"),
+    "data.kind": ("arithmetic", "jsonl", "parquet"),
+    "rollout.engine": ("torch", "vllm"),
+    "ppo.adv_norm": ("mean", "mean_std"),
+    "ppo.prox": ("recompute", "loglinear"),
+    "trainer.engine": ("torch", "deepspeed"),
+}
+# key -> (lower bound, inclusive?) for numbers
+_LOWER = {
+    "model.hidden_size": (1, True), "model.intermediate_size": (1, True),
+    "model.num_layers": (1, True), "model.num_heads": (1, True),
+    "data.heldout_size": (0, True), "data.max_operand": (1, True), "data.train_size": (1, True),
+    "reward.timeout_s": (0, False), "reward.num_workers": (1, True),
+    "rollout.n_samples": (1, True), "rollout.temperature": (0, False), "rollout.top_p": (0, False),
+    "rollout.max_new_tokens": (1, True), "rollout.batch_prompts": (1, True), "rollout.eta": (0, True),
+    "rollout.max_running": (0, True),
+    "ppo.eps_clip": (0, False), "ppo.behav_imp_weight_cap": (0, True), "ppo.n_minibatches": (1, True),
+    "trainer.lr": (0, False), "trainer.weight_decay": (0, True), "trainer.grad_clip": (0, True),
+    "trainer.max_tokens_per_mb": (1, True), "trainer.versions": (1, True), "trainer.max_wall_s": (0, True),
+    "trainer.warm_start_steps": (0, True), "trainer.warm_start_lr": (0, False),
+    "trainer.warm_start_examples": (1, True), "trainer.warm_start_batch": (1, True),
+    "trainer.checkpoint_every": (0, True),
+    "cluster.n_generators": (1, True), "cluster.n_trainers": (1, True), "cluster.threads_per_rank": (1, True),
+    "logging.eval_every": (0, True), "logging.eval_prompts": (1, True),
+}
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> Config:
+    """Range and choice checks the types cannot express; raises ConfigError with one line."""
+    for key, allowed in _CHOICES.items():
+        val = _get(cfg, key)
+        if val not in allowed:
+            raise ConfigError(f"config {key}={val!r} is not allowed; choose one of {', '.join(allowed)}")
+    for key, (low, inclusive) in _LOWER.items():
+        val = _get(cfg, key)
+        if (val < low) if inclusive else (val <= low):
+            op = ">=" if inclusive else ">"
+            raise ConfigError(f"config {key}={val!r} is out of range; it must be {op} {low}")
+    if cfg.rollout.top_p > 1:
+        raise ConfigError(f"config rollout.top_p={cfg.rollout.top_p!r} is out of range; it must be in (0, 1]")
+    if cfg.data.kind in ("jsonl", "parquet") and not cfg.data.path:
+        raise ConfigError(f"config data.path is empty; data.kind={cfg.data.kind} needs a dataset file")
+    if cfg.model.hidden_size % cfg.model.num_heads:
+        raise ConfigError(
+            f"config model.hidden_size={cfg.model.hidden_size} must be divisible by model.num_heads={cfg.model.num_heads}"
+        )
+    if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
+        raise ConfigError(f"config trainer.betas={list(cfg.trainer.betas)} must be two numbers in [0, 1)")
+    return cfg
+
+
+def _one_line(err: OmegaConfBaseException) -> str:
+    msg = str(err).strip().splitlines()[0]
+    key = getattr(err, "full_key", None)
+    return f"config {key}: {msg}" if key else f"config: {msg}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- dotted `key=value` overrides, type-checked and validated."""
+    try:
+        schema = OmegaConf.structured(Config)
+        layers = [schema]
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file {str(p)!r} does not exist")
+            layers.append(OmegaConf.load(p))
+        for ov in overrides or []:
+            if "=" not in ov:
+                raise ConfigError(f"override {ov!r} must look like key=value (e.g. rollout.eta=2)")
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        OmegaConf.resolve(merged)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(f"config {missing[0]} is required but not set")
+        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        raise ConfigError(_one_line(err)) from None
+    return validate(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config atomically (the run directory's record of what ran)."""
+    from areal_hpc.utils import atomic_write_text
+
+    atomic_write_text(Path(path), to_yaml(cfg))

@@ -1,0 +1,236 @@
+"""Training engine in plain torch: packed micro-batches, proximal recompute, decoupled PPO, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
+from areal_hpc.algo.ppo import decoupled_ppo_loss, loglinear_prox_logp
+from areal_hpc.model import load_causal_lm, load_tokenizer
+from areal_hpc.types import Trajectory
+
+
+class TorchTrainEngine:
+    """Data-parallel PPO trainer on plain torch.
+
+    With a process group of T > 1 ranks, every optimizer step all-reduces the summed gradients in one
+    flat buffer (the loss is already normalised by the global token count, so a SUM is exact). This is
+    DDP's arithmetic without DDP's per-backward hooks, which would deadlock when trainers get different
+    numbers of micro-batches.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        lr: float = 2e-5,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.05,
+        grad_clip: float = 1.0,
+        max_tokens_per_mb: int = 4096,
+        n_minibatches: int = 4,
+        eps_clip: float = 0.2,
+        behav_imp_weight_cap: float | None = None,
+        prox: str = "recompute",
+        temperature: float = 1.0,
+        dtype: str = "float32",
+        seed: int = 1,
+        process_group: dist.ProcessGroup | None = None,
+    ):
+        torch.manual_seed(seed)
+        self.model_path = str(model_path)
+        self.model = load_causal_lm(model_path, dtype)
+        self.model.train()
+        self.pad_token_id = self.model.config.pad_token_id or 0
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        self.grad_clip = grad_clip
+        self.max_tokens_per_mb = max_tokens_per_mb
+        self.n_minibatches = n_minibatches
+        self.eps_clip = eps_clip
+        self.cap = behav_imp_weight_cap or None
+        self.prox = prox
+        self.temperature = temperature
+        self.pg = process_group
+        self.world = dist.get_world_size(process_group) if (process_group is not None or dist.is_initialized()) else 1
+        self.version = 0
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _pad(self, seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.as_tensor(np.asarray(s), dtype=torch.long)
+            mask[i, : len(s)] = 1
+        return ids, mask
+
+    def _token_logprobs(self, seqs: list[np.ndarray]) -> list[torch.Tensor]:
+        """Logprob of every token given its prefix under softmax(logits / T); position 0 gets 0."""
+        ids, mask = self._pad(seqs)  # right padding: positions stay 0..L-1, no position_ids needed
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / self.temperature
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        return [lp[i, : len(s)] for i, s in enumerate(seqs)]
+
+    @torch.no_grad()
+    def compute_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
+        out: list[np.ndarray | None] = [None] * len(sequences)
+        for mb in pack_microbatches([len(s) for s in sequences], self.max_tokens_per_mb):
+            for i, lp in zip(mb, self._token_logprobs([sequences[i] for i in mb])):
+                out[i] = lp.numpy().astype(np.float32)
+        return out  # type: ignore[return-value]
+
+    # -- distributed helpers ---------------------------------------------------------------------
+    def _allreduce_sum(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=self.pg)
+        return float(t)
+
+    def _allreduce_grads(self) -> None:
+        if self.world == 1:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.pg)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+
+    def _optimizer_step(self) -> float:
+        self._allreduce_grads()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip if self.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(gnorm)
+
+    # -- PPO -------------------------------------------------------------------------------------
+    def ppo_update(self, trajectories: list[Trajectory], advantages: np.ndarray) -> dict[str, float]:
+        """One policy version: recompute pi_prox once, then n_minibatches decoupled-PPO steps.
+
+        Every rank must call this (possibly with an empty share) so the collectives line up.
+        """
+        seqs = [t.input_ids for t in trajectories]
+        if self.prox == "recompute" and seqs:
+            prox_all = [torch.as_tensor(x) for x in self.compute_logprobs(seqs)]
+        else:
+            prox_all = [None] * len(seqs)
+
+        lengths = [len(s) for s in seqs]
+        minibatches = balance_across_ranks(lengths, self.n_minibatches) if seqs else [[] for _ in range(self.n_minibatches)]
+        totals: dict[str, float] = {}
+        for mb_idx in minibatches:
+            local_tokens = float(sum(int(trajectories[i].loss_mask.sum()) for i in mb_idx))
+            total_tokens = self._allreduce_sum(local_tokens)
+            if total_tokens == 0:
+                continue  # nothing to learn from on any rank; all ranks skip together
+            for micro in pack_microbatches([lengths[i] for i in mb_idx], self.max_tokens_per_mb):
+                idx = [mb_idx[j] for j in micro]
+                logps = self._token_logprobs([seqs[i] for i in idx])
+                parts = {k: [] for k in ("logp", "prox", "behav", "adv", "mask")}
+                for i, lp in zip(idx, logps):
+                    t = trajectories[i]
+                    behav = torch.as_tensor(t.behav_logprobs, dtype=lp.dtype)
+                    if prox_all[i] is not None:
+                        prox = prox_all[i]
+                    else:
+                        prox = loglinear_prox_logp(lp, behav, torch.as_tensor(t.versions), self.version)
+                    parts["logp"].append(lp)
+                    parts["prox"].append(prox)
+                    parts["behav"].append(behav)
+                    parts["adv"].append(torch.full_like(lp, float(advantages[i])))
+                    parts["mask"].append(torch.as_tensor(t.loss_mask, dtype=lp.dtype))
+                cat = {k: torch.cat(v) for k, v in parts.items()}
+                loss, stats = decoupled_ppo_loss(
+                    cat["logp"], cat["prox"], cat["behav"], cat["adv"], cat["mask"],
+                    eps_clip=self.eps_clip, behav_imp_weight_cap=self.cap, total_loss_tokens=total_tokens,
+                )
+                loss.backward()
+                w = stats["loss_tokens"]
+                totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+                for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac"):
+                    totals[k] = totals.get(k, 0.0) + stats[k] * w
+                totals["_w"] = totals.get("_w", 0.0) + w
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._optimizer_step() / self.n_minibatches
+        self.version += 1
+        w = max(totals.pop("_w", 0.0), 1.0)
+        for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac"):
+            if k in totals:
+                totals[k] /= w
+        return totals
+
+    def supervised_step(self, sequences: list[np.ndarray], loss_masks: list[np.ndarray], lr: float) -> float:
+        """Cross-entropy on the masked tokens (the warm start); does not change the policy version."""
+        for g in self.optimizer.param_groups:
+            saved_lr, g["lr"] = g["lr"], lr
+        lps = self._token_logprobs(sequences)
+        mask = torch.cat([torch.as_tensor(m, dtype=torch.float32) for m in loss_masks])
+        total = self._allreduce_sum(float(mask.sum()))
+        loss = -(torch.cat(lps) * mask).sum() / max(total, 1.0)
+        loss.backward()
+        self._optimizer_step()
+        for g in self.optimizer.param_groups:
+            g["lr"] = saved_lr
+        return float(loss.detach())
+
+    # -- weights and checkpoints -----------------------------------------------------------------
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def export_hf(self, path: Path) -> Path:
+        """Atomic HF export: save into a temp folder beside `path`, then rename."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+        self.model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(self.model_path).save_pretrained(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+        return path
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Model (safetensors), optimizer, RNG and version; written to a temp dir and renamed."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+        sd = {k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()}
+        save_file(sd, str(tmp / "model.safetensors"))  # clones: tied weights saved twice, re-tied on load
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "numpy_rng": np.random.get_state(),
+                "python_rng": random.getstate(),
+            },
+            tmp / "trainer_state.pt",
+        )
+        (tmp / "meta.json").write_text(json.dumps({"version": self.version}))
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        path = Path(path)
+        self.model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
+        random.setstate(state["python_rng"])
+        self.version = json.loads((path / "meta.json").read_text())["version"]
+

@@ -1,0 +1,137 @@
+"""Tiny causal LMs and tokenizers built locally in Hugging Face format, and loading model folders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+# The arithmetic task's vocabulary: special tokens, digits, operators and the answer wrapper.
+ARITH_SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
+ARITH_SYMBOLS = [str(d) for d in range(10)] + ["+", "=", "\\boxed{", "}"]
+
+
+class ModelFolderError(ValueError):
+    """A model folder that transformers cannot load; one line saying what is missing."""
+
+
+def build_arith_tokenizer():
+    """A word-level tokenizer over the arithmetic vocabulary; decoding concatenates tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(ARITH_SPECIALS + ARITH_SYMBOLS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # Every symbol is its own token; whitespace is dropped.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Split(Regex(r"\\boxed\{|[0-9]|\+|=|\}"), behavior="isolated"),
+        ]
+    )
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+    )
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    hidden_size: int = 128,
+    intermediate_size: int = 512,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    seed: int = 0,
+    tokenizer=None,
+) -> Path:
+    """Build a randomly initialised causal LM + tokenizer and save both as a HF folder (atomic)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    tokenizer = tokenizer or build_arith_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    if arch == "llama":
+        config = LlamaConfig(**common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common)
+    else:
+        raise ValueError(f"tiny model arch must be 'llama' or 'qwen2', got {arch!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Save into a temp dir next to the target and rename: a half-built folder never looks usable.
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def check_model_folder(path: str | Path) -> Path:
+    """Raise ModelFolderError (one line) unless `path` holds a loadable HF causal LM + tokenizer."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelFolderError(f"model folder {str(p)!r} does not exist (set model.path to a local Hugging Face folder, or model.build_tiny=true)")
+    if not (p / "config.json").is_file():
+        raise ModelFolderError(f"model folder {str(p)!r} has no config.json; expected a Hugging Face model folder")
+    weights = list(p.glob("*.safetensors")) + list(p.glob("*.bin"))
+    if not weights:
+        raise ModelFolderError(f"model folder {str(p)!r} has no weights (*.safetensors or *.bin)")
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ModelFolderError(f"model folder {str(p)!r} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    try:
+        json.loads((p / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ModelFolderError(f"model folder {str(p)!r}: config.json is not valid JSON ({err.msg})") from None
+    return p
+
+
+def ensure_model(model_cfg) -> Path:
+    """Return the model folder named by the config, building the tiny model there if asked."""
+    p = Path(model_cfg.path)
+    if model_cfg.build_tiny and not (p / "config.json").is_file():
+        build_tiny_model(
+            p,
+            arch=model_cfg.arch,
+            hidden_size=model_cfg.hidden_size,
+            intermediate_size=model_cfg.intermediate_size,
+            num_layers=model_cfg.num_layers,
+            num_heads=model_cfg.num_heads,
+        )
+    return check_model_folder(p)
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_causal_lm(path: str | Path, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")

@@ -1,0 +1,50 @@
+"""The rollout workflow: requests for a group of n samples, and outputs -> scored Trajectories."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from areal_hpc.data import Problem
+from areal_hpc.types import GenOutput, GenRequest, Trajectory
+
+
+def group_requests(problem: Problem, prompt_ids: list[int], group_id: int, n_samples: int, max_new_tokens: int) -> list[GenRequest]:
+    """n requests for one prompt; ids encode (group, sample) so outputs can be regrouped."""
+    return [GenRequest(f"{group_id}:{s}", list(prompt_ids), max_new_tokens) for s in range(n_samples)]
+
+
+def completion_texts(tokenizer, outputs: list[GenOutput]) -> list[str]:
+    return [tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outputs]
+
+
+def to_trajectory(out: GenOutput, prompt_id: int, reward: float, gen_rank: int, t_start: float, t_end: float) -> Trajectory:
+    """Assemble the stored record: whole sequence with prompt positions masked out."""
+    group_id, sample_idx = (int(x) for x in out.request_id.split(":"))
+    p, g = len(out.prompt_ids), len(out.output_ids)
+    return Trajectory(
+        prompt_id=prompt_id,
+        group_id=group_id,
+        sample_idx=sample_idx,
+        input_ids=np.asarray(out.prompt_ids + out.output_ids, dtype=np.int32),
+        behav_logprobs=np.concatenate([np.zeros(p, np.float32), np.asarray(out.output_logprobs, np.float32)]),
+        versions=np.concatenate([np.full(p, -1, np.int32), np.asarray(out.output_versions, np.int32)]),
+        loss_mask=np.concatenate([np.zeros(p, np.uint8), np.ones(g, np.uint8)]),
+        prompt_len=p,
+        reward=float(reward),
+        finish_reason=out.finish_reason,
+        gen_rank=gen_rank,
+        t_start=t_start,
+        t_end=t_end,
+    )
+
+
+def score_outputs(reward_pool, tokenizer, outputs: list[GenOutput], answers: list[str]) -> list[float]:
+    """Reward each output; an answer cut off by the length limit (no EOS) scores 0."""
+    rewards = reward_pool.score(completion_texts(tokenizer, outputs), answers)
+    return [r if o.finish_reason == "stop" else 0.0 for r, o in zip(rewards, outputs)]
+
+
+def now() -> float:
+    return time.time()

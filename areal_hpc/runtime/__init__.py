@@ -1,0 +1,1 @@
+"""Runtime role loops: how a run drives engines, the store and the ledger."""

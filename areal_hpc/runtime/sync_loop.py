@@ -1,0 +1,159 @@
+"""The single-process synchronous loop: generate, reward, write shard, read it back, train, sync."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from areal_hpc.algo.advantages import group_advantages, informative_groups
+from areal_hpc.config import Config, save_config
+from areal_hpc.data import MathDataset, arithmetic_completion, load_dataset
+from areal_hpc.engines import make_generation_engine, make_train_engine
+from areal_hpc.evaluation import heldout_accuracy
+from areal_hpc.metrics import MetricsLogger
+from areal_hpc.model import ensure_model, load_tokenizer
+from areal_hpc.reward import RewardPool
+from areal_hpc.rollout import group_requests, score_outputs, to_trajectory
+from areal_hpc.store import Ledger, read_shard, write_shard
+from areal_hpc.utils import seed_everything
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    versions: int
+    acc_before: float
+    acc_after: float
+    acc_after_warm_start: float
+    wall_s: float
+    rl_wall_s: float
+    tensorboard_dir: Path
+
+
+def warm_start(trainer, tokenizer, dataset: MathDataset, cfg: Config, progress: bool) -> float:
+    """Supervised steps on reference answers: RL needs near-miss mistakes to start from."""
+    tc = cfg.trainer
+    examples = dataset.train[: tc.warm_start_examples]
+    rng = random.Random(cfg.trainer.seed)
+    eos = tokenizer.eos_token_id
+    loss = float("nan")
+    for _ in tqdm(range(tc.warm_start_steps), desc="warm start", disable=not progress, leave=False):
+        batch = rng.sample(examples, min(tc.warm_start_batch, len(examples)))
+        seqs, masks = [], []
+        for p in batch:
+            prompt = tokenizer.encode(p.prompt)
+            answer = tokenizer.encode(arithmetic_completion(p.answer) if cfg.data.kind == "arithmetic" else p.answer) + [eos]
+            seqs.append(np.asarray(prompt + answer))
+            masks.append(np.asarray([0] * len(prompt) + [1] * len(answer)))
+        loss = trainer.supervised_step(seqs, masks, tc.warm_start_lr)
+    return loss
+
+
+def run_sync(cfg: Config) -> RunSummary:
+    """Run the synchronous learning loop described by `cfg` and return before/after accuracy."""
+    t0 = time.time()
+    seed_everything(cfg.trainer.seed)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    run_dir = Path(cfg.store.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    model_dir = ensure_model(cfg.model)
+    tokenizer = load_tokenizer(model_dir)
+    dataset = load_dataset(cfg.data)
+
+    rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
+    gen = make_generation_engine(rc.engine, model_path=str(model_dir), temperature=rc.temperature,
+                                 top_p=rc.top_p, dtype=cfg.model.dtype, seed=tc.seed)
+    trainer = make_train_engine(
+        tc.engine, model_path=str(model_dir), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay,
+        grad_clip=tc.grad_clip, max_tokens_per_mb=tc.max_tokens_per_mb, n_minibatches=pc.n_minibatches,
+        eps_clip=pc.eps_clip, behav_imp_weight_cap=pc.behav_imp_weight_cap or None, prox=pc.prox,
+        temperature=rc.temperature, dtype=cfg.model.dtype, seed=tc.seed,
+    )
+    metrics = MetricsLogger(run_dir, cfg.logging.tensorboard)
+    ledger = Ledger(run_dir)
+    rollout_dir = run_dir / "rollouts"
+    heldout = dataset.heldout[: cfg.logging.eval_prompts]
+    progress = cfg.logging.progress
+
+    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+        acc_before = heldout_accuracy(gen, tokenizer, pool, heldout, rc.max_new_tokens)
+        acc_warm = acc_before
+        if tc.warm_start_steps:
+            warm_start(trainer, tokenizer, dataset, cfg, progress)
+            gen.update_weights(trainer.weights(), trainer.version)
+            acc_warm = heldout_accuracy(gen, tokenizer, pool, heldout, rc.max_new_tokens)
+        metrics.log(0, {"heldout_acc": acc_warm, "reward_mean": math.nan, "wall_s": time.time() - t0})
+
+        order = list(range(len(dataset.train)))
+        random.Random(cfg.data.seed).shuffle(order)
+        cursor = 0
+        t_rl = time.time()
+        acc = acc_warm
+        bar = tqdm(range(1, tc.versions + 1), desc="RL", disable=not progress)
+        for step in bar:
+            # dataset cursor: B prompts, wrapping around the shuffled training set
+            problems = []
+            for _ in range(rc.batch_prompts):
+                problems.append(dataset.train[order[cursor % len(order)]])
+                cursor += 1
+            reqs, answers, prompt_of = [], [], []
+            for g, p in enumerate(problems):
+                ids = tokenizer.encode(p.prompt)
+                group_id = (step - 1) * rc.batch_prompts + g
+                reqs += group_requests(p, ids, group_id, rc.n_samples, rc.max_new_tokens)
+                answers += [p.answer] * rc.n_samples
+                prompt_of += [p.prompt_id] * rc.n_samples
+
+            t_gen = time.time()
+            outs = gen.generate(reqs)
+            t_rew = time.time()
+            rewards = score_outputs(pool, tokenizer, outs, answers)
+            t_write = time.time()
+            trajs = [to_trajectory(o, pid, r, 0, t_gen, t_rew) for o, pid, r in zip(outs, prompt_of, rewards)]
+            shard = write_shard(rollout_dir, trajs, gen_rank=0, seq=step, run_id=cfg.run_name)
+
+            # train on what the store returns, the same path the asynchronous runtime takes
+            t_train = time.time()
+            batch = read_shard(shard)
+            r = np.array([t.reward for t in batch])
+            gids = np.array([t.group_id for t in batch])
+            adv = group_advantages(r, gids, pc.adv_norm)
+            keep = informative_groups(r, gids) if pc.drop_uniform_groups else np.ones(len(batch), bool)
+            stats = trainer.ppo_update([t for t, k in zip(batch, keep) if k], adv[keep])
+            ledger.record(trainer.version, [(shard.name, i) for i in range(len(batch))])
+            t_sync = time.time()
+            gen.update_weights(trainer.weights(), trainer.version)
+            t_end = time.time()
+
+            row = {
+                "reward_mean": float(r.mean()),
+                "heldout_acc": math.nan,
+                "groups_kept": int(keep.sum()) // rc.n_samples,
+                "gen_tokens": int(sum(t.gen_len for t in batch)),
+                "t_generate": t_rew - t_gen, "t_reward": t_write - t_rew, "t_store": t_train - t_write,
+                "t_train": t_sync - t_train, "t_sync": t_end - t_sync,
+                "wall_s": t_end - t0,
+                **{k: v for k, v in stats.items()},
+            }
+            last = step == tc.versions or (tc.max_wall_s and t_end - t_rl >= tc.max_wall_s)
+            if last or (cfg.logging.eval_every and step % cfg.logging.eval_every == 0):
+                acc = heldout_accuracy(gen, tokenizer, pool, heldout, rc.max_new_tokens)
+                row["heldout_acc"] = acc
+            metrics.log(trainer.version, row)
+            bar.set_postfix(reward=f"{r.mean():.3f}", acc=f"{acc:.3f}")
+            if last:
+                break
+        bar.close()
+        rl_wall = time.time() - t_rl
+    ckpt = run_dir / "checkpoints" / f"v{trainer.version:08d}"
+    trainer.save_checkpoint(ckpt)
+    metrics.close()
+    return RunSummary(run_dir, trainer.version, acc_before, acc, acc_warm, time.time() - t0, rl_wall, metrics.tb_dir)

@@ -1,0 +1,33 @@
+"""The shard store: atomic HDF5 rollout shards, the consumption ledger, and a pandas loader."""
+
+from areal_hpc.store.ledger import Ledger, LedgerError
+from areal_hpc.store.loader import ROLLOUTS_SUBDIR, load_trajectories
+from areal_hpc.store.shards import (
+    SCHEMA_VERSION,
+    CorruptShardError,
+    ShardSummary,
+    list_shards,
+    next_seq,
+    parse_shard_name,
+    read_shard,
+    read_shard_summary,
+    shard_name,
+    write_shard,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ROLLOUTS_SUBDIR",
+    "CorruptShardError",
+    "Ledger",
+    "LedgerError",
+    "ShardSummary",
+    "list_shards",
+    "load_trajectories",
+    "next_seq",
+    "parse_shard_name",
+    "read_shard",
+    "read_shard_summary",
+    "shard_name",
+    "write_shard",
+]

@@ -1,0 +1,191 @@
+"""The consumption ledger: which (shard, index) trajectories each training version consumed, exactly once."""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import re
+from pathlib import Path
+
+LEDGER_SUBDIR = "ledger"
+_VERSION_RE = re.compile(r"^v(\d{8,})\.json$")
+
+Entry = tuple[str, int]
+
+
+class LedgerError(ValueError):
+    """A ledger file on disk that is unreadable or contradicts the others."""
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _norm_entry(entry) -> Entry:
+    try:
+        shard, idx = entry
+        if isinstance(idx, bool) or not isinstance(shard, (str, os.PathLike)):
+            raise TypeError
+        idx = operator.index(idx)  # accepts numpy integers, rejects floats
+    except (TypeError, ValueError):
+        raise ValueError(f"ledger entry {entry!r} is not a (shard name, index) pair") from None
+    if idx < 0:
+        raise ValueError(f"ledger entry {entry!r} has a negative index")
+    # Keyed by the file name only: all shards live in one directory, so a path and a name are the same shard.
+    return os.path.basename(os.fspath(shard)), idx
+
+
+class LedgerError(ValueError):
+    """A ledger file on disk that is unreadable or contradicts the others."""
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _norm_entry(entry) -> Entry:
+    try:
+        shard, idx = entry
+    except (TypeError, ValueError):
+        raise ValueError(f"ledger entry {entry!r} is not a (shard name, index) pair") from None
+    if not isinstance(shard, (str, os.PathLike)) or isinstance(idx, bool) or not isinstance(idx, (int,)):
+        try:
+            import numpy as np  # numpy ints are common here (indices from arrays)
+
+            if isinstance(idx, np.integer) and isinstance(shard, (str, os.PathLike)):
+                return _norm_entry((shard, int(idx)))
+        except ImportError:  # pragma: no cover
+            pass
+        raise ValueError(f"ledger entry {entry!r} is not a (shard name, index) pair")
+    if idx < 0:
+        raise ValueError(f"ledger entry {entry!r} has a negative index")
+    # Keyed by the file name only: all shards live in one directory, so a path and a name are the same shard.
+    return os.path.basename(os.fspath(shard)), int(idx)
+
+
+class Ledger:
+    """RUN_DIR/ledger/v{version:08d}.json files, one per training version, each written atomically.
+
+    A trajectory (shard file name, index within shard) may be consumed by one version only, and versions are
+    recorded in increasing order. The state is cached in memory; call reload() to see another process's writes.
+    """
+
+    def __init__(self, run_dir: os.PathLike | str):
+        self.dir = Path(run_dir) / LEDGER_SUBDIR
+        self.reload()
+
+    def path_for(self, version: int) -> Path:
+        return self.dir / f"v{version:08d}.json"
+
+    def reload(self) -> None:
+        """Re-read every ledger file (ignoring *.tmp and unrelated files)."""
+        self._entries: dict[int, list[Entry]] = {}
+        self._consumed: dict[Entry, int] = {}
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return
+        files = sorted((int(m.group(1)), n) for n in names if (m := _VERSION_RE.match(n)))
+        for version, name in files:
+            p = self.dir / name
+            try:
+                doc = json.loads(p.read_text())
+                if int(doc["version"]) != version:
+                    raise LedgerError(f"ledger file {p} says version {doc['version']}")
+                entries = [_norm_entry(e) for e in doc["entries"]]
+            except LedgerError:
+                raise
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise LedgerError(f"unreadable ledger file {p}: {type(e).__name__}: {e}") from None
+            for e in entries:
+                if e in self._consumed:
+                    raise LedgerError(
+                        f"ledger file {p}: entry {e} already consumed by version {self._consumed[e]}"
+                    )
+                self._consumed[e] = version
+            self._entries[version] = entries
+
+    def record(self, version: int, entries: list[tuple[str, int]]) -> Path:
+        """Durably record that `version` consumed `entries`; refuses repeats (version or entry)."""
+        try:
+            if isinstance(version, bool):
+                raise TypeError
+            version = operator.index(version)
+        except TypeError:
+            raise ValueError(f"ledger version must be an int, got {version!r}") from None
+        if version < 0:
+            raise ValueError(f"ledger version must be non-negative, got {version}")
+        final = self.path_for(version)
+        if version in self._entries or final.exists():
+            raise ValueError(f"ledger already has version {version}")
+        if version <= self.last_version():
+            raise ValueError(f"ledger version {version} is not after the last recorded version {self.last_version()}")
+        norm = [_norm_entry(e) for e in entries]
+        seen: set[Entry] = set()
+        for e in norm:
+            if e in self._consumed:
+                raise ValueError(f"entry {e} was already consumed by version {self._consumed[e]}")
+            if e in seen:
+                raise ValueError(f"entry {e} appears twice in version {version}")
+            seen.add(e)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f"{final.name}.{os.getpid()}.tmp"
+        data = json.dumps({"version": version, "entries": [list(e) for e in norm]}, separators=(",", ":"))
+        try:
+            with open(tmp, "w") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        self._entries[version] = norm
+        for e in norm:
+            self._consumed[e] = version
+        return final
+
+    def consumed(self) -> dict[Entry, int]:
+        """(shard name, index) -> version that consumed it."""
+        return dict(self._consumed)
+
+    def entries(self, version: int) -> list[Entry]:
+        """The entries recorded for one version (KeyError if none)."""
+        return list(self._entries[version])
+
+    def versions(self) -> list[int]:
+        return sorted(self._entries)
+
+    def last_version(self) -> int:
+        return max(self._entries) if self._entries else -1
+
+    def truncate_after(self, version: int) -> list[int]:
+        """Forget versions > version (resume from a checkpoint); returns the removed versions.
+
+        Newest first, so a crash part-way still leaves a prefix of versions.
+        """
+        removed = []
+        for v in sorted((v for v in self._entries if v > version), reverse=True):
+            try:
+                os.unlink(self.path_for(v))
+            except FileNotFoundError:
+                pass
+            for e in self._entries.pop(v):
+                del self._consumed[e]
+            removed.append(v)
+        if removed:
+            _fsync_dir(self.dir)
+        return sorted(removed)

@@ -1,0 +1,358 @@
+"""Shard files: one immutable, checksummed HDF5 file of finished trajectories, written atomically."""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from areal_hpc.types import Trajectory
+
+SCHEMA_VERSION = 1
+SHARD_SUFFIX = ".h5"
+TMP_SUFFIX = ".tmp"
+FINISH_REASON_DTYPE = np.dtype("S8")
+
+# Explicit little-endian dtypes so the checksummed bytes are the same on every platform.
+TOKEN_FIELDS: dict[str, np.dtype] = {
+    "input_ids": np.dtype("<i4"),
+    "behav_logprobs": np.dtype("<f4"),
+    "versions": np.dtype("<i4"),
+    "loss_mask": np.dtype("u1"),
+}
+OFFSETS_DTYPE = np.dtype("<i8")
+TRAJ_FIELDS: dict[str, np.dtype] = {
+    "prompt_id": np.dtype("<i8"),
+    "group_id": np.dtype("<i8"),
+    "sample_idx": np.dtype("<i8"),
+    "reward": np.dtype("<f4"),
+    "prompt_len": np.dtype("<i4"),
+    "gen_len": np.dtype("<i4"),
+    "version_start": np.dtype("<i4"),
+    "version_end": np.dtype("<i4"),
+    "finish_reason": FINISH_REASON_DTYPE,
+    "gen_rank": np.dtype("<i4"),
+    "t_start": np.dtype("<f8"),
+    "t_end": np.dtype("<f8"),
+}
+# Published shards are immutable and temporaries private, so HDF5 file locks buy nothing and fail with
+# errno 38 on some shared filesystems: files are opened with locking=False.
+# Fixed order for the checksums; the summary checksum lets the scheduler verify without token data.
+SUMMARY_ORDER = ("offsets", *TRAJ_FIELDS)
+CHECKSUM_ORDER = (*TOKEN_FIELDS, *SUMMARY_ORDER)
+REQUIRED_ATTRS = ("schema_version", "run_id", "checksum", "summary_checksum", "n_trajectories")
+
+_SHARD_RE = re.compile(r"^g(\d+)-(\d+)\.h5$")
+
+
+class CorruptShardError(Exception):
+    """A shard file that cannot be trusted: unreadable, incomplete, inconsistent or failing its checksum."""
+
+    def __init__(self, path: os.PathLike | str, reason: str):
+        super().__init__(str(path), reason)  # args kept so the error pickles across processes
+        self.path = Path(path)
+        self.reason = " ".join(str(reason).split())  # one line, whatever the underlying error said
+
+    def __str__(self) -> str:
+        return f"corrupt shard {self.path}: {self.reason}"
+
+
+@dataclass
+class ShardSummary:
+    """The per-trajectory arrays of one shard (no token data), as the scheduler and loader need them."""
+
+    path: Path
+    run_id: str
+    offsets: np.ndarray  # int64 [N+1]
+    prompt_id: np.ndarray
+    group_id: np.ndarray
+    sample_idx: np.ndarray
+    reward: np.ndarray
+    prompt_len: np.ndarray
+    gen_len: np.ndarray
+    version_start: np.ndarray
+    version_end: np.ndarray
+    finish_reason: np.ndarray  # str (unicode) [N]
+    gen_rank: np.ndarray
+    t_start: np.ndarray
+    t_end: np.ndarray
+
+    @property
+    def n_trajectories(self) -> int:
+        return len(self.prompt_id)
+
+    @property
+    def n_tokens(self) -> np.ndarray:
+        """Sequence length (prompt + generated) of each trajectory."""
+        return np.diff(self.offsets)
+
+
+def shard_name(gen_rank: int, seq: int) -> str:
+    return f"g{gen_rank:03d}-{seq:08d}{SHARD_SUFFIX}"
+
+
+def parse_shard_name(name: str) -> tuple[int, int] | None:
+    """(gen_rank, seq) for a shard file name, None for anything else."""
+    m = _SHARD_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def list_shards(rollout_dir: os.PathLike | str) -> list[Path]:
+    """Complete shard files in rollout_dir, ordered by (gen_rank, seq); temporaries are never listed."""
+    d = Path(rollout_dir)
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        key = parse_shard_name(name)
+        if key is not None:
+            found.append((key, name))
+    found.sort()
+    return [d / name for _, name in found]
+
+
+def next_seq(rollout_dir: os.PathLike | str, gen_rank: int) -> int:
+    """First unused sequence number for gen_rank (for a generator resuming after a requeue)."""
+    keys = [parse_shard_name(p.name) for p in list_shards(rollout_dir)]
+    seqs = [seq for rank, seq in keys if rank == gen_rank]
+    return max(seqs) + 1 if seqs else 0
+
+
+def _checksum(arrays: dict[str, np.ndarray], order: tuple[str, ...], header: str) -> str:
+    # crc32 runs at several GB/s (blake2b under 1 GB/s): enough against torn or flipped bytes.
+    crc = zlib.crc32(header.encode())
+    for name in order:
+        a = np.ascontiguousarray(arrays[name])
+        crc = zlib.crc32(f"{name}:{a.dtype.str}:{a.shape}".encode(), crc)
+        crc = zlib.crc32(memoryview(a).cast("B"), crc)
+    return f"crc32:{crc:08x}"
+
+
+def _header(schema_version: int, run_id: str, n: int) -> str:
+    return f"areal-hpc-shard|{schema_version}|{run_id}|{n}"
+
+
+def _pack(trajectories: list[Trajectory]) -> dict[str, np.ndarray]:
+    n = len(trajectories)
+    lens = np.empty(n, dtype=np.int64)
+    for i, t in enumerate(trajectories):
+        L = len(t.input_ids)
+        for f in ("behav_logprobs", "versions", "loss_mask"):
+            if len(getattr(t, f)) != L:
+                raise ValueError(f"trajectory {i}: {f} has length {len(getattr(t, f))}, input_ids has {L}")
+        if not 0 <= t.prompt_len <= L:
+            raise ValueError(f"trajectory {i}: prompt_len {t.prompt_len} outside [0, {L}]")
+        lens[i] = L
+    offsets = np.zeros(n + 1, dtype=OFFSETS_DTYPE)
+    np.cumsum(lens, out=offsets[1:])
+    out: dict[str, np.ndarray] = {"offsets": offsets}
+    for f, dt in TOKEN_FIELDS.items():
+        out[f] = (
+            np.concatenate([np.asarray(getattr(t, f)) for t in trajectories]).astype(dt, copy=False)
+            if offsets[-1]
+            else np.zeros(0, dtype=dt)
+        )
+    reasons = []
+    for i, t in enumerate(trajectories):
+        b = t.finish_reason.encode("ascii")
+        if len(b) > FINISH_REASON_DTYPE.itemsize:
+            raise ValueError(f"trajectory {i}: finish_reason {t.finish_reason!r} longer than 8 bytes")
+        reasons.append(b)
+    cols = {
+        "prompt_id": [t.prompt_id for t in trajectories],
+        "group_id": [t.group_id for t in trajectories],
+        "sample_idx": [t.sample_idx for t in trajectories],
+        "reward": [t.reward for t in trajectories],
+        "prompt_len": [t.prompt_len for t in trajectories],
+        "gen_len": [t.gen_len for t in trajectories],
+        "version_start": [t.version_start for t in trajectories],
+        "version_end": [t.version_end for t in trajectories],
+        "finish_reason": reasons,
+        "gen_rank": [t.gen_rank for t in trajectories],
+        "t_start": [t.t_start for t in trajectories],
+        "t_end": [t.t_end for t in trajectories],
+    }
+    for f, dt in TRAJ_FIELDS.items():
+        out[f] = np.asarray(cols[f], dtype=dt)
+    return out
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_shard(
+    rollout_dir: os.PathLike | str,
+    trajectories: list[Trajectory],
+    gen_rank: int,
+    seq: int,
+    run_id: str = "",
+) -> Path:
+    """Write trajectories as shard g{gen_rank:03d}-{seq:08d}.h5 atomically; returns its path.
+
+    The file appears complete or not at all (tmp + fsync + os.replace). An existing shard is never
+    overwritten (FileExistsError): shards are immutable once published and may already be consumed.
+    gen_rank and seq name the file (and are kept as file attributes); each trajectory's own gen_rank field
+    is stored as it is.
+    """
+    if not trajectories:
+        raise ValueError("write_shard: empty trajectories list")
+    d = Path(rollout_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / shard_name(gen_rank, seq)
+    if final.exists():
+        raise FileExistsError(f"shard {final} already exists; shards are immutable")
+    arrays = _pack(trajectories)
+    n = len(trajectories)
+    tmp = d / f"{final.name}.{os.getpid()}{TMP_SUFFIX}"
+    try:
+        with h5py.File(tmp, "w", locking=False) as f:
+            for name in CHECKSUM_ORDER:
+                f.create_dataset(name, data=arrays[name])  # contiguous, uncompressed
+            f.attrs["schema_version"] = SCHEMA_VERSION
+            f.attrs["run_id"] = run_id
+            f.attrs["n_trajectories"] = n
+            f.attrs["gen_rank"] = gen_rank
+            f.attrs["seq"] = seq
+            header = _header(SCHEMA_VERSION, run_id, n)
+            f.attrs["checksum"] = _checksum(arrays, CHECKSUM_ORDER, header)
+            f.attrs["summary_checksum"] = _checksum(arrays, SUMMARY_ORDER, header)
+            f.flush()
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # data durable before the name points at it
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        _fsync_dir(d)  # make the rename itself durable
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return final
+
+
+def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
+    """Read and verify a shard's datasets (all of them if full, else the summary ones)."""
+    order = CHECKSUM_ORDER if full else SUMMARY_ORDER
+    try:
+        f = h5py.File(path, "r", locking=False)
+    except FileNotFoundError:
+        raise CorruptShardError(path, "file does not exist") from None
+    except Exception as e:  # h5py reports truncation / bad signature as OSError, others vary
+        raise CorruptShardError(path, f"cannot open as HDF5 ({type(e).__name__}: {e})") from None
+    try:
+        with f:
+            attrs = {}
+            for a in REQUIRED_ATTRS:
+                if a not in f.attrs:
+                    raise CorruptShardError(path, f"missing attribute {a!r}")
+                attrs[a] = f.attrs[a]
+            try:
+                schema = int(attrs["schema_version"])
+            except (TypeError, ValueError):
+                raise CorruptShardError(path, f"bad schema_version {attrs['schema_version']!r}") from None
+            if schema != SCHEMA_VERSION:
+                raise CorruptShardError(path, f"schema_version {schema}, expected {SCHEMA_VERSION}")
+            run_id = attrs["run_id"]
+            run_id = run_id.decode() if isinstance(run_id, bytes) else str(run_id)
+            n = int(attrs["n_trajectories"])
+            arrays: dict[str, np.ndarray] = {}
+            for name in order:
+                if name not in f:
+                    raise CorruptShardError(path, f"missing dataset {name!r}")
+                ds = f[name]
+                if not isinstance(ds, h5py.Dataset):
+                    raise CorruptShardError(path, f"{name!r} is not a dataset")
+                want = OFFSETS_DTYPE if name == "offsets" else TOKEN_FIELDS.get(name, TRAJ_FIELDS.get(name))
+                if ds.dtype != want or ds.ndim != 1:
+                    raise CorruptShardError(path, f"dataset {name!r} is {ds.dtype}{ds.shape}, expected 1-d {want}")
+                arrays[name] = np.asarray(ds[()], dtype=want)
+            stored = attrs["checksum" if full else "summary_checksum"]
+            stored = stored.decode() if isinstance(stored, bytes) else str(stored)
+    except CorruptShardError:
+        raise
+    except Exception as e:  # any low-level read failure means the file is damaged
+        raise CorruptShardError(path, f"read failed ({type(e).__name__}: {e})") from None
+    _check_structure(path, arrays, n, full)
+    actual = _checksum(arrays, order, _header(schema, run_id, n))
+    if actual != stored:
+        raise CorruptShardError(path, f"checksum mismatch (stored {stored}, computed {actual})")
+    return arrays, run_id
+
+
+def _check_structure(path: Path, arrays: dict[str, np.ndarray], n: int, full: bool) -> None:
+    offsets = arrays["offsets"]
+    if n < 1:
+        raise CorruptShardError(path, f"n_trajectories is {n}")
+    if len(offsets) != n + 1:
+        raise CorruptShardError(path, f"offsets has length {len(offsets)}, expected {n + 1}")
+    if offsets[0] != 0 or np.any(np.diff(offsets) < 0):
+        raise CorruptShardError(path, "offsets do not start at 0 and increase")
+    for name in TRAJ_FIELDS:
+        if len(arrays[name]) != n:
+            raise CorruptShardError(path, f"dataset {name!r} has length {len(arrays[name])}, expected {n}")
+    lens = np.diff(offsets)
+    pl, gl = arrays["prompt_len"].astype(np.int64), arrays["gen_len"].astype(np.int64)
+    if np.any(pl < 0) or np.any(pl + gl != lens):
+        raise CorruptShardError(path, "prompt_len + gen_len disagrees with offsets")
+    if full:
+        for name in TOKEN_FIELDS:
+            if len(arrays[name]) != offsets[-1]:
+                raise CorruptShardError(
+                    path, f"dataset {name!r} has length {len(arrays[name])}, offsets end at {offsets[-1]}"
+                )
+
+
+def read_shard(path: os.PathLike | str) -> list[Trajectory]:
+    """All trajectories of a shard, after checking schema, structure and checksum (else CorruptShardError)."""
+    path = Path(path)
+    a, _ = _read_verified(path, full=True)
+    off = a["offsets"].tolist()
+    out = []
+    # Per-token arrays are views into the shard's concatenated arrays (no copy).
+    for i in range(len(off) - 1):
+        s, e = off[i], off[i + 1]
+        out.append(
+            Trajectory(
+                prompt_id=int(a["prompt_id"][i]),
+                group_id=int(a["group_id"][i]),
+                sample_idx=int(a["sample_idx"][i]),
+                input_ids=a["input_ids"][s:e],
+                behav_logprobs=a["behav_logprobs"][s:e],
+                versions=a["versions"][s:e],
+                loss_mask=a["loss_mask"][s:e],
+                prompt_len=int(a["prompt_len"][i]),
+                reward=float(a["reward"][i]),
+                finish_reason=a["finish_reason"][i].decode("ascii", errors="replace"),
+                gen_rank=int(a["gen_rank"][i]),
+                t_start=float(a["t_start"][i]),
+                t_end=float(a["t_end"][i]),
+            )
+        )
+    return out
+
+
+def read_shard_summary(path: os.PathLike | str, verify_tokens: bool = False) -> ShardSummary:
+    """Per-trajectory arrays of a shard without token data; verified by the summary checksum.
+
+    verify_tokens=True also reads the token arrays to check the full checksum (costs a full read).
+    """
+    path = Path(path)
+    a, run_id = _read_verified(path, full=verify_tokens)
+    fields = {k: a[k] for k in TRAJ_FIELDS}
+    fields["finish_reason"] = np.char.decode(a["finish_reason"], "ascii", errors="replace").astype(str)
+    return ShardSummary(path=path, run_id=run_id, offsets=a["offsets"], **fields)

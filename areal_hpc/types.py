@@ -1,0 +1,71 @@
+"""Plain data records passed between engines, the store and the runtime (no torch, no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# finish_reason values a trajectory can carry (stored as fixed-width bytes in shards).
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class Trajectory:
+    """One sampled sequence: prompt + generated tokens, with per-token behaviour data.
+
+    Per-token arrays cover the whole sequence (prompt included) so the trainer can use them
+    directly; prompt positions have loss_mask 0, behav_logprobs 0 and versions -1.
+    """
+
+    prompt_id: int
+    group_id: int
+    sample_idx: int
+    input_ids: np.ndarray  # int32 [L]
+    behav_logprobs: np.ndarray  # float32 [L], log pi_behav(token) after temperature
+    versions: np.ndarray  # int32 [L], policy version that produced each token (-1 prompt)
+    loss_mask: np.ndarray  # uint8 [L], 1 on generated tokens
+    prompt_len: int
+    reward: float = 0.0
+    finish_reason: str = "stop"
+    gen_rank: int = 0
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+    @property
+    def gen_len(self) -> int:
+        return int(len(self.input_ids) - self.prompt_len)
+
+    @property
+    def version_start(self) -> int:
+        gen = self.versions[self.prompt_len :]
+        return int(gen.min()) if len(gen) else -1
+
+    @property
+    def version_end(self) -> int:
+        gen = self.versions[self.prompt_len :]
+        return int(gen.max()) if len(gen) else -1
+
+
+@dataclass
+class GenRequest:
+    """A request to the generation engine. A resumed request carries its earlier partial output."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    partial_ids: list[int] = field(default_factory=list)
+    partial_logprobs: list[float] = field(default_factory=list)
+    partial_versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class GenOutput:
+    """What the generation engine returns for one request (partial output included on resume)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: str  # one of FINISH_REASONS

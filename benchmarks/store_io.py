@@ -1,0 +1,142 @@
+"""Shard store I/O benchmark: write and read back realistic rollout shards, report MB/s."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from areal_hpc.store import list_shards, read_shard, read_shard_summary, write_shard
+from areal_hpc.store.shards import OFFSETS_DTYPE, TOKEN_FIELDS, TRAJ_FIELDS
+from areal_hpc.types import Trajectory
+
+RESULTS = Path(__file__).resolve().parent / "results" / "store_io.json"
+TOKEN_BYTES = sum(dt.itemsize for dt in TOKEN_FIELDS.values())
+TRAJ_BYTES = sum(dt.itemsize for dt in TRAJ_FIELDS.values()) + OFFSETS_DTYPE.itemsize
+
+
+def make_shard(rng: np.random.Generator, n: int, group: int, version: int, gen_rank: int, max_gen: int):
+    """n trajectories in groups of `group` samples: prompt ~100 tokens, long-tailed generation <= max_gen."""
+    prompt = np.clip(rng.normal(100, 30, n // group + 1), 16, 400).astype(int).repeat(group)[:n]
+    gen = np.clip(rng.lognormal(np.log(350), 0.9, n), 1, max_gen).astype(int)
+    out = []
+    for i in range(n):
+        p, g = int(prompt[i]), int(gen[i])
+        L = p + g
+        versions = np.full(L, -1, np.int32)
+        # a few trajectories straddle a weight update
+        versions[p:] = version - (np.arange(g) < rng.integers(0, g + 1)) * (rng.random() < 0.3)
+        logp = np.zeros(L, np.float32)
+        logp[p:] = -rng.exponential(0.7, g)
+        mask = np.zeros(L, np.uint8)
+        mask[p:] = 1
+        out.append(
+            Trajectory(
+                prompt_id=i // group, group_id=i // group, sample_idx=i % group,
+                input_ids=rng.integers(0, 151_000, L, dtype=np.int32), behav_logprobs=logp,
+                versions=versions, loss_mask=mask, prompt_len=p, reward=float(rng.random() < 0.4),
+                finish_reason="length" if g == max_gen else "stop", gen_rank=gen_rank,
+                t_start=time.time(), t_end=time.time() + g * 0.02,
+            )
+        )
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shards", type=int, default=64, help="number of shards (default 64, ~120 MB)")
+    ap.add_argument("--per-shard", type=int, default=256, help="trajectories per shard")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--max-gen", type=int, default=2000, help="longest generation in tokens")
+    ap.add_argument("--read-passes", type=int, default=2, help="warm-cache read passes (mean reported)")
+    ap.add_argument("--dir", default=None, help="directory to write into (default: a temporary dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the shards afterwards")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS), help="JSON result file")
+    args = ap.parse_args(argv)
+
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="store_io-"))
+    rollout_dir = base / "rollouts"
+    if rollout_dir.exists() and list_shards(rollout_dir):
+        sys.exit(f"{rollout_dir} already holds shards; pick an empty --dir")
+    rng = np.random.default_rng(args.seed)
+
+    t0 = time.perf_counter()
+    shards = [make_shard(rng, args.per_shard, args.group, s // 4, s % 4, args.max_gen) for s in range(args.shards)]
+    gen_s = time.perf_counter() - t0
+    n_traj = sum(len(s) for s in shards)
+    n_tok = sum(len(t.input_ids) for s in shards for t in s)
+    payload = n_tok * TOKEN_BYTES + n_traj * TRAJ_BYTES + args.shards * OFFSETS_DTYPE.itemsize
+    mb = payload / 1e6
+
+    try:
+        t0 = time.perf_counter()
+        for s, trajs in enumerate(shards):
+            write_shard(rollout_dir, trajs, gen_rank=s % 4, seq=s // 4, run_id="bench")
+        write_s = time.perf_counter() - t0
+        del shards
+        paths = list_shards(rollout_dir)
+        file_bytes = sum(p.stat().st_size for p in paths)
+
+        read_times = []
+        for _ in range(max(1, args.read_passes)):
+            t0 = time.perf_counter()
+            got = sum(len(read_shard(p)) for p in paths)
+            read_times.append(time.perf_counter() - t0)
+            assert got == n_traj, (got, n_traj)
+        read_s = float(np.mean(read_times))
+
+        t0 = time.perf_counter()
+        for p in paths:
+            read_shard_summary(p)
+        summary_s = time.perf_counter() - t0
+    finally:
+        if not args.keep:
+            shutil.rmtree(base if not args.dir else rollout_dir, ignore_errors=True)
+
+    res = {
+        "benchmark": "store_io",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "h5py": h5py.__version__,
+        "hdf5": h5py.version.hdf5_version,
+        "dir": str(base),
+        "shards": args.shards,
+        "per_shard": args.per_shard,
+        "trajectories": n_traj,
+        "tokens": n_tok,
+        "payload_bytes": payload,
+        "file_bytes": file_bytes,
+        "datagen_s": round(gen_s, 3),
+        "write_s": round(write_s, 4),
+        "write_MBps": round(mb / write_s, 1),
+        "read_s_passes": [round(t, 4) for t in read_times],
+        "read_MBps": round(mb / read_s, 1),
+        "summary_s": round(summary_s, 4),
+        "summary_shards_per_s": round(len(paths) / summary_s, 1),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+
+    print(f"payload: {mb:.1f} MB in {args.shards} shards, {n_traj} trajectories, {n_tok} tokens ({file_bytes / 1e6:.1f} MB on disk)")
+    print(f"write: {res['write_MBps']:.1f} MB/s ({write_s:.2f} s, tmp + fsync + os.replace per shard)")
+    print(f"read: {res['read_MBps']:.1f} MB/s (read_shard, warm cache, mean of {len(read_times)} passes)")
+    print(f"summary: {res['summary_shards_per_s']:.1f} shards/s (read_shard_summary)")
+    print(f"result: {out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs areal-hpc's CPU stack on a fresh Debian 12 machine (root): system packages + .venv.
+# Idempotent: a second run with unchanged requirements only checks and exits.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${AREAL_VENV:-$ROOT/.venv}"
+REQ="$ROOT/env/requirements-cpu.txt"
+
+# System packages: Open MPI (mpi4py builds/links against it), a C++ compiler.
+need_apt=()
+for pkg in openmpi-bin libopenmpi-dev g++ make; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if ((${#need_apt[@]})); then
+  echo "[env] apt-get install ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# Python venv; the stamp holds a hash of the requirements + pyproject so edits trigger a reinstall.
+stamp="$VENV/.areal-hpc-stamp"
+want="$(cat "$REQ" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  echo "[env] $VENV is up to date"
+  exit 0
+fi
+[[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# torch first and alone, so nothing later can drag in a CUDA build.
+"$VENV/bin/python" -m pip install -q torch==2.13.0
+"$VENV/bin/python" -m pip install -q -r "$REQ"
+"$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
+echo "$want" > "$stamp"
+echo "[env] ready: source $VENV/bin/activate"

@@ -1,0 +1,167 @@
+"""Engine contract tests: the torch generation and training engines against transformers itself."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from areal_hpc.engines.torch_gen import TorchGenerationEngine
+from areal_hpc.engines.torch_train import TorchTrainEngine
+from areal_hpc.model import load_causal_lm, load_tokenizer
+from areal_hpc.types import GenRequest, Trajectory
+
+PROMPTS = ["07+35=", "1+2=", "99+99=", "50+5="]
+
+
+def _requests(tok, max_new=12, prompts=PROMPTS):
+    return [GenRequest(f"{i}:0", tok.encode(p), max_new) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_qwen_dir"])
+def test_greedy_matches_transformers(request, model_fixture):
+    path = request.getfixturevalue(model_fixture)
+    tok = load_tokenizer(path)
+    eng = TorchGenerationEngine(str(path))
+    outs = eng.generate(_requests(tok), greedy=True)
+    ref_model = load_causal_lm(path).eval()
+    for p, o in zip(PROMPTS, outs):
+        ids = torch.tensor([tok.encode(p)])
+        ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        assert o.output_ids == ref[0, ids.shape[1]:].tolist()[: len(o.output_ids)]
+        assert len(o.output_ids) == min(12, ref.shape[1] - ids.shape[1])
+
+
+def test_logprobs_match_full_forward(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    for temperature in (1.0, 0.7):
+        eng = TorchGenerationEngine(str(tiny_model_dir), temperature=temperature, seed=3)
+        outs = eng.generate(_requests(tok))
+        model = load_causal_lm(tiny_model_dir).eval()
+        for o in outs:
+            seq = torch.tensor([o.prompt_ids + o.output_ids])
+            with torch.no_grad():
+                logits = model(seq).logits[0, :-1] / temperature
+            lp = torch.log_softmax(logits, -1).gather(-1, seq[0, 1:, None]).squeeze(-1)
+            want = lp[len(o.prompt_ids) - 1 :].numpy()
+            np.testing.assert_allclose(o.output_logprobs, want, atol=1e-4)
+            assert o.output_versions == [0] * len(o.output_ids)
+
+
+def test_abort_then_resume_continues_with_new_version(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    eng = TorchGenerationEngine(str(tiny_model_dir), seed=0)
+    eos = tok.eos_token_id
+    eng.eos_token_id = -1  # never stop early, so the abort lands mid-sequence
+    reqs = _requests(tok, max_new=300)
+    orig_forward = eng.model.forward
+    calls = {"n": 0}
+
+    def slow_forward(*a, **k):  # abort after a few decode steps, from another thread
+        calls["n"] += 1
+        if calls["n"] == 5:
+            threading.Thread(target=eng.abort).start()
+            time.sleep(0.05)
+        return orig_forward(*a, **k)
+
+    eng.model.forward = slow_forward
+    partial = eng.generate(reqs)
+    eng.model.forward = orig_forward
+    assert all(o.finish_reason == "abort" for o in partial)
+    assert all(0 < len(o.output_ids) < 300 for o in partial)
+
+    eng.update_weights({k: v + 0.01 * torch.randn_like(v) for k, v in eng.state_dict().items()}, version=1)
+    resumed = eng.generate([
+        GenRequest(r.request_id, r.prompt_ids, 300, o.output_ids, o.output_logprobs, o.output_versions)
+        for r, o in zip(reqs, partial)
+    ])
+    eng.eos_token_id = eos
+    for o, p in zip(resumed, partial):
+        k = len(p.output_ids)
+        assert o.output_ids[:k] == p.output_ids and len(o.output_ids) == 300
+        assert o.output_versions == [0] * k + [1] * (300 - k)
+        assert o.finish_reason == "length"
+        # the resumed tokens' logprobs are those of the new weights on prompt + partial
+        seq = torch.tensor([o.prompt_ids + o.output_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(eng.model(seq).logits[0, :-1], -1).gather(-1, seq[0, 1:, None]).squeeze(-1)
+        np.testing.assert_allclose(o.output_logprobs[k:], lp[len(o.prompt_ids) - 1 + k :].numpy(), atol=1e-4)
+
+
+def test_weight_update_changes_outputs(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    eng = TorchGenerationEngine(str(tiny_model_dir))
+    before = eng.generate(_requests(tok), greedy=True)
+    g = torch.Generator().manual_seed(0)
+    eng.update_weights({k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in eng.state_dict().items()}, version=7)
+    after = eng.generate(_requests(tok), greedy=True)
+    assert [o.output_ids for o in before] != [o.output_ids for o in after]
+    assert all(v == 7 for o in after for v in o.output_versions)
+    with pytest.raises(RuntimeError):
+        eng.update_weights({"not.a.weight": torch.zeros(1)}, version=8)
+
+
+def _trajs(tok, gen, n=16):
+    reqs = [GenRequest(f"{i // 4}:{i % 4}", tok.encode(PROMPTS[i % 4]), 6) for i in range(n)]
+    outs = gen.generate(reqs)
+    from areal_hpc.rollout import to_trajectory
+
+    return [to_trajectory(o, int(o.request_id.split(":")[0]), float(i % 2), 0, 0.0, 0.0) for i, o in enumerate(outs)]
+
+
+def test_train_logprobs_match_generation(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    gen = TorchGenerationEngine(str(tiny_model_dir), seed=1)
+    trajs = _trajs(tok, gen)
+    tr = TorchTrainEngine(str(tiny_model_dir), max_tokens_per_mb=40)
+    lps = tr.compute_logprobs([t.input_ids for t in trajs])
+    for t, lp in zip(trajs, lps):
+        m = t.loss_mask.astype(bool)
+        np.testing.assert_allclose(lp[m], t.behav_logprobs[m], atol=1e-4)
+
+
+def test_ppo_update_moves_towards_positive_advantage(tiny_model_dir, tmp_path):
+    tok = load_tokenizer(tiny_model_dir)
+    gen = TorchGenerationEngine(str(tiny_model_dir), seed=2)
+    trajs = _trajs(tok, gen)
+    adv = np.array([1.0 if i % 2 else -1.0 for i in range(len(trajs))], np.float32)
+    tr = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, n_minibatches=2, max_tokens_per_mb=32)
+    before = tr.compute_logprobs([t.input_ids for t in trajs])
+    stats = tr.ppo_update(trajs, adv)
+    after = tr.compute_logprobs([t.input_ids for t in trajs])
+    assert tr.version == 1 and np.isfinite(stats["loss"])
+    delta = [float((a - b)[t.loss_mask.astype(bool)].sum()) for a, b, t in zip(after, before, trajs)]
+    assert np.mean([d for d, a in zip(delta, adv) if a > 0]) > np.mean([d for d, a in zip(delta, adv) if a < 0])
+
+
+def test_checkpoint_restore_gives_same_next_step(tiny_model_dir, tmp_path):
+    tok = load_tokenizer(tiny_model_dir)
+    gen = TorchGenerationEngine(str(tiny_model_dir), seed=4)
+    trajs = _trajs(tok, gen)
+    adv = np.linspace(-1, 1, len(trajs)).astype(np.float32)
+    a = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, n_minibatches=2)
+    a.ppo_update(trajs, adv)
+    a.save_checkpoint(tmp_path / "ckpt")
+    b = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, n_minibatches=2)
+    b.load_checkpoint(tmp_path / "ckpt")
+    assert b.version == 1
+    a.ppo_update(trajs, adv)
+    b.ppo_update(trajs, adv)
+    for (k, va), vb in zip(a.weights().items(), b.weights().values()):
+        torch.testing.assert_close(va, vb, msg=k)
+
+
+def test_export_hf_loads_in_transformers_and_generation_engine(tiny_model_dir, tmp_path):
+    tr = TorchTrainEngine(str(tiny_model_dir))
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.add_(0.1)
+    out = tr.export_hf(tmp_path / "export")
+    eng = TorchGenerationEngine(str(out))
+    for (k, v), w in zip(tr.weights().items(), eng.state_dict().values()):
+        torch.testing.assert_close(v, w, msg=k)
+    assert load_tokenizer(out).encode("1+2=") == load_tokenizer(tiny_model_dir).encode("1+2=")
