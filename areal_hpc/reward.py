@@ -8,6 +8,7 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import time
@@ -174,7 +175,7 @@ def _can_use_alarm() -> bool:
 
 
 def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float | None) -> float:
-    """fn(completion, reference) as a float in [0, inf), 0.0 on any error or after timeout_s.
+    """fn(completion, reference) as a finite float; 0.0 on any error or after timeout_s.
 
     On the main thread the whole call is bounded by an ITIMER_REAL alarm (the caller's own
     alarm, if any, is restored afterwards). Off the main thread signals are unavailable, so
@@ -191,31 +192,32 @@ def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float 
             if armed[0]:
                 raise _ScoreTimeout()
 
-        prev_handler = signal.signal(signal.SIGALRM, _on_alarm)
-        prev_delay, prev_interval = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        prev_delay, prev_interval = signal.getitimer(signal.ITIMER_REAL)
+        # A caller's pending alarm that is due sooner caps our budget; it is re-fired below.
+        delay = timeout_s if prev_delay <= 0 else min(timeout_s, prev_delay)
         t0 = time.monotonic()
+        prev_handler = signal.signal(signal.SIGALRM, _on_alarm)
         _ALARM_ACTIVE = True
         try:
             try:
+                signal.setitimer(signal.ITIMER_REAL, delay)
                 return _as_reward(fn(completion, reference))
             finally:
                 armed[0] = False
         except _ScoreTimeout:
             return 0.0
         finally:
-            _ALARM_ACTIVE = False
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, prev_handler if prev_handler is not None else signal.SIG_DFL)
+            _ALARM_ACTIVE = False
             if prev_delay > 0:
-                # Give the caller's timer back what is left of it (fire promptly if it expired).
                 left = max(prev_delay - (time.monotonic() - t0), 1e-3)
                 signal.setitimer(signal.ITIMER_REAL, left, prev_interval)
-    except _ScoreTimeout:
-        return 0.0
-    except Exception:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        # _ScoreTimeout, any scorer error, math-verify's BaseException-derived timeout...
         logger.debug("reward scorer failed", exc_info=True)
-        return 0.0
-    except RecursionError:
         return 0.0
 
 
@@ -369,6 +371,11 @@ class RewardPool:
             raise ValueError("timeout_s must be > 0")
         self.num_workers = int(num_workers)
         self.timeout_s = float(timeout_s)
+        if scorer is not None:
+            try:
+                pickle.dumps(scorer)
+            except Exception as e:
+                raise ValueError("scorer must be a picklable top-level function") from e
         self.scorer = scorer
         self.max_chunk = max(1, int(max_chunk))
         self.hard_grace_s = float(hard_grace_s)
@@ -393,7 +400,7 @@ class RewardPool:
         try:
             self._gen = _Generation(self._ctx, self.num_workers)
         except Exception:
-            logger.warning("RewardPool: no process pool (%s); scoring inline", exc_info=True)
+            logger.warning("RewardPool: cannot start worker processes; scoring inline", exc_info=True)
 
         self._thread = threading.Thread(target=self._supervise, name="RewardPool", daemon=True)
         self._thread.start()
@@ -536,7 +543,7 @@ class RewardPool:
                 # Pool already broken (a worker died between tasks): requeue and rebuild.
                 with self._lock:
                     (self._suspects if isolated else self._queue).extendleft(reversed(items))
-                self._rebuild(crashed=True)
+                self._on_crash()
                 return
             self._in_flight[fut] = unit
             if isolated:
@@ -553,7 +560,7 @@ class RewardPool:
         now = time.monotonic()
         nearest = min(self._effective_deadline(u) for u in self._in_flight.values())
         wait = max(0.0, nearest - now)
-        if not self._gen.is_ready():
+        if any(not u.gen.is_ready() for u in self._in_flight.values()):
             wait = min(wait, 0.05)  # poll the ready counter so deadlines start on time
         return wait
 
@@ -570,11 +577,7 @@ class RewardPool:
             exc = RuntimeError("malformed chunk result")
         self._blame(unit)
         if isinstance(exc, BrokenProcessPool):
-            # A worker died: every other chunk of this incarnation is lost with it.
-            for other in list(self._in_flight.values()):
-                self._blame(other)
-            self._in_flight.clear()
-            self._rebuild(crashed=True)
+            self._on_crash()
 
     def _blame(self, unit: _Unit) -> None:
         """An isolated item that failed scores 0.0; a chunk that failed is retried item by item."""
@@ -588,21 +591,30 @@ class RewardPool:
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         expired = [f for f, u in self._in_flight.items() if now >= self._effective_deadline(u)]
-        if not expired:
-            return
+        hung = False
         for fut in expired:
+            if fut not in self._in_flight:
+                continue  # already handled (a crash collected the whole incarnation)
             if fut.done():  # finished just in time
                 self._collect(fut)
-            elif fut in self._in_flight:
+            else:
                 self._blame(self._in_flight.pop(fut))
-        if not any(f in self._in_flight for f in expired) and all(f.done() for f in expired):
-            pass
+                hung = True
+        if not hung:
+            return
         # A hung worker can only be stopped by killing the pool; innocent chunks go back in line.
         with self._lock:
             for unit in reversed(list(self._in_flight.values())):
                 self._queue.extendleft(reversed(unit.items))
         self._in_flight.clear()
         self._rebuild(crashed=False)
+
+    def _on_crash(self) -> None:
+        # A worker died: every chunk of this incarnation is lost with it, culprit unknown.
+        for unit in list(self._in_flight.values()):
+            self._blame(unit)
+        self._in_flight.clear()
+        self._rebuild(crashed=True)
 
     def _rebuild(self, crashed: bool) -> None:
         self.rebuilds += 1

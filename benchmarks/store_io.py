@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(args.seed)
 
     t0 = time.perf_counter()
-    shards = [make_shard(rng, args.per_shard, args.group, s // 4, s % 4, args.max_gen) for s in range(args.shards)]
+    shards = [make_shard(rng, args.per_shard, args.group, 1 + s // 4, s % 4, args.max_gen) for s in range(args.shards)]
     gen_s = time.perf_counter() - t0
     n_traj = sum(len(s) for s in shards)
     n_tok = sum(len(t.input_ids) for s in shards for t in s)
@@ -130,7 +130,10 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
 
-    print(f"payload: {mb:.1f} MB in {args.shards} shards, {n_traj} trajectories, {n_tok} tokens ({file_bytes / 1e6:.1f} MB on disk)")
+    print(
+        f"payload: {mb:.1f} MB in {args.shards} shards, {n_traj} trajectories, {n_tok} tokens "
+        f"({file_bytes / 1e6:.1f} MB on disk)"
+    )
     print(f"write: {res['write_MBps']:.1f} MB/s ({write_s:.2f} s, tmp + fsync + os.replace per shard)")
     print(f"read: {res['read_MBps']:.1f} MB/s (read_shard, warm cache, mean of {len(read_times)} passes)")
     print(f"summary: {res['summary_shards_per_s']:.1f} shards/s (read_shard_summary)")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from h5py import h5d, h5s
 
 from areal_hpc.types import Trajectory
 
@@ -45,6 +46,7 @@ TRAJ_FIELDS: dict[str, np.dtype] = {
 # Fixed order for the checksums; the summary checksum lets the scheduler verify without token data.
 SUMMARY_ORDER = ("offsets", *TRAJ_FIELDS)
 CHECKSUM_ORDER = (*TOKEN_FIELDS, *SUMMARY_ORDER)
+_DTYPES = {**TOKEN_FIELDS, "offsets": OFFSETS_DTYPE, **TRAJ_FIELDS}
 REQUIRED_ATTRS = ("schema_version", "run_id", "checksum", "summary_checksum", "n_trajectories")
 
 _SHARD_RE = re.compile(r"^g(\d+)-(\d+)\.h5$")
@@ -270,17 +272,24 @@ def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
             run_id = attrs["run_id"]
             run_id = run_id.decode() if isinstance(run_id, bytes) else str(run_id)
             n = int(attrs["n_trajectories"])
+            file_size = f.id.get_filesize()
             arrays: dict[str, np.ndarray] = {}
             for name in order:
-                if name not in f:
-                    raise CorruptShardError(path, f"missing dataset {name!r}")
-                ds = f[name]
-                if not isinstance(ds, h5py.Dataset):
-                    raise CorruptShardError(path, f"{name!r} is not a dataset")
-                want = OFFSETS_DTYPE if name == "offsets" else TOKEN_FIELDS.get(name, TRAJ_FIELDS.get(name))
-                if ds.dtype != want or ds.ndim != 1:
-                    raise CorruptShardError(path, f"dataset {name!r} is {ds.dtype}{ds.shape}, expected 1-d {want}")
-                arrays[name] = np.asarray(ds[()], dtype=want)
+                # Low-level API: the high-level one costs ~2x per dataset, and most datasets here are small.
+                try:
+                    ds = h5d.open(f.id, name.encode())
+                except KeyError:
+                    raise CorruptShardError(path, f"missing dataset {name!r}") from None
+                want = _DTYPES[name]
+                shape, dtype = ds.shape, ds.dtype
+                if dtype != want or len(shape) != 1:
+                    raise CorruptShardError(path, f"dataset {name!r} is {dtype}{shape}, expected 1-d {want}")
+                if shape[0] * want.itemsize > file_size:  # a damaged header must not trigger a huge allocation
+                    raise CorruptShardError(path, f"dataset {name!r} claims {shape[0]} items, more than the file holds")
+                arr = np.empty(shape, dtype=want)
+                if shape[0]:
+                    ds.read(h5s.ALL, h5s.ALL, arr)
+                arrays[name] = arr
             stored = attrs["checksum" if full else "summary_checksum"]
             stored = stored.decode() if isinstance(stored, bytes) else str(stored)
     except CorruptShardError:
@@ -322,28 +331,28 @@ def read_shard(path: os.PathLike | str) -> list[Trajectory]:
     path = Path(path)
     a, _ = _read_verified(path, full=True)
     off = a["offsets"].tolist()
-    out = []
+    cols = {k: a[k].tolist() for k in TRAJ_FIELDS}  # python scalars in bulk: much cheaper than per-item
+    reasons = [r.decode("ascii", errors="replace") for r in cols["finish_reason"]]
+    ids, logp, vers, mask = (a[k] for k in TOKEN_FIELDS)
     # Per-token arrays are views into the shard's concatenated arrays (no copy).
-    for i in range(len(off) - 1):
-        s, e = off[i], off[i + 1]
-        out.append(
-            Trajectory(
-                prompt_id=int(a["prompt_id"][i]),
-                group_id=int(a["group_id"][i]),
-                sample_idx=int(a["sample_idx"][i]),
-                input_ids=a["input_ids"][s:e],
-                behav_logprobs=a["behav_logprobs"][s:e],
-                versions=a["versions"][s:e],
-                loss_mask=a["loss_mask"][s:e],
-                prompt_len=int(a["prompt_len"][i]),
-                reward=float(a["reward"][i]),
-                finish_reason=a["finish_reason"][i].decode("ascii", errors="replace"),
-                gen_rank=int(a["gen_rank"][i]),
-                t_start=float(a["t_start"][i]),
-                t_end=float(a["t_end"][i]),
-            )
+    return [
+        Trajectory(
+            prompt_id=cols["prompt_id"][i],
+            group_id=cols["group_id"][i],
+            sample_idx=cols["sample_idx"][i],
+            input_ids=ids[s:e],
+            behav_logprobs=logp[s:e],
+            versions=vers[s:e],
+            loss_mask=mask[s:e],
+            prompt_len=cols["prompt_len"][i],
+            reward=cols["reward"][i],
+            finish_reason=reasons[i],
+            gen_rank=cols["gen_rank"][i],
+            t_start=cols["t_start"][i],
+            t_end=cols["t_end"][i],
         )
-    return out
+        for i, (s, e) in enumerate(zip(off[:-1], off[1:]))
+    ]
 
 
 def read_shard_summary(path: os.PathLike | str, verify_tokens: bool = False) -> ShardSummary:
