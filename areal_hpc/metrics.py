@@ -3,45 +3,59 @@
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
+
+from areal_hpc.utils import atomic_write_text
 
 
 class MetricsLogger:
-    """Appends one row per version to metrics.csv (flushed each row) and mirrors scalars to TensorBoard."""
+    """One row per version in metrics.csv, mirrored to TensorBoard.
+
+    Rows are appended and flushed; when a row brings a new column the file is rewritten (atomically)
+    with the wider header, so the table stays tidy for pandas.
+    """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True):
         self.run_dir = Path(run_dir)
         self.csv_path = self.run_dir / "metrics.csv"
         self.tb_dir = self.run_dir / "tensorboard"
-        self._fields: list[str] | None = None
+        self.rows: list[dict] = []
+        self.fields: list[str] = []
+        if self.csv_path.exists():  # resume: keep what an earlier attempt wrote
+            with open(self.csv_path, newline="") as f:
+                reader = csv.DictReader(f)
+                self.fields = list(reader.fieldnames or [])
+                self.rows = list(reader)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.tb_dir))
 
-    def log(self, version: int, row: dict[str, float]) -> None:
+    def _rewrite(self) -> None:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=self.fields, restval="")
+        w.writeheader()
+        w.writerows(self.rows)
+        atomic_write_text(self.csv_path, buf.getvalue())
+
+    def log(self, version: int, row: dict) -> None:
         row = {"version": version, **row}
-        if self._fields is None:
-            self._fields = list(row)
-            new = not self.csv_path.exists()
-            self._file = open(self.csv_path, "a", newline="")
-            self._writer = csv.DictWriter(self._file, fieldnames=self._fields, extrasaction="ignore")
-            if new:
-                self._writer.writeheader()
-        self._writer.writerow({k: row.get(k, "") for k in self._fields})
-        self._file.flush()
+        self.rows.append(row)
+        new = [k for k in row if k not in self.fields]
+        if new or not self.csv_path.exists():
+            self.fields += new
+            self._rewrite()
+        else:
+            with open(self.csv_path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self.fields, restval="").writerow(row)
         if self._tb is not None:
             for k, v in row.items():
                 if k != "version" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, version)
-
-    def scalar(self, name: str, value: float, version: int) -> None:
-        if self._tb is not None:
-            self._tb.add_scalar(name, value, version)
+            self._tb.flush()
 
     def close(self) -> None:
-        if self._fields is not None:
-            self._file.close()
         if self._tb is not None:
             self._tb.close()

@@ -1,4 +1,4 @@
-"""Rule-based math reward (math-verify) and a crash/timeout-safe process pool that scores batches."""
+"""Rule-based math reward (math-verify) and a crash/timeout-safe process pool for batches."""
 
 from __future__ import annotations
 
@@ -208,7 +208,8 @@ def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float 
             return 0.0
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, prev_handler if prev_handler is not None else signal.SIG_DFL)
+            restore = prev_handler if prev_handler is not None else signal.SIG_DFL
+            signal.signal(signal.SIGALRM, restore)
             _ALARM_ACTIVE = False
             if prev_delay > 0:
                 left = max(prev_delay - (time.monotonic() - t0), 1e-3)
@@ -266,7 +267,9 @@ def _worker_ping() -> int:
     return os.getpid()
 
 
-def _score_chunk(scorer: Scorer | None, pairs: list[tuple[str, str]], timeout_s: float) -> list[float]:
+def _score_chunk(
+    scorer: Scorer | None, pairs: list[tuple[str, str]], timeout_s: float
+) -> list[float]:
     fn = _math_reward_unbounded if scorer is None else scorer
     return [_bounded_call(fn, c, r, timeout_s) for c, r in pairs]
 
@@ -321,7 +324,11 @@ class _Generation:
         )
         # Workers are spawned on demand: one ping per worker starts them all now, in the
         # background, so their import cost overlaps with whatever the caller does next.
-        self.pings = [self.executor.submit(_worker_ping) for _ in range(num_workers)]
+        try:
+            self.pings = [self.executor.submit(_worker_ping) for _ in range(num_workers)]
+        except BaseException:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            raise
 
     def is_ready(self) -> bool:
         if self.ready_t is None and self.counter.value >= self.num_workers:
@@ -352,7 +359,9 @@ class RewardPool:
 
     ``scorer`` (default: math_reward's core) must be a picklable top-level function
     ``f(completion, reference) -> float``. Workers use the forkserver (else spawn) start
-    method, never fork, so the pool is safe to create from processes that use torch or MPI.
+    method, never fork, so the pool is safe to create from processes that use torch or MPI;
+    as with any spawn-style pool, a script that creates one needs an
+    ``if __name__ == "__main__":`` guard (workers re-import the main module).
     """
 
     def __init__(
@@ -400,7 +409,7 @@ class RewardPool:
         try:
             self._gen = _Generation(self._ctx, self.num_workers)
         except Exception:
-            logger.warning("RewardPool: cannot start worker processes; scoring inline", exc_info=True)
+            logger.warning("RewardPool: no worker processes; scoring inline", exc_info=True)
 
         self._thread = threading.Thread(target=self._supervise, name="RewardPool", daemon=True)
         self._thread.start()
@@ -626,7 +635,8 @@ class RewardPool:
             # Workers die without ever returning a result: fall back to scoring inline.
             logger.error("RewardPool: worker pool keeps failing; scoring inline from now on")
             return
-        logger.warning("RewardPool: rebuilding worker pool after a %s", "crash" if crashed else "hang")
+        why = "crash" if crashed else "hang"
+        logger.warning("RewardPool: rebuilding worker pool after a %s", why)
         try:
             self._gen = _Generation(self._ctx, self.num_workers)
         except Exception:

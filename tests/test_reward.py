@@ -1,4 +1,4 @@
-"""Tests for areal_hpc.reward: math_reward equivalences, garbage safety, and RewardPool behaviour."""
+"""Tests for areal_hpc.reward: math_reward equivalences, garbage safety, RewardPool behaviour."""
 
 from __future__ import annotations
 
