@@ -40,7 +40,7 @@ def train_sync_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
 
     try:
         s = run_sync(cfg)
-    except (ModelFolderError, FileNotFoundError, ValueError) as err:
+    except (ModelFolderError, OSError, ValueError) as err:
         raise click.ClickException(str(err).splitlines()[0]) from None
     click.echo(
         f"held-out accuracy: {s.acc_before:.1%} at start, {s.acc_after_warm_start:.1%} after warm start, "

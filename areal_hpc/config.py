@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, OmegaConf
+import yaml
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -165,6 +167,8 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"config {key}={val!r} is not allowed; choose one of {', '.join(allowed)}")
     for key, (low, inclusive) in _LOWER.items():
         val = _get(cfg, key)
+        if not math.isfinite(val):
+            raise ConfigError(f"config {key}={val!r} must be a finite number")
         if (val < low) if inclusive else (val <= low):
             op = ">=" if inclusive else ">"
             raise ConfigError(f"config {key}={val!r} is out of range; it must be {op} {low}")
@@ -196,12 +200,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             p = Path(path)
             if not p.is_file():
                 raise ConfigError(f"config file {str(p)!r} does not exist")
-            layers.append(OmegaConf.load(p))
+            try:
+                loaded = OmegaConf.load(p)
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                where = f" line {mark.line + 1}" if mark else ""
+                raise ConfigError(f"config file {str(p)!r}{where} is not valid YAML ({getattr(err, 'problem', err)})") from None
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections (model:, rollout:, ...)")
+            layers.append(loaded)
         for ov in overrides or []:
             if "=" not in ov:
                 raise ConfigError(f"override {ov!r} must look like key=value (e.g. rollout.eta=2)")
-        if overrides:
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
+            try:
+                layers.append(OmegaConf.from_dotlist([ov]))
+            except (yaml.YAMLError, ValueError) as err:
+                raise ConfigError(f"override {ov!r} has a value that is not valid YAML") from None
         merged = OmegaConf.merge(*layers)
         OmegaConf.resolve(merged)
         missing = sorted(OmegaConf.missing_keys(merged))

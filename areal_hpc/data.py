@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -57,8 +58,14 @@ def arithmetic_completion(answer: str) -> str:
 
 def _final_answer(raw) -> str | None:
     """GSM8K puts the final answer after '####'; MATH-style sets hold it directly."""
-    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int):
         return str(raw)
+    if isinstance(raw, float):  # parquet numbers; NaN is a missing value
+        if not math.isfinite(raw):
+            return None
+        return str(int(raw)) if raw.is_integer() else str(raw)
     if not isinstance(raw, str):
         return None
     text = raw.split("####")[-1].strip() if "####" in raw else raw.strip()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
 # The arithmetic task's vocabulary: special tokens, digits, operators and the answer wrapper.
 ARITH_SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
@@ -78,16 +78,11 @@ def build_tiny_model(
         raise ValueError(f"tiny model arch must be 'llama' or 'qwen2', got {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Save into a temp dir next to the target and rename: a half-built folder never looks usable.
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    tmp = new_tmp_dir_beside(Path(out_dir))
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-    return out_dir
+    return atomic_publish_dir(tmp, Path(out_dir))
 
 
 def check_model_folder(path: str | Path) -> Path:
@@ -112,7 +107,8 @@ def check_model_folder(path: str | Path) -> Path:
 def ensure_model(model_cfg) -> Path:
     """Return the model folder named by the config, building the tiny model there if asked."""
     p = Path(model_cfg.path)
-    if model_cfg.build_tiny and not (p / "config.json").is_file():
+    # build only into a missing or empty folder: never replace what a user put there
+    if model_cfg.build_tiny and (not p.exists() or (p.is_dir() and not any(p.iterdir()))):
         build_tiny_model(
             p,
             arch=model_cfg.arch,

@@ -1,9 +1,11 @@
-"""Small shared helpers: atomic file writes, seeding."""
+"""Small shared helpers: atomic file and directory writes, seeding."""
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -40,3 +42,39 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        fsync_dir(d)
+
+
+def atomic_publish_dir(tmp: Path, final: Path) -> Path:
+    """Move a fully written directory `tmp` to `final` so readers see the old or the new, never half.
+
+    Files are fsynced first; an existing `final` is renamed aside before the new one is renamed in, so
+    a crash at any point leaves a complete directory under `final` or under `final.old`.
+    """
+    tmp, final = Path(tmp), Path(final)
+    _fsync_tree(tmp)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def new_tmp_dir_beside(final: Path) -> Path:
+    """A fresh temporary directory next to `final` (same filesystem, so the rename is atomic)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent))

@@ -146,9 +146,11 @@ def test_checkpoint_restore_gives_same_next_step(tiny_model_dir, tmp_path):
     a = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, n_minibatches=2)
     a.ppo_update(trajs, adv)
     a.save_checkpoint(tmp_path / "ckpt")
+    rng_after_save = torch.rand(3)
     b = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, n_minibatches=2)
     b.load_checkpoint(tmp_path / "ckpt")
     assert b.version == 1
+    torch.testing.assert_close(torch.rand(3), rng_after_save)  # RNG restored too
     a.ppo_update(trajs, adv)
     b.ppo_update(trajs, adv)
     for (k, va), vb in zip(a.weights().items(), b.weights().values()):
@@ -165,3 +167,59 @@ def test_export_hf_loads_in_transformers_and_generation_engine(tiny_model_dir, t
     for (k, v), w in zip(tr.weights().items(), eng.state_dict().values()):
         torch.testing.assert_close(v, w, msg=k)
     assert load_tokenizer(out).encode("1+2=") == load_tokenizer(tiny_model_dir).encode("1+2=")
+
+
+@pytest.mark.parametrize("prox,cap", [("loglinear", None), ("recompute", 1.5), ("loglinear", 2.0)])
+def test_ppo_update_variants_run(tiny_model_dir, prox, cap):
+    tok = load_tokenizer(tiny_model_dir)
+    gen = TorchGenerationEngine(str(tiny_model_dir), seed=5)
+    trajs = _trajs(tok, gen)
+    for t in trajs[:8]:  # pretend half the tokens came from an older policy
+        t.versions[t.prompt_len:] = -3
+    tr = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, prox=prox, behav_imp_weight_cap=cap)
+    tr.version = 2
+    before = {k: v.clone() for k, v in tr.weights().items()}
+    stats = tr.ppo_update(trajs, np.linspace(-1, 1, len(trajs)).astype(np.float32))
+    assert tr.version == 3 and all(np.isfinite(v) for v in stats.values())
+    assert any(not torch.equal(before[k], v) for k, v in tr.weights().items())
+
+
+def _dp_worker(rank, world, port, model_dir, trajs, adv, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from areal_hpc.algo.packing import balance_across_ranks
+
+    shares = balance_across_ranks([len(t.input_ids) for t in trajs], world)
+    # uneven shares (the same on both ranks): rank 1 gets more micro-batches than rank 0
+    shares[1], shares[0] = shares[1] + shares[0][:3], shares[0][3:]
+    mine = shares[rank]
+    tr = TorchTrainEngine(model_dir, lr=1e-3, n_minibatches=1, max_tokens_per_mb=24)
+    tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=0.1)  # linear in the gradient: Adam's sign-like first step would amplify float noise
+    tr.ppo_update([trajs[i] for i in mine], adv[mine])
+    torch.save(tr.weights(), f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_trainers_match_one(tiny_model_dir, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    tok = load_tokenizer(tiny_model_dir)
+    trajs = _trajs(tok, TorchGenerationEngine(str(tiny_model_dir), seed=6))
+    adv = np.linspace(-1, 1, len(trajs)).astype(np.float32)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_dp_worker, args=(2, port, str(tiny_model_dir), trajs, adv, str(tmp_path)), nprocs=2, start_method="spawn")
+    single = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, n_minibatches=1)
+    single.optimizer = torch.optim.SGD(single.model.parameters(), lr=0.1)
+    start = {k: v.clone() for k, v in single.weights().items()}
+    single.ppo_update(trajs, adv)
+    w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    for k, v in single.weights().items():
+        torch.testing.assert_close(w0[k], w1[k], rtol=0, atol=0)  # ranks stay identical
+        torch.testing.assert_close(w0[k], v, rtol=1e-4, atol=1e-6)  # and equal the single trainer
+    assert any(not torch.equal(start[k], v) for k, v in single.weights().items())

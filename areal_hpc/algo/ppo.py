@@ -41,7 +41,8 @@ def decoupled_ppo_loss(
     per_token = -behav_w * torch.minimum(surr1, surr2)
 
     denom = float(total_loss_tokens) if total_loss_tokens is not None else mask.sum().clamp(min=1.0)
-    loss = (per_token * mask).sum() / denom
+    # where(), not a product: an overflowing weight on a masked token must not turn the sum into NaN
+    loss = torch.where(mask > 0, per_token, torch.zeros_like(per_token)).sum() / denom
 
     with torch.no_grad():
         n_in = loss_mask.to(logp.dtype).sum().clamp(min=1.0)

@@ -38,6 +38,9 @@ class TorchGenerationEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
         self._abort = threading.Event()
+        # held around each decode step and each weight load: a step never sees half-loaded weights,
+        # and the version read inside it is the version of the weights that sampled the token
+        self._lock = threading.Lock()
 
     # -- control ---------------------------------------------------------------------------------
     def abort(self) -> None:
@@ -45,8 +48,9 @@ class TorchGenerationEngine:
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(state_dict, strict=True)
-        self.version = version
+        with self._lock:
+            self.model.load_state_dict(state_dict, strict=True)
+            self.version = version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
@@ -69,7 +73,12 @@ class TorchGenerationEngine:
 
     @torch.no_grad()
     def generate(self, requests: list[GenRequest], greedy: bool = False) -> list[GenOutput]:
-        self._abort.clear()
+        try:
+            return self._generate(requests, greedy)
+        finally:
+            self._abort.clear()  # cleared on the way out, so an abort sent before the call still counts
+
+    def _generate(self, requests: list[GenRequest], greedy: bool) -> list[GenOutput]:
         if not requests:
             return []
         n = len(requests)
@@ -96,11 +105,12 @@ class TorchGenerationEngine:
                 break
             if self._abort.is_set():
                 break
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                             past_key_values=past, use_cache=True)
+            with self._lock:
+                version = self.version
+                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                                 past_key_values=past, use_cache=True)
             past = out.past_key_values
             tok, lp = self._sample(out.logits[:, -1, :], greedy)
-            version = self.version
             for i in range(n):
                 if reason[i] is not None:
                     continue

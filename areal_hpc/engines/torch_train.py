@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
 from areal_hpc.algo.ppo import decoupled_ppo_loss, loglinear_prox_logp
 from areal_hpc.model import load_causal_lm, load_tokenizer
 from areal_hpc.types import Trajectory
+from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
 
 class TorchTrainEngine:
@@ -167,6 +166,8 @@ class TorchTrainEngine:
                 totals["_w"] = totals.get("_w", 0.0) + w
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._optimizer_step() / self.n_minibatches
         self.version += 1
+        if "loss" in totals:
+            totals["loss"] /= self.n_minibatches  # mean minibatch loss
         w = max(totals.pop("_w", 0.0), 1.0)
         for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac"):
             if k in totals:
@@ -193,21 +194,14 @@ class TorchTrainEngine:
 
     def export_hf(self, path: Path) -> Path:
         """Atomic HF export: save into a temp folder beside `path`, then rename."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+        tmp = new_tmp_dir_beside(Path(path))
         self.model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(self.model_path).save_pretrained(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-        return path
+        return atomic_publish_dir(tmp, Path(path))
 
     def save_checkpoint(self, path: Path) -> None:
         """Model (safetensors), optimizer, RNG and version; written to a temp dir and renamed."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+        tmp = new_tmp_dir_beside(Path(path))
         sd = {k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()}
         save_file(sd, str(tmp / "model.safetensors"))  # clones: tied weights saved twice, re-tied on load
         torch.save(
@@ -220,9 +214,7 @@ class TorchTrainEngine:
             tmp / "trainer_state.pt",
         )
         (tmp / "meta.json").write_text(json.dumps({"version": self.version}))
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
+        atomic_publish_dir(tmp, Path(path))
 
     def load_checkpoint(self, path: Path) -> None:
         path = Path(path)

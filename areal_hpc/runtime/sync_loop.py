@@ -60,8 +60,10 @@ def run_sync(cfg: Config) -> RunSummary:
     """Run the synchronous learning loop described by `cfg` and return before/after accuracy."""
     t0 = time.time()
     seed_everything(cfg.trainer.seed)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(cfg.cluster.threads_per_rank)
     run_dir = Path(cfg.store.run_dir)
+    if (run_dir / "rollouts").exists() or (run_dir / "ledger").exists():
+        raise FileExistsError(f"run dir {str(run_dir)!r} already holds a run; pick another run_name=... or delete it")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     model_dir = ensure_model(cfg.model)
@@ -127,8 +129,11 @@ def run_sync(cfg: Config) -> RunSummary:
             gids = np.array([t.group_id for t in batch])
             adv = group_advantages(r, gids, pc.adv_norm)
             keep = informative_groups(r, gids) if pc.drop_uniform_groups else np.ones(len(batch), bool)
+            # the ledger names the version whose training step consumed the batch (the policy
+            # version being improved), so on-policy data has staleness 0
+            consumed_by = trainer.version
             stats = trainer.ppo_update([t for t, k in zip(batch, keep) if k], adv[keep])
-            ledger.record(trainer.version, [(shard.name, i) for i in range(len(batch))])
+            ledger.record(consumed_by, [(shard.name, i) for i in range(len(batch))])
             t_sync = time.time()
             gen.update_weights(trainer.weights(), trainer.version)
             t_end = time.time()
@@ -148,6 +153,8 @@ def run_sync(cfg: Config) -> RunSummary:
                 acc = heldout_accuracy(gen, tokenizer, pool, heldout, rc.max_new_tokens)
                 row["heldout_acc"] = acc
             metrics.log(trainer.version, row)
+            if tc.checkpoint_every and trainer.version % tc.checkpoint_every == 0 and not last:
+                trainer.save_checkpoint(run_dir / "checkpoints" / f"v{trainer.version:08d}")
             bar.set_postfix(reward=f"{r.mean():.3f}", acc=f"{acc:.3f}")
             if last:
                 break

@@ -8,6 +8,8 @@ import os
 import re
 from pathlib import Path
 
+from areal_hpc.utils import fsync_dir as _fsync_dir
+
 LEDGER_SUBDIR = "ledger"
 _VERSION_RE = re.compile(r"^v(\d{8,})\.json$")
 
@@ -16,14 +18,6 @@ Entry = tuple[str, int]
 
 class LedgerError(ValueError):
     """A ledger file on disk that is unreadable or contradicts the others."""
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _norm_entry(entry) -> Entry:
@@ -38,38 +32,6 @@ def _norm_entry(entry) -> Entry:
         raise ValueError(f"ledger entry {entry!r} has a negative index")
     # Keyed by the file name only: all shards live in one directory, so a path and a name are the same shard.
     return os.path.basename(os.fspath(shard)), idx
-
-
-class LedgerError(ValueError):
-    """A ledger file on disk that is unreadable or contradicts the others."""
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _norm_entry(entry) -> Entry:
-    try:
-        shard, idx = entry
-    except (TypeError, ValueError):
-        raise ValueError(f"ledger entry {entry!r} is not a (shard name, index) pair") from None
-    if not isinstance(shard, (str, os.PathLike)) or isinstance(idx, bool) or not isinstance(idx, (int,)):
-        try:
-            import numpy as np  # numpy ints are common here (indices from arrays)
-
-            if isinstance(idx, np.integer) and isinstance(shard, (str, os.PathLike)):
-                return _norm_entry((shard, int(idx)))
-        except ImportError:  # pragma: no cover
-            pass
-        raise ValueError(f"ledger entry {entry!r} is not a (shard name, index) pair")
-    if idx < 0:
-        raise ValueError(f"ledger entry {entry!r} has a negative index")
-    # Keyed by the file name only: all shards live in one directory, so a path and a name are the same shard.
-    return os.path.basename(os.fspath(shard)), int(idx)
 
 
 class Ledger:

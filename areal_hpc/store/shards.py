@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5s
 
+from areal_hpc.utils import fsync_dir as _fsync_dir
 from areal_hpc.types import Trajectory
 
 SCHEMA_VERSION = 1
@@ -184,14 +185,6 @@ def _pack(trajectories: list[Trajectory]) -> dict[str, np.ndarray]:
     for f, dt in TRAJ_FIELDS.items():
         out[f] = np.asarray(cols[f], dtype=dt)
     return out
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_shard(
