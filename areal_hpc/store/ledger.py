@@ -8,7 +8,7 @@ import os
 import re
 from pathlib import Path
 
-from areal_hpc.utils import fsync_dir as _fsync_dir
+from areal_hpc.utils import atomic_write_text, fsync_dir as _fsync_dir
 
 LEDGER_SUBDIR = "ledger"
 _VERSION_RE = re.compile(r"^v(\d{8,})\.json$")
@@ -99,22 +99,8 @@ class Ledger:
             if e in seen:
                 raise ValueError(f"entry {e} appears twice in version {version}")
             seen.add(e)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f"{final.name}.{os.getpid()}.tmp"
         data = json.dumps({"version": version, "entries": [list(e) for e in norm]}, separators=(",", ":"))
-        try:
-            with open(tmp, "w") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            _fsync_dir(self.dir)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        atomic_write_text(final, data)
         self._entries[version] = norm
         for e in norm:
             self._consumed[e] = version
