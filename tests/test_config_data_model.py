@@ -149,3 +149,14 @@ def test_tiny_model_folder_loads_in_transformers(tiny_model_dir):
     assert tok.convert_ids_to_tokens(ids) == ["0", "7", "+", "3", "5", "="]
     assert tok.decode(tok.encode("\\boxed{42}") + [tok.eos_token_id], skip_special_tokens=True) == "\\boxed{42}"
     assert model.config.vocab_size == len(tok)
+
+
+def test_cli_train_sync_bad_inputs_one_line(tmp_path):
+    exe = [sys.executable, "-m", "areal_hpc.cli", "train-sync", str(DEMO), f"store.run_dir={tmp_path / 'run'}"]
+    missing = subprocess.run(exe + [f"model.path={tmp_path / 'nope'}", "model.build_tiny=false"], capture_output=True, text=True)
+    assert missing.returncode != 0 and "does not exist" in missing.stderr
+    assert missing.stderr.strip().count("\n") == 0
+    (tmp_path / "run" / "rollouts").mkdir(parents=True)
+    reused = subprocess.run(exe + [f"model.path={tmp_path / 'nope'}"], capture_output=True, text=True)
+    assert reused.returncode != 0 and "already holds a run" in reused.stderr
+    assert reused.stderr.strip().count("\n") == 0
