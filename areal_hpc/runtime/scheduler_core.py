@@ -1,0 +1,123 @@
+"""Rank 0's bookkeeping without MPI: dataset cursor, staleness admission, ready queue, batch assembly."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from areal_hpc.algo.packing import balance_across_ranks
+from areal_hpc.algo.staleness import StalenessGate
+
+
+@dataclass
+class ReadyGroup:
+    """A finished group as announced by a generator: where its n trajectories live and a summary."""
+
+    shard: str
+    indices: list[int]  # trajectory indices inside the shard
+    prompt_id: int
+    group_id: int
+    n_tokens: int
+    version_start: int  # oldest policy version among the group's tokens
+
+
+@dataclass
+class BatchPlan:
+    """What one training version consumes, split across trainers by token count."""
+
+    version: int
+    groups: list[ReadyGroup]
+    shares: list[list[int]]  # per trainer: indices into `groups`
+
+    def entries(self) -> list[tuple[str, int]]:
+        return [(g.shard, i) for g in self.groups for i in g.indices]
+
+
+@dataclass
+class SchedulerCore:
+    """Pure state machine the MPI scheduler drives; its state_dict is the scheduler's checkpoint.
+
+    Prompts are granted in a seeded shuffled order, epoch after epoch. Ready groups are consumed
+    oldest first; a group whose oldest token is more than eta versions behind the version it would
+    train is dropped (counted) and its slot returned, so the staleness bound holds even for a group
+    that outlived it (a slow generator under eta >= 1).
+    """
+
+    n_prompts: int
+    batch_prompts: int
+    eta: int
+    n_trainers: int = 1
+    max_running: int | None = None
+    seed: int = 0
+    cursor: int = 0
+    dropped_stale: int = 0
+    ready: deque = field(default_factory=deque)
+    gate: StalenessGate | None = None
+
+    def __post_init__(self):
+        if self.n_prompts <= 0:
+            raise ValueError(f"scheduler needs at least one training prompt, got {self.n_prompts}")
+        if self.gate is None:
+            self.gate = StalenessGate(self.batch_prompts, self.eta, self.max_running)
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    def _prompt_at(self, position: int) -> int:
+        epoch, offset = divmod(position, self.n_prompts)
+        order = list(range(self.n_prompts))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order[offset]
+
+    def grant(self, k: int) -> list[int]:
+        """Admit up to k prompts now; returns their dataset indices (may be empty)."""
+        n = self.gate.admit(k)
+        out = [self._prompt_at(self.cursor + i) for i in range(n)]
+        self.cursor += n
+        return out
+
+    def group_done(self, group: ReadyGroup) -> None:
+        self.gate.finish(1)
+        self.ready.append(group)
+
+    def group_lost(self) -> None:
+        """A granted prompt will never finish (its generator died): free its slot."""
+        self.gate.drop(1)
+
+    def next_batch(self) -> BatchPlan | None:
+        """The next training batch if B fresh-enough groups are ready, else None."""
+        fresh = deque()
+        for g in self.ready:
+            if self.version - g.version_start > self.eta:
+                # too old already; it only gets older, so drop it now and return its slot
+                self.dropped_stale += 1
+                self.gate.accepted -= 1
+            else:
+                fresh.append(g)
+        self.ready = fresh
+        if len(self.ready) < self.batch_prompts:
+            return None
+        groups = [self.ready.popleft() for _ in range(self.batch_prompts)]
+        shares = balance_across_ranks([g.n_tokens for g in groups], self.n_trainers)
+        return BatchPlan(self.version, groups, shares)
+
+    def version_trained(self, new_version: int) -> None:
+        self.gate.set_version(new_version)
+
+    def state_dict(self) -> dict:
+        return {
+            "cursor": self.cursor,
+            "dropped_stale": self.dropped_stale,
+            "ready": [asdict(g) for g in self.ready],
+            "gate": asdict(self.gate),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint. In-flight prompts of the crashed run are not running any more."""
+        self.cursor = state["cursor"]
+        self.dropped_stale = state["dropped_stale"]
+        self.ready = deque(ReadyGroup(**g) for g in state["ready"])
+        g = state["gate"]
+        self.gate = StalenessGate(g["batch_prompts"], g["eta"], g["max_running"], g["version"], g["accepted"], 0)
