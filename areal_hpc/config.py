@@ -214,7 +214,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raise ConfigError(f"override {ov!r} must look like key=value (e.g. rollout.eta=2)")
             try:
                 layers.append(OmegaConf.from_dotlist([ov]))
-            except (yaml.YAMLError, ValueError) as err:
+            except (yaml.YAMLError, ValueError):
                 raise ConfigError(f"override {ov!r} has a value that is not valid YAML") from None
         merged = OmegaConf.merge(*layers)
         OmegaConf.resolve(merged)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from areal_hpc.data import Problem
 from areal_hpc.types import GenOutput, GenRequest, Trajectory
 
 
-def group_requests(problem: Problem, prompt_ids: list[int], group_id: int, n_samples: int, max_new_tokens: int) -> list[GenRequest]:
+def group_requests(prompt_ids: list[int], group_id: int, n_samples: int, max_new_tokens: int) -> list[GenRequest]:
     """n requests for one prompt; ids encode (group, sample) so outputs can be regrouped."""
     return [GenRequest(f"{group_id}:{s}", list(prompt_ids), max_new_tokens) for s in range(n_samples)]
 
@@ -44,7 +41,3 @@ def score_outputs(reward_pool, tokenizer, outputs: list[GenOutput], answers: lis
     """Reward each output; an answer cut off by the length limit (no EOS) scores 0."""
     rewards = reward_pool.score(completion_texts(tokenizer, outputs), answers)
     return [r if o.finish_reason == "stop" else 0.0 for r, o in zip(rewards, outputs)]
-
-
-def now() -> float:
-    return time.time()

@@ -12,7 +12,7 @@ import torch
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.model import load_causal_lm, load_tokenizer
-from areal_hpc.types import GenRequest, Trajectory
+from areal_hpc.types import GenRequest
 
 PROMPTS = ["07+35=", "1+2=", "99+99=", "50+5="]
 

@@ -110,7 +110,7 @@ def run_sync(cfg: Config) -> RunSummary:
             for g, p in enumerate(problems):
                 ids = tokenizer.encode(p.prompt)
                 group_id = (step - 1) * rc.batch_prompts + g
-                reqs += group_requests(p, ids, group_id, rc.n_samples, rc.max_new_tokens)
+                reqs += group_requests(ids, group_id, rc.n_samples, rc.max_new_tokens)
                 answers += [p.answer] * rc.n_samples
                 prompt_of += [p.prompt_id] * rc.n_samples
 
