@@ -123,8 +123,8 @@ def run_sync(cfg: Config) -> RunSummary:
             shard = write_shard(rollout_dir, trajs, gen_rank=0, seq=step, run_id=cfg.run_name)
 
             # train on what the store returns, the same path the asynchronous runtime takes
-            t_train = time.time()
             batch = read_shard(shard)
+            t_train = time.time()  # t_store covers the shard write and its read-back
             r = np.array([t.reward for t in batch])
             gids = np.array([t.group_id for t in batch])
             adv = group_advantages(r, gids, pc.adv_norm)
