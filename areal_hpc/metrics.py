@@ -22,16 +22,12 @@ class MetricsLogger:
         self.tb_dir = self.run_dir / "tensorboard"
         self.rows: list[dict] = []
         self.fields: list[str] = []
-        if self.csv_path.exists():  # resume: keep what an earlier attempt wrote
-            with open(self.csv_path, newline="") as f:
-                reader = csv.DictReader(f)
-                self.fields = list(reader.fieldnames or [])
-                self.rows = list(reader)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.tb_dir))
+            # flushed every few seconds by its own thread, not on every row of the training loop
+            self._tb = SummaryWriter(str(self.tb_dir), flush_secs=10)
 
     def _rewrite(self) -> None:
         buf = io.StringIO()
@@ -54,7 +50,6 @@ class MetricsLogger:
             for k, v in row.items():
                 if k != "version" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, version)
-            self._tb.flush()
 
     def close(self) -> None:
         if self._tb is not None:

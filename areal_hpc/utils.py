@@ -49,12 +49,12 @@ def seed_everything(seed: int) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
+    for p in [root, *root.rglob("*")]:
+        if p.is_dir():
+            fsync_dir(p)
+        else:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-    for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-        fsync_dir(d)
 
 
 def atomic_publish_dir(tmp: Path, final: Path) -> Path:

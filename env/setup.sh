@@ -27,9 +27,8 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
 fi
 [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-# torch first and alone, so nothing later can drag in a CUDA build.
-"$VENV/bin/python" -m pip install -q torch==2.13.0
+# torch first and alone, so nothing later can drag in a CUDA build; then the package and its deps.
 "$VENV/bin/python" -m pip install -q -r "$REQ"
-"$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
+"$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
 echo "$want" > "$stamp"
 echo "[env] ready: source $VENV/bin/activate"

@@ -113,6 +113,12 @@ def test_staleness_gate_is_areals_rule():
     assert gate.capacity() == 4
     sync = StalenessGate(batch_prompts=4, eta=0)
     assert sync.admit(100) == 4  # eta = 0: exactly one batch in flight
+    gate.finish(4)
+    assert gate.capacity() == 4
+    gate.discard(1)  # a finished prompt dropped as too stale gives its slot back
+    assert gate.capacity() == 5
+    with pytest.raises(ValueError):
+        gate.discard(100)
     capped = StalenessGate(batch_prompts=4, eta=8, max_running=3)
     assert capped.admit(100) == 3
     with pytest.raises(ValueError):

@@ -42,6 +42,12 @@ class StalenessGate:
         self.running -= k
         self.accepted += k
 
+    def discard(self, k: int = 1) -> None:
+        """k finished prompts will never be trained on (too stale); their slots return."""
+        if k > self.accepted:
+            raise ValueError(f"discard({k}) with only {self.accepted} accepted")
+        self.accepted -= k
+
     def drop(self, k: int = 1) -> None:
         """k running prompts were abandoned (e.g. a generator died); they free their slots."""
         self.running -= min(k, self.running)

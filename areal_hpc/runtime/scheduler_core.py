@@ -60,6 +60,8 @@ class SchedulerCore:
             raise ValueError(f"scheduler needs at least one training prompt, got {self.n_prompts}")
         if self.gate is None:
             self.gate = StalenessGate(self.batch_prompts, self.eta, self.max_running)
+        self._order_epoch = -1
+        self._order: list[int] = []
 
     @property
     def version(self) -> int:
@@ -67,9 +69,11 @@ class SchedulerCore:
 
     def _prompt_at(self, position: int) -> int:
         epoch, offset = divmod(position, self.n_prompts)
-        order = list(range(self.n_prompts))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order[offset]
+        if self._order_epoch != epoch:  # one shuffle per epoch, not per granted prompt
+            self._order = list(range(self.n_prompts))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+            self._order_epoch = epoch
+        return self._order[offset]
 
     def grant(self, k: int) -> list[int]:
         """Admit up to k prompts now; returns their dataset indices (may be empty)."""
@@ -93,7 +97,7 @@ class SchedulerCore:
             if self.version - g.version_start > self.eta:
                 # too old already; it only gets older, so drop it now and return its slot
                 self.dropped_stale += 1
-                self.gate.accepted -= 1
+                self.gate.discard(1)
             else:
                 fresh.append(g)
         self.ready = fresh
@@ -119,5 +123,4 @@ class SchedulerCore:
         self.cursor = state["cursor"]
         self.dropped_stale = state["dropped_stale"]
         self.ready = deque(ReadyGroup(**g) for g in state["ready"])
-        g = state["gate"]
-        self.gate = StalenessGate(g["batch_prompts"], g["eta"], g["max_running"], g["version"], g["accepted"], 0)
+        self.gate = StalenessGate(**{**state["gate"], "running": 0})
