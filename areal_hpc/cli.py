@@ -51,5 +51,47 @@ def train_sync_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
     click.echo(f"tensorboard: tensorboard --logdir {s.tensorboard_dir}")
 
 
+@main.command("run")
+@click.argument("config_path", required=False, type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this RUN_DIR from its last checkpoint.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
+def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_progress: bool) -> None:
+    """Run the asynchronous runtime under mpirun: CONFIG_PATH [KEY=VALUE ...], or --resume RUN_DIR [KEY=VALUE ...]."""
+    from pathlib import Path
+
+    from areal_hpc.launch.local import RunFailed, launch, staleness_histogram
+    from areal_hpc.model import ModelFolderError
+
+    if resume_dir:
+        if config_path is not None:  # with --resume every argument is an override
+            overrides = (config_path, *overrides)
+        saved = Path(resume_dir) / "config.yaml"
+        if not saved.is_file():
+            raise click.ClickException(f"{resume_dir!r} is not a run dir (no config.yaml)")
+        cfg = _load(str(saved), (*overrides, f"store.run_dir={Path(resume_dir).resolve()}"))
+    elif config_path is None:
+        raise click.ClickException("give a config file (e.g. jobs/demo.yaml) or --resume RUN_DIR")
+    else:
+        cfg = _load(config_path, overrides)
+    if no_progress:
+        cfg.logging.progress = False
+    try:
+        s = launch(cfg, resume=bool(resume_dir), progress=cfg.logging.progress)
+    except (RunFailed, ModelFolderError, OSError, ValueError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    run_dir = Path(cfg.store.run_dir).resolve()
+    pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
+    click.echo(f"versions:    {s['start_version']} -> {s['versions']} ({s['stop_reason']}) in {s['rl_wall_s']:.0f} s of RL, {s['wall_s']:.0f} s total")
+    click.echo(f"held-out:    {pct(s['acc_init'])} at start, {pct(s['acc_start'])} after warm start, {pct(s['acc_final'])} at the end")
+    click.echo(f"throughput:  {s['consumed_tokens_per_s']:.0f} consumed tokens/s ({s['tokens_consumed']} tokens, {s['samples_consumed']} samples)")
+    hist = staleness_histogram(run_dir)
+    click.echo(f"staleness:   {hist} (versions behind -> trajectories); dropped too stale: {s['dropped_stale']} groups, {s['dropped_on_resume']} on resume")
+    if s.get("sync_gbps_mean") is not None:
+        click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s bucketed, raw single buffer {s['raw_broadcast_gbps'] or float('nan'):.2f} GB/s")
+    click.echo(f"run dir:     {run_dir}  (metrics.csv, timeline/, logs/, checkpoints/)")
+    click.echo(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -58,6 +58,7 @@ class RolloutConfig:
     eta: int = 4  # staleness bound in versions; 0 = synchronous
     max_running: int = 0  # cap on prompts in flight per the scheduler (0 = no cap)
     interrupt: bool = True  # abort and resume in-flight requests on new weights
+    prompts_per_generator: int = 16  # groups a generator rank holds at once (its request size)
 
 
 @dataclass
@@ -94,10 +95,22 @@ class StoreConfig:
 
 
 @dataclass
+class SyncConfig:
+    method: str = "broadcast"  # broadcast (collective, trainer rank 0 -> generators) | disk (safetensors files)
+    backend: str = "auto"  # auto (nccl on cuda, else gloo) | gloo | nccl
+    bucket_mb: int = 64  # size of each pre-allocated broadcast bucket
+    checksum: bool = True  # crc32 of the weights on both ends after every version (logged; cheap on small models)
+    keep_versions: int = 3  # disk method: weight folders kept under RUN_DIR/weights/
+    timeout_s: float = 1800.0  # how long a collective may wait for the other side
+
+
+@dataclass
 class ClusterConfig:
     n_generators: int = 1
     n_trainers: int = 1
     threads_per_rank: int = 1
+    device: str = "cpu"  # cpu | cuda
+    mpirun: str = "mpirun"  # local launcher: the mpirun binary
 
 
 @dataclass
@@ -118,6 +131,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -131,6 +145,9 @@ _CHOICES = {
     "ppo.adv_norm": ("mean", "mean_std"),
     "ppo.prox": ("recompute", "loglinear"),
     "trainer.engine": ("torch", "deepspeed"),
+    "sync.method": ("broadcast", "disk"),
+    "sync.backend": ("auto", "gloo", "nccl"),
+    "cluster.device": ("cpu", "cuda"),
 }
 # key -> (lower bound, inclusive?) for numbers
 _LOWER = {
@@ -140,7 +157,8 @@ _LOWER = {
     "reward.timeout_s": (0, False), "reward.num_workers": (1, True),
     "rollout.n_samples": (1, True), "rollout.temperature": (0, False), "rollout.top_p": (0, False),
     "rollout.max_new_tokens": (1, True), "rollout.batch_prompts": (1, True), "rollout.eta": (0, True),
-    "rollout.max_running": (0, True),
+    "rollout.max_running": (0, True), "rollout.prompts_per_generator": (1, True),
+    "sync.bucket_mb": (1, True), "sync.keep_versions": (1, True), "sync.timeout_s": (0, False),
     "ppo.eps_clip": (0, False), "ppo.behav_imp_weight_cap": (0, True), "ppo.n_minibatches": (1, True),
     "trainer.lr": (0, False), "trainer.weight_decay": (0, True), "trainer.grad_clip": (0, True),
     "trainer.max_tokens_per_mb": (1, True), "trainer.versions": (1, True), "trainer.max_wall_s": (0, True),
@@ -182,6 +200,8 @@ def validate(cfg: Config) -> Config:
         )
     if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
         raise ConfigError(f"config trainer.betas={list(cfg.trainer.betas)} must be two numbers in [0, 1)")
+    if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
+        raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
     return cfg
 
 

@@ -16,12 +16,19 @@ class MetricsLogger:
     with the wider header, so the table stays tidy for pandas.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, keep_upto: int | None = None):
+        """keep_upto: a resumed run keeps the existing rows up to this version and drops the rest."""
         self.run_dir = Path(run_dir)
         self.csv_path = self.run_dir / "metrics.csv"
         self.tb_dir = self.run_dir / "tensorboard"
         self.rows: list[dict] = []
         self.fields: list[str] = []
+        if keep_upto is not None and self.csv_path.exists():
+            with open(self.csv_path, newline="") as f:
+                reader = csv.DictReader(f)
+                self.fields = list(reader.fieldnames or [])
+                self.rows = [r for r in reader if r.get("version") and float(r["version"]) <= keep_upto]
+            self._rewrite()
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -37,7 +37,11 @@ def to_trajectory(out: GenOutput, prompt_id: int, reward: float, gen_rank: int, 
     )
 
 
+def final_rewards(verifier_rewards: list[float], outputs: list[GenOutput]) -> list[float]:
+    """An answer cut off by the length limit (no EOS) scores 0, whatever the verifier said."""
+    return [r if o.finish_reason == "stop" else 0.0 for r, o in zip(verifier_rewards, outputs)]
+
+
 def score_outputs(reward_pool, tokenizer, outputs: list[GenOutput], answers: list[str]) -> list[float]:
-    """Reward each output; an answer cut off by the length limit (no EOS) scores 0."""
-    rewards = reward_pool.score(completion_texts(tokenizer, outputs), answers)
-    return [r if o.finish_reason == "stop" else 0.0 for r, o in zip(rewards, outputs)]
+    """Reward each output (blocking)."""
+    return final_rewards(reward_pool.score(completion_texts(tokenizer, outputs), answers), outputs)

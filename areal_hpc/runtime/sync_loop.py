@@ -14,13 +14,13 @@ from tqdm import tqdm
 
 from areal_hpc.algo.advantages import group_advantages, informative_groups
 from areal_hpc.config import Config, save_config
-from areal_hpc.data import MathDataset, arithmetic_completion, load_dataset
-from areal_hpc.engines import make_generation_engine, make_train_engine
+from areal_hpc.data import load_dataset
 from areal_hpc.evaluation import heldout_accuracy
 from areal_hpc.metrics import MetricsLogger
 from areal_hpc.model import ensure_model, load_tokenizer
 from areal_hpc.reward import RewardPool
 from areal_hpc.rollout import group_requests, score_outputs, to_trajectory
+from areal_hpc.runtime.build import build_generation_engine, build_train_engine, warm_start
 from areal_hpc.store import Ledger, read_shard, write_shard
 from areal_hpc.utils import seed_everything
 
@@ -35,25 +35,6 @@ class RunSummary:
     wall_s: float
     rl_wall_s: float
     tensorboard_dir: Path
-
-
-def warm_start(trainer, tokenizer, dataset: MathDataset, cfg: Config, progress: bool) -> float:
-    """Supervised steps on reference answers: RL needs near-miss mistakes to start from."""
-    tc = cfg.trainer
-    examples = dataset.train[: tc.warm_start_examples]
-    rng = random.Random(cfg.trainer.seed)
-    eos = tokenizer.eos_token_id
-    loss = float("nan")
-    for _ in tqdm(range(tc.warm_start_steps), desc="warm start", disable=not progress, leave=False):
-        batch = rng.sample(examples, min(tc.warm_start_batch, len(examples)))
-        seqs, masks = [], []
-        for p in batch:
-            prompt = tokenizer.encode(p.prompt)
-            answer = tokenizer.encode(arithmetic_completion(p.answer) if cfg.data.kind == "arithmetic" else p.answer) + [eos]
-            seqs.append(np.asarray(prompt + answer))
-            masks.append(np.asarray([0] * len(prompt) + [1] * len(answer)))
-        loss = trainer.supervised_step(seqs, masks, tc.warm_start_lr)
-    return loss
 
 
 def run_sync(cfg: Config) -> RunSummary:
@@ -71,14 +52,8 @@ def run_sync(cfg: Config) -> RunSummary:
     dataset = load_dataset(cfg.data)
 
     rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
-    gen = make_generation_engine(rc.engine, model_path=str(model_dir), temperature=rc.temperature,
-                                 top_p=rc.top_p, dtype=cfg.model.dtype, seed=tc.seed)
-    trainer = make_train_engine(
-        tc.engine, model_path=str(model_dir), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay,
-        grad_clip=tc.grad_clip, max_tokens_per_mb=tc.max_tokens_per_mb, n_minibatches=pc.n_minibatches,
-        eps_clip=pc.eps_clip, behav_imp_weight_cap=pc.behav_imp_weight_cap or None, prox=pc.prox,
-        temperature=rc.temperature, dtype=cfg.model.dtype, seed=tc.seed,
-    )
+    gen = build_generation_engine(cfg, model_dir, seed=tc.seed)
+    trainer = build_train_engine(cfg, model_dir)
     metrics = MetricsLogger(run_dir, cfg.logging.tensorboard)
     ledger = Ledger(run_dir)
     rollout_dir = run_dir / "rollouts"

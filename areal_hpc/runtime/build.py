@@ -1,0 +1,52 @@
+"""Engines and the warm start built from a Config: shared by the synchronous loop and the MPI roles."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from areal_hpc.config import Config
+from areal_hpc.data import MathDataset, arithmetic_completion
+from areal_hpc.engines import make_generation_engine, make_train_engine
+
+
+def build_generation_engine(cfg: Config, model_dir: Path, seed: int):
+    rc = cfg.rollout
+    return make_generation_engine(rc.engine, model_path=str(model_dir), temperature=rc.temperature,
+                                  top_p=rc.top_p, dtype=cfg.model.dtype, seed=seed)
+
+
+def build_train_engine(cfg: Config, model_dir: Path, process_group=None):
+    rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
+    return make_train_engine(
+        tc.engine, model_path=str(model_dir), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay,
+        grad_clip=tc.grad_clip, max_tokens_per_mb=tc.max_tokens_per_mb, n_minibatches=pc.n_minibatches,
+        eps_clip=pc.eps_clip, behav_imp_weight_cap=pc.behav_imp_weight_cap or None, prox=pc.prox,
+        temperature=rc.temperature, dtype=cfg.model.dtype, seed=tc.seed, process_group=process_group,
+    )
+
+
+def warm_start(trainer, tokenizer, dataset: MathDataset, cfg: Config, progress: bool) -> float:
+    """Supervised steps on reference answers: RL needs near-miss mistakes to start from.
+
+    Every trainer rank runs the same steps on the same examples (same seed), so data-parallel
+    trainers stay identical.
+    """
+    tc = cfg.trainer
+    examples = dataset.train[: tc.warm_start_examples]
+    rng = random.Random(cfg.trainer.seed)
+    eos = tokenizer.eos_token_id
+    loss = float("nan")
+    for _ in tqdm(range(tc.warm_start_steps), desc="warm start", disable=not progress, leave=False):
+        batch = rng.sample(examples, min(tc.warm_start_batch, len(examples)))
+        seqs, masks = [], []
+        for p in batch:
+            prompt = tokenizer.encode(p.prompt)
+            answer = tokenizer.encode(arithmetic_completion(p.answer) if cfg.data.kind == "arithmetic" else p.answer) + [eos]
+            seqs.append(np.asarray(prompt + answer))
+            masks.append(np.asarray([0] * len(prompt) + [1] * len(answer)))
+        loss = trainer.supervised_step(seqs, masks, tc.warm_start_lr)
+    return loss

@@ -1,0 +1,102 @@
+"""The control messages between rank 0 (scheduler), generators and trainers, and a non-blocking mailbox.
+
+Every control message goes to or from rank 0 over MPI as a small pickled dict; bulk data never does
+(rollouts go through the shard store, weights through the weight-sync group or files).
+
+generator -> scheduler
+  WANT        {"k": n}                         n more prompts wanted (free capacity not yet asked for)
+  GROUPS_DONE {"shard": name, "groups": [...]} finished, rewarded groups now in a shard file
+  EVAL_RESULT {"tag": str, "version": v, "acc": float}
+  WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s}   weights applied
+scheduler -> generator
+  GRANT       {"prompts": [(dataset index, group id), ...]}
+  NEW_VERSION {"version": v}                   join the weight transfer of version v now
+  EVAL        {"tag": str}                     greedy held-out accuracy at the current weights
+trainer -> scheduler
+  READY       {"version": v, "checksum": ...}  start-up done (warm start or checkpoint loaded), weights v published next
+  TRAIN_DONE  {"version": v+1, "stats": {...}} one policy version trained (every trainer sends it)
+  SYNC_DONE   {"version": v, "sync_s": s, "bytes": n, "checksum": int|None}  trainer 0: weights sent
+  CKPT_DONE   {"version": v, "path": str}
+scheduler -> trainer
+  BATCH       {"version": v, "share": [(shard, [indices]), ...]}  this trainer's token-balanced share
+  CHECKPOINT  {"version": v}
+any -> scheduler
+  BYE         {}                               answer to STOP: this rank sends nothing more
+scheduler -> any
+  STOP        {}                               finish: answer BYE and exit (rank 0 drains until every BYE)
+
+Ordering: MPI keeps the order of messages between one pair of ranks, so a generator always handles
+NEW_VERSION v before a later GRANT, EVAL or STOP.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import IntEnum
+
+
+class Tag(IntEnum):
+    WANT = 1
+    GROUPS_DONE = 2
+    EVAL_RESULT = 3
+    WEIGHTS_OK = 4
+    GRANT = 10
+    NEW_VERSION = 11
+    EVAL = 12
+    READY = 20
+    TRAIN_DONE = 21
+    SYNC_DONE = 22
+    CKPT_DONE = 23
+    BATCH = 30
+    CHECKPOINT = 31
+    BYE = 90
+    STOP = 91
+
+
+class Mailbox:
+    """Non-blocking sends (requests kept until complete) and polled receives on one communicator.
+
+    Polling with Iprobe plus a short sleep, not a blocking receive: a busy-waiting rank would steal
+    the cores the generators and trainers need.
+    """
+
+    def __init__(self, comm, idle_sleep_s: float = 0.002):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.idle_sleep_s = idle_sleep_s
+        self._pending: list = []
+
+    def send(self, dest: int, tag: Tag, body: dict | None = None) -> None:
+        self._pending.append(self.comm.isend(body or {}, dest=dest, tag=int(tag)))
+        self._pending = [r for r in self._pending if not r.Test()]
+
+    def poll(self, source: int | None = None) -> tuple[int, Tag, dict] | None:
+        """One waiting message (source, tag, body), or None."""
+        MPI = self._MPI
+        status = MPI.Status()
+        src = MPI.ANY_SOURCE if source is None else source
+        if not self.comm.Iprobe(source=src, tag=MPI.ANY_TAG, status=status):
+            return None
+        body = self.comm.recv(source=status.Get_source(), tag=status.Get_tag())
+        return status.Get_source(), Tag(status.Get_tag()), body
+
+    def wait(self, source: int | None = None, timeout_s: float | None = None) -> tuple[int, Tag, dict]:
+        """Block (politely) until a message arrives."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            msg = self.poll(source)
+            if msg is not None:
+                return msg
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"rank {self.rank}: no message within {timeout_s} s")
+            time.sleep(self.idle_sleep_s)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every send has been delivered (before exit)."""
+        end = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < end:
+            self._pending = [r for r in self._pending if not r.Test()]
+            time.sleep(self.idle_sleep_s)

@@ -1,0 +1,94 @@
+"""Checkpoint bookkeeping on disk: which checkpoint is complete, and the ready queue rebuilt from the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+from areal_hpc.runtime.scheduler_core import ReadyGroup
+from areal_hpc.store import ROLLOUTS_SUBDIR, CorruptShardError, list_shards, read_shard_summary
+from areal_hpc.utils import atomic_write_text
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+_STATE_RE = re.compile(r"^v(\d{8})\.scheduler\.json$")
+
+
+def trainer_checkpoint_dir(run_dir: Path, version: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS_SUBDIR / f"v{version:08d}"
+
+
+def scheduler_state_path(run_dir: Path, version: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS_SUBDIR / f"v{version:08d}.scheduler.json"
+
+
+def save_scheduler_state(run_dir: Path, version: int, state: dict) -> None:
+    """Written after the trainers' checkpoint is in place: its presence marks the checkpoint complete."""
+    atomic_write_text(scheduler_state_path(run_dir, version), json.dumps(state))
+
+
+def latest_checkpoint(run_dir: Path) -> int | None:
+    """The newest version with both the trainer folder and the scheduler state, or None."""
+    d = Path(run_dir) / CHECKPOINTS_SUBDIR
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return None
+    done = [int(m.group(1)) for n in names if (m := _STATE_RE.match(n))]
+    done = [v for v in done if trainer_checkpoint_dir(run_dir, v).is_dir()]
+    return max(done) if done else None
+
+
+def load_scheduler_state(run_dir: Path, version: int) -> dict:
+    return json.loads(scheduler_state_path(run_dir, version).read_text())
+
+
+def unconsumed_groups(run_dir: Path, consumed: dict) -> tuple[list[ReadyGroup], int]:
+    """Every group in the store none of whose trajectories the ledger lists, oldest first.
+
+    Also returns the largest group id seen (-1 if none), so new group ids never repeat old ones.
+    A corrupt shard (torn by a crash mid-write cannot happen: writes are atomic, but a damaged
+    disk can) is skipped; its groups are simply never trained on.
+    """
+    groups: list[ReadyGroup] = []
+    max_gid = -1
+    for path in list_shards(Path(run_dir) / ROLLOUTS_SUBDIR):
+        try:
+            s = read_shard_summary(path)
+        except CorruptShardError:
+            continue
+        members: dict[int, list[int]] = defaultdict(list)
+        for i, gid in enumerate(s.group_id.tolist()):
+            members[gid].append(i)
+            max_gid = max(max_gid, gid)
+        lengths = s.n_tokens
+        for gid, idx in members.items():
+            if any((path.name, i) in consumed for i in idx):
+                continue
+            groups.append(ReadyGroup(
+                shard=path.name, indices=idx, prompt_id=int(s.prompt_id[idx[0]]), group_id=int(gid),
+                n_tokens=int(sum(int(lengths[i]) for i in idx)),
+                version_start=int(min(int(s.version_start[i]) for i in idx)),
+            ))
+    groups.sort(key=lambda g: (g.version_start, g.group_id))
+    return groups, max_gid
+
+
+def clean_temporaries(run_dir: Path) -> int:
+    """Remove *.tmp files and tmp folders a killed run left behind (never complete data)."""
+    n = 0
+    for sub in (ROLLOUTS_SUBDIR, CHECKPOINTS_SUBDIR, "ledger", "weights"):
+        d = Path(run_dir) / sub
+        if not d.is_dir():
+            continue
+        for p in d.iterdir():
+            if ".tmp" in p.name:
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                n += 1
+    return n

@@ -1,0 +1,142 @@
+"""A trainer rank: read its share of each batch from the store, take one decoupled-PPO version, publish weights."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from areal_hpc.algo.advantages import group_advantages, informative_groups
+from areal_hpc.config import Config
+from areal_hpc.data import load_dataset
+from areal_hpc.model import load_tokenizer
+from areal_hpc.runtime.build import build_train_engine, warm_start
+from areal_hpc.runtime.layout import Layout
+from areal_hpc.runtime.protocol import Mailbox, Tag
+from areal_hpc.runtime.resume import latest_checkpoint, trainer_checkpoint_dir
+from areal_hpc.runtime.timeline import Timeline
+from areal_hpc.runtime.weight_sync import WeightSender, state_nbytes
+from areal_hpc.store import ROLLOUTS_SUBDIR, read_shard
+from areal_hpc.types import Trajectory
+
+log = logging.getLogger("areal_hpc.trainer")
+
+# Testing hook: AREAL_HPC_FAULT="trainer@3" makes trainer rank 0 raise before training version 3, so
+# the shutdown-after-error path is exercised by a real run (kill -9 covers crashes without a message).
+FAULT_ENV = "AREAL_HPC_FAULT"
+
+
+def share_stats(trajs: list[Trajectory], version: int) -> dict:
+    """What rank 0 logs about the data a trainer consumed (staleness = version - oldest token version)."""
+    stale = [version - t.version_start for t in trajs]
+    return {
+        "samples": len(trajs),
+        "tokens": int(sum(len(t.input_ids) for t in trajs)),
+        "gen_tokens": int(sum(t.gen_len for t in trajs)),
+        "reward_sum": float(sum(t.reward for t in trajs)),
+        "staleness_sum": float(sum(stale)),
+        "staleness_max": int(max(stale, default=0)),
+        "interrupted": int(sum(t.version_start != t.version_end for t in trajs)),
+    }
+
+
+class Trainer:
+    """Data parallel over the trainers' own gloo group; trainer rank 0 also publishes weights."""
+
+    def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
+        self.cfg, self.run_dir, self.layout, self.resume = cfg, Path(run_dir), layout, resume
+        self.rank = comm.Get_rank()
+        self.index = layout.index(self.rank)
+        self.mail = Mailbox(comm)
+        self.timeline = Timeline(self.run_dir, self.rank, "trainer")
+        self.engine = build_train_engine(cfg, model_dir)  # the default torch group = the trainers
+        self.model_dir = model_dir
+        self.sync_group = sync_group
+        sc = cfg.sync
+        self.sender = WeightSender(sc.method, sync_group, self.run_dir, sc.bucket_mb, sc.checksum,
+                                   sc.keep_versions, cfg.cluster.device) if self.index == 0 else None
+        fault = os.environ.get(FAULT_ENV, "")
+        self.fault_version = int(fault.split("@")[1]) if fault.startswith("trainer@") and self.index == 0 else None
+
+    def _start(self) -> None:
+        if self.resume:
+            v = latest_checkpoint(self.run_dir)
+            with self.timeline.span("load"):
+                self.engine.load_checkpoint(trainer_checkpoint_dir(self.run_dir, v))
+        elif self.cfg.trainer.warm_start_steps:
+            with self.timeline.span("train"):
+                warm_start(self.engine, load_tokenizer(self.model_dir), load_dataset(self.cfg.data), self.cfg, progress=False)
+        body = {"version": self.engine.version}
+        if self.sender is not None and self.sync_group is not None:
+            # both ends run this once, right after start-up: the ceiling the bucketed sync is measured against
+            nbytes = state_nbytes(self.engine.weights())
+            body["raw_gbps"] = self.sync_group.raw_bandwidth(nbytes, self.cfg.cluster.device)
+        self.mail.send(0, Tag.READY, body)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.sender is None:
+            return
+        with self.timeline.span("sync"):
+            info = self.sender.publish(self.engine.weights(), self.engine.version)
+        self.mail.send(0, Tag.SYNC_DONE, info)
+
+    def _train(self, version: int, share: list) -> None:
+        if version != self.engine.version:
+            raise RuntimeError(f"trainer at version {self.engine.version} was sent the batch of version {version}")
+        if self.fault_version is not None and version >= self.fault_version:
+            raise RuntimeError(f"injected fault before training version {version} ({FAULT_ENV})")
+        t0 = time.time()
+        with self.timeline.span("load"):
+            trajs: list[Trajectory] = []
+            for shard, indices in share:
+                stored = read_shard(self.run_dir / ROLLOUTS_SUBDIR / shard)
+                trajs += [stored[i] for i in indices]
+        with self.timeline.span("train"):
+            pc = self.cfg.ppo
+            r = np.array([t.reward for t in trajs], dtype=np.float64)
+            gids = np.array([t.group_id for t in trajs], dtype=np.int64)
+            adv = group_advantages(r, gids, pc.adv_norm) if trajs else np.zeros(0)
+            keep = informative_groups(r, gids) if (pc.drop_uniform_groups and trajs) else np.ones(len(trajs), bool)
+            stats = self.engine.ppo_update([t for t, k in zip(trajs, keep) if k], adv[keep])
+        stats.update(share_stats(trajs, version))
+        stats["groups_kept"] = int(len(set(gids[keep].tolist()))) if trajs else 0
+        stats["loss_tokens"] = int(sum(int(t.loss_mask.sum()) for t, k in zip(trajs, keep) if k))
+        stats["t_train"] = time.time() - t0
+        self.mail.send(0, Tag.TRAIN_DONE, {"version": self.engine.version, "stats": stats})
+        self._publish()
+
+    def _checkpoint(self, version: int) -> None:
+        path = trainer_checkpoint_dir(self.run_dir, version)
+        if self.index == 0:  # data-parallel replicas are identical: one copy is the checkpoint
+            with self.timeline.span("checkpoint"):
+                if path.exists():  # left by a run that crashed before the checkpoint was complete
+                    shutil.rmtree(path)
+                self.engine.save_checkpoint(path)
+        self.mail.send(0, Tag.CKPT_DONE, {"version": version, "path": str(path)})
+
+    def run(self) -> None:
+        torch.set_num_threads(self.cfg.cluster.threads_per_rank)
+        self._start()
+        while True:
+            t0 = time.time()
+            _, tag, body = self.mail.wait(0)
+            self.timeline.add("wait", t0, time.time())
+            if tag == Tag.BATCH:
+                self._train(body["version"], body["share"])
+            elif tag == Tag.CHECKPOINT:
+                self._checkpoint(body["version"])
+            elif tag == Tag.STOP:
+                break
+            else:
+                raise RuntimeError(f"trainer got unexpected message {tag.name}")
+        self.mail.send(0, Tag.BYE)
+        self.mail.flush()
+
+    def close(self) -> None:
+        self.timeline.close()

@@ -1,0 +1,199 @@
+"""Weights from trainer rank 0 to the generators: bucketed collective broadcast, or safetensors on disk."""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import socket
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
+
+WEIGHTS_SUBDIR = "weights"
+
+
+def weights_checksum(state_dict: dict[str, torch.Tensor]) -> int:
+    """crc32 over every tensor's bytes in name order: equal on both ends iff the weights are equal."""
+    crc = 0
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().to("cpu").contiguous()
+        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def state_nbytes(state_dict: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state_dict.values())
+
+
+@dataclass
+class _Slot:
+    name: str
+    bucket: int
+    offset: int
+    shape: tuple[int, ...]
+    numel: int
+
+
+class BucketPlan:
+    """Packs a state dict into a few large pre-allocated flat buffers, one dtype per bucket.
+
+    Both ends build the same plan from the same model layout (sorted names, shapes, dtypes), so only
+    the buffers travel. Buffers are allocated once and reused every version: re-allocating them
+    costs more than the broadcast itself on small models.
+    """
+
+    def __init__(self, state_dict: dict[str, torch.Tensor], bucket_bytes: int, device: str = "cpu"):
+        self.slots: list[_Slot] = []
+        sizes: list[int] = []
+        dtypes: list[torch.dtype] = []
+        open_bucket: dict[torch.dtype, int] = {}
+        for name in sorted(state_dict):
+            t = state_dict[name]
+            b = open_bucket.get(t.dtype)
+            # a new bucket when this dtype has none yet or the tensor would overflow it (a tensor
+            # bigger than a bucket gets a bucket of its own)
+            if b is None or (sizes[b] > 0 and (sizes[b] + t.numel()) * t.element_size() > bucket_bytes):
+                b = len(sizes)
+                sizes.append(0)
+                dtypes.append(t.dtype)
+                open_bucket[t.dtype] = b
+            self.slots.append(_Slot(name, b, sizes[b], tuple(t.shape), t.numel()))
+            sizes[b] += t.numel()
+        self.buffers = [torch.empty(n, dtype=dt, device=device) for n, dt in zip(sizes, dtypes)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def pack(self, state_dict: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for s in self.slots:
+                self.buffers[s.bucket][s.offset : s.offset + s.numel].copy_(state_dict[s.name].reshape(-1))
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """The state dict as views into the buffers (valid until the next transfer)."""
+        return {s.name: self.buffers[s.bucket][s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
+
+
+class SyncGroup:
+    """A process group of {trainer rank 0 (root)} + generators, built after start-up.
+
+    Built from a TCPStore on the root whose address travels over MPI; gloo on CPU, NCCL when the
+    device is cuda (the NCCL branch is selected by device and cannot run on this CPU-only machine).
+    """
+
+    def __init__(self, comm, backend: str, timeout_s: float):
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.rank == 0:
+            host = socket.gethostname()
+            self.store = dist.TCPStore(host, 0, self.size, True, timeout=timeout, wait_for_workers=False)
+            addr = comm.bcast((host, self.store.port), root=0)
+        else:
+            addr = comm.bcast(None, root=0)
+            self.store = dist.TCPStore(addr[0], addr[1], self.size, False, timeout=timeout)
+        prefix = dist.PrefixStore("weight_sync", self.store)
+        self.backend = backend
+        if backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.size)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.pg.broadcast(tensor, 0).wait()
+
+    def raw_bandwidth(self, nbytes: int, device: str = "cpu", repeats: int = 3) -> float:
+        """GB/s of one flat buffer of `nbytes` broadcast as is: the ceiling bucketing is measured against."""
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        self.broadcast(buf)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            self.broadcast(buf)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return nbytes * repeats / (time.perf_counter() - t0) / 1e9
+
+    def close(self) -> None:
+        try:
+            self.pg.shutdown()
+        except Exception:  # best effort at exit
+            pass
+
+
+def backend_for(sync_backend: str, device: str) -> str:
+    if sync_backend != "auto":
+        return sync_backend
+    return "nccl" if device == "cuda" else "gloo"
+
+
+class WeightSender:
+    """Trainer rank 0's side: publish a state dict as version v (collective or disk)."""
+
+    def __init__(self, method: str, group: SyncGroup | None, run_dir: Path, bucket_mb: int,
+                 checksum: bool, keep_versions: int, device: str = "cpu"):
+        self.method, self.group, self.run_dir = method, group, Path(run_dir)
+        self.bucket_bytes = bucket_mb << 20
+        self.checksum, self.keep_versions, self.device = checksum, keep_versions, device
+        self.plan: BucketPlan | None = None
+
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> dict:
+        t0 = time.perf_counter()
+        if self.method == "disk":
+            nbytes = save_weights(self.run_dir, state_dict, version)
+            prune_weights(self.run_dir, self.keep_versions)
+        else:
+            if self.plan is None:
+                self.plan = BucketPlan(state_dict, self.bucket_bytes, self.device)
+            self.plan.pack(state_dict)
+            for buf in self.plan.buffers:
+                self.group.broadcast(buf)
+            nbytes = self.plan.nbytes
+        sync_s = time.perf_counter() - t0
+        crc = weights_checksum(state_dict) if self.checksum else None
+        return {"version": version, "sync_s": sync_s, "bytes": nbytes, "checksum": crc}
+
+
+class WeightReceiver:
+    """A generator's side: receive version v into reused buffers (or read its files)."""
+
+    def __init__(self, method: str, group: SyncGroup | None, run_dir: Path, template: dict[str, torch.Tensor],
+                 bucket_mb: int, device: str = "cpu"):
+        self.method, self.group, self.run_dir = method, group, Path(run_dir)
+        self.plan = BucketPlan(template, bucket_mb << 20, device) if method == "broadcast" else None
+
+    def receive(self, version: int) -> dict[str, torch.Tensor]:
+        if self.method == "disk":
+            return load_file(str(weights_dir(self.run_dir, version) / "model.safetensors"))
+        for buf in self.plan.buffers:
+            self.group.broadcast(buf)
+        return self.plan.views()
+
+
+def weights_dir(run_dir: Path, version: int) -> Path:
+    return Path(run_dir) / WEIGHTS_SUBDIR / f"v{version:08d}"
+
+
+def save_weights(run_dir: Path, state_dict: dict[str, torch.Tensor], version: int) -> int:
+    """RUN_DIR/weights/v{N}/model.safetensors, published by an atomic directory rename."""
+    final = weights_dir(run_dir, version)
+    if final.exists():  # a resumed run republishing the checkpoint's version
+        shutil.rmtree(final)
+    tmp = new_tmp_dir_beside(final)
+    sd = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}  # clone unties shared storage
+    save_file(sd, str(tmp / "model.safetensors"))
+    atomic_publish_dir(tmp, final)
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def prune_weights(run_dir: Path, keep: int) -> None:
+    root = Path(run_dir) / WEIGHTS_SUBDIR
+    done = sorted(p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

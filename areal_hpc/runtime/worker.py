@@ -1,0 +1,155 @@
+"""What every MPI rank runs: `python -m areal_hpc.runtime.worker RUN_DIR [--resume]` picks its role and runs it.
+
+Each rank writes RUN_DIR/logs/rank{r}-{role}.log (its stdout and stderr too) and a pid file. A rank that
+fails writes one line naming itself and the error to RUN_DIR/logs/error-rank{r}.txt, then aborts the MPI
+job, so no rank is left waiting on a dead peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+LOGS_SUBDIR = "logs"
+
+
+def log_path(run_dir: Path, rank: int, role: str) -> Path:
+    return Path(run_dir) / LOGS_SUBDIR / f"rank{rank:03d}-{role}.log"
+
+
+def error_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / LOGS_SUBDIR / f"error-rank{rank:03d}.txt"
+
+
+def _redirect_output(path: Path) -> None:
+    """Send this process's stdout/stderr (Python and C level) to its own log file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def _trainer_group(trainer_comm, timeout_s: float) -> None:
+    """The trainers' default torch process group (gloo), created before the engine, over a TCPStore."""
+    import torch.distributed as dist
+
+    t, n = trainer_comm.Get_rank(), trainer_comm.Get_size()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if t == 0:
+        host = socket.gethostname()
+        store = dist.TCPStore(host, 0, n, True, timeout=timeout, wait_for_workers=False)
+        trainer_comm.bcast((host, store.port), root=0)
+    else:
+        host, port = trainer_comm.bcast(None, root=0)
+        store = dist.TCPStore(host, port, n, False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore("trainers", store), rank=t, world_size=n, timeout=timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = Path(argv[0])
+    resume = "--resume" in argv[1:]
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    role = "rank"
+    stop_requested = []
+    try:
+        from areal_hpc.config import load_config
+        from areal_hpc.runtime.layout import GENERATOR, SCHEDULER, TRAINER, Layout
+
+        cfg = load_config(run_dir / "config.yaml")
+        layout = Layout(cfg.cluster.n_generators, cfg.cluster.n_trainers)
+        role = layout.role(rank) if rank < layout.world_size else "rank"
+        _redirect_output(log_path(run_dir, rank, role))
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format=f"%(asctime)s rank{rank} {role} %(name)s: %(message)s")
+        (run_dir / LOGS_SUBDIR / f"rank{rank:03d}.pid").write_text(str(os.getpid()))
+        layout.check_world(comm.Get_size())
+        # A signal (Slurm's --signal, scancel, a terminal) asks for a checkpoint and a clean stop;
+        # rank 0 acts on it, the others wait for its STOP.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, lambda *_: stop_requested.append(True))
+
+        import torch
+
+        torch.set_num_threads(cfg.cluster.threads_per_rank)
+        in_sync = role == GENERATOR or rank == layout.trainer0
+        sync_comm = comm.Split(0 if in_sync else MPI.UNDEFINED, 0 if rank == layout.trainer0 else rank)
+        trainer_comm = comm.Split(1 if role == TRAINER else MPI.UNDEFINED, rank)
+
+        from areal_hpc.model import check_model_folder
+
+        model_dir = check_model_folder(cfg.model.path) if role != SCHEDULER else None
+        sync_group = None
+        if in_sync and cfg.sync.method == "broadcast":
+            from areal_hpc.runtime.weight_sync import SyncGroup, backend_for
+
+            sync_group = SyncGroup(sync_comm, backend_for(cfg.sync.backend, cfg.cluster.device), cfg.sync.timeout_s)
+
+        if role == SCHEDULER:
+            from areal_hpc.runtime.scheduler import Scheduler
+
+            Scheduler(cfg, run_dir, comm, layout, resume, lambda: bool(stop_requested)).run()
+        elif role == GENERATOR:
+            from areal_hpc.runtime.generator import Generator
+
+            gen = Generator(cfg, run_dir, comm, layout, sync_group, model_dir, resume)
+            try:
+                gen.run()
+            finally:
+                gen.close()
+        else:
+            if layout.n_trainers > 1:
+                _trainer_group(trainer_comm, cfg.sync.timeout_s)
+            from areal_hpc.runtime.trainer import Trainer
+
+            tr = Trainer(cfg, run_dir, comm, layout, sync_group, model_dir, resume)
+            try:
+                tr.run()
+            finally:
+                tr.close()
+        if sync_group is not None:
+            sync_group.close()
+        if role == TRAINER and layout.n_trainers > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        # every rank leaves together: a polled barrier, so nobody spins on a core while waiting
+        req = comm.Ibarrier()
+        while not req.Test():
+            time.sleep(0.005)
+        logging.getLogger("areal_hpc").info("done")
+    except BaseException as err:  # noqa: BLE001 - any failure must end the whole job, not hang it
+        line = " ".join(f"rank {rank} ({role}) failed: {type(err).__name__}: {err}".split())
+        try:
+            traceback.print_exc()
+            sys.stderr.flush()
+            p = error_path(run_dir, rank)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(line + "\n")
+        finally:
+            comm.Abort(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    # skip interpreter teardown: torch/gloo threads can abort at exit after a clean run
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
