@@ -53,10 +53,24 @@ def test_shares_are_balanced_by_tokens():
     for i, n in enumerate([100, 90, 10, 10, 5, 5]):
         core.group_done(_group(i, 0, n))
     plan = core.next_batch()
-    loads = [sum(plan.groups[i].n_tokens for i in s) for s in plan.shares]
-    assert sorted(i for s in plan.shares for i in s) == list(range(6))
+    loads = [sum(plan.groups[i].n_tokens for mb in s for i in mb) for s in plan.shares]
+    assert sorted(i for s in plan.shares for mb in s for i in mb) == list(range(6))
     assert abs(loads[0] - loads[1]) <= 20
     assert len(plan.entries()) == 24
+
+
+def test_minibatches_do_not_depend_on_the_number_of_trainers():
+    def plan_for(n_trainers):
+        core = SchedulerCore(n_prompts=100, batch_prompts=8, eta=0, n_trainers=n_trainers, n_minibatches=2)
+        core.grant(8)
+        for i, n in enumerate([40, 35, 30, 22, 20, 12, 9, 5]):
+            core.group_done(_group(i, 0, n))
+        return core.next_batch()
+
+    one, two = plan_for(1), plan_for(2)
+    assert all(len(s) == 2 for s in two.shares)  # every trainer gets every minibatch (maybe empty)
+    for j in range(2):  # minibatch j is the same set of groups, however many trainers share it
+        assert sorted(one.shares[0][j]) == sorted(two.shares[0][j] + two.shares[1][j])
 
 
 def test_checkpoint_round_trip_is_json_and_resumes_the_cursor():

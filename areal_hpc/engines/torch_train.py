@@ -118,9 +118,12 @@ class TorchTrainEngine:
         return float(gnorm)
 
     # -- PPO -------------------------------------------------------------------------------------
-    def ppo_update(self, trajectories: list[Trajectory], advantages: np.ndarray) -> dict[str, float]:
-        """One policy version: recompute pi_prox once, then n_minibatches decoupled-PPO steps.
+    def ppo_update(self, trajectories: list[Trajectory], advantages: np.ndarray,
+                   minibatches: list[list[int]] | None = None) -> dict[str, float]:
+        """One policy version: recompute pi_prox once, then one decoupled-PPO step per minibatch.
 
+        `minibatches` (indices into `trajectories`, the same count on every rank) is how the batch was
+        split before it was shared out; by default this rank's share is split n_minibatches ways.
         Every rank must call this (possibly with an empty share) so the collectives line up.
         """
         seqs = [t.input_ids for t in trajectories]
@@ -130,7 +133,8 @@ class TorchTrainEngine:
             prox_all = [None] * len(seqs)
 
         lengths = [len(s) for s in seqs]
-        minibatches = balance_across_ranks(lengths, self.n_minibatches) if seqs else [[] for _ in range(self.n_minibatches)]
+        if minibatches is None:
+            minibatches = balance_across_ranks(lengths, self.n_minibatches) if seqs else [[] for _ in range(self.n_minibatches)]
         totals: dict[str, float] = {}
         for mb_idx in minibatches:
             local_tokens = float(sum(int(trajectories[i].loss_mask.sum()) for i in mb_idx))
@@ -164,10 +168,10 @@ class TorchTrainEngine:
                 for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac"):
                     totals[k] = totals.get(k, 0.0) + stats[k] * w
                 totals["_w"] = totals.get("_w", 0.0) + w
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._optimizer_step() / self.n_minibatches
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._optimizer_step() / len(minibatches)
         self.version += 1
         if "loss" in totals:
-            totals["loss"] /= self.n_minibatches  # mean minibatch loss
+            totals["loss"] /= len(minibatches)  # mean minibatch loss
         w = max(totals.pop("_w", 0.0), 1.0)
         for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac"):
             if k in totals:

@@ -40,7 +40,8 @@ class Scheduler:
         rc = cfg.rollout
         n_prompts = len(load_dataset(cfg.data).train)
         self.core = SchedulerCore(n_prompts=n_prompts, batch_prompts=rc.batch_prompts, eta=rc.eta,
-                                  n_trainers=layout.n_trainers, max_running=rc.max_running or None,
+                                  n_trainers=layout.n_trainers, n_minibatches=cfg.ppo.n_minibatches,
+                                  max_running=rc.max_running or None,
                                   seed=cfg.data.seed)
         self.ledger = Ledger(self.run_dir)
         self.timeline = Timeline(self.run_dir, 0, "scheduler")
@@ -159,6 +160,8 @@ class Scheduler:
             row = self.rows.pop(v)
             self.row_wait.pop(v, None)
             self.row_got.pop(v, None)
+            if self.resume and v == self.start_version:
+                continue  # the checkpoint's version republished: its row is already in metrics.csv
             gens = [row.get(f"checksum_gen{i}") for i in range(self.layout.n_generators)]
             if "checksum_trainer" in row and all(g is not None for g in gens):
                 row["weights_match"] = int(all(g == row["checksum_trainer"] for g in gens))
@@ -293,7 +296,7 @@ class Scheduler:
         self.batch = plan
         for t, share in zip(self.layout.trainer_ranks, plan.shares):
             body = {"version": plan.version,
-                    "share": [(plan.groups[i].shard, plan.groups[i].indices) for i in share]}
+                    "share": [[(plan.groups[i].shard, plan.groups[i].indices) for i in mb] for mb in share]}
             self.mail.send(t, Tag.BATCH, body)
 
     # -- stopping -------------------------------------------------------------------------------

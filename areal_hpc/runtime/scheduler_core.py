@@ -24,11 +24,15 @@ class ReadyGroup:
 
 @dataclass
 class BatchPlan:
-    """What one training version consumes, split across trainers by token count."""
+    """What one training version consumes: groups split into PPO minibatches, each split across trainers.
+
+    Minibatches are formed over the whole batch before the split, so T trainers take exactly the
+    optimizer steps one trainer would (a per-trainer split would change what each step sees).
+    """
 
     version: int
     groups: list[ReadyGroup]
-    shares: list[list[int]]  # per trainer: indices into `groups`
+    shares: list[list[list[int]]]  # [trainer][minibatch] -> indices into `groups`
 
     def entries(self) -> list[tuple[str, int]]:
         return [(g.shard, i) for g in self.groups for i in g.indices]
@@ -48,6 +52,7 @@ class SchedulerCore:
     batch_prompts: int
     eta: int
     n_trainers: int = 1
+    n_minibatches: int = 1
     max_running: int | None = None
     seed: int = 0
     cursor: int = 0
@@ -104,7 +109,11 @@ class SchedulerCore:
         if len(self.ready) < self.batch_prompts:
             return None
         groups = [self.ready.popleft() for _ in range(self.batch_prompts)]
-        shares = balance_across_ranks([g.n_tokens for g in groups], self.n_trainers)
+        tokens = [g.n_tokens for g in groups]
+        shares: list[list[list[int]]] = [[] for _ in range(self.n_trainers)]
+        for mb in balance_across_ranks(tokens, self.n_minibatches):
+            for t, part in enumerate(balance_across_ranks([tokens[i] for i in mb], self.n_trainers)):
+                shares[t].append([mb[j] for j in part])
         return BatchPlan(self.version, groups, shares)
 
     def version_trained(self, new_version: int) -> None:

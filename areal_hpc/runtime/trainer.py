@@ -76,14 +76,24 @@ class Trainer:
             # both ends run this once, right after start-up: the ceiling the bucketed sync is measured against
             nbytes = state_nbytes(self.engine.weights())
             body["raw_gbps"] = self.sync_group.raw_bandwidth(nbytes, self.cfg.cluster.device)
-        self.mail.send(0, Tag.READY, body)
-        self._publish()
+        self._announce_and_publish(Tag.READY, body)
 
-    def _publish(self) -> None:
+    def _announce_and_publish(self, tag: Tag, body: dict) -> None:
+        """Tell rank 0 (which tells the generators), and trainer 0 publishes the weights.
+
+        A broadcast needs the generators to join, so the message goes first; files must exist
+        before anyone is told to read them, so the disk path publishes first.
+        """
         if self.sender is None:
+            self.mail.send(0, tag, body)
             return
+        disk = self.sender.method == "disk"
+        if not disk:
+            self.mail.send(0, tag, body)
         with self.timeline.span("sync"):
             info = self.sender.publish(self.engine.weights(), self.engine.version)
+        if disk:
+            self.mail.send(0, tag, body)
         self.mail.send(0, Tag.SYNC_DONE, info)
 
     def _train(self, version: int, share: list) -> None:
@@ -94,22 +104,28 @@ class Trainer:
         t0 = time.time()
         with self.timeline.span("load"):
             trajs: list[Trajectory] = []
-            for shard, indices in share:
-                stored = read_shard(self.run_dir / ROLLOUTS_SUBDIR / shard)
-                trajs += [stored[i] for i in indices]
+            mb_of: list[int] = []  # minibatch of each trajectory
+            cache: dict[str, list[Trajectory]] = {}
+            for j, minibatch in enumerate(share):
+                for shard, indices in minibatch:
+                    if shard not in cache:
+                        cache[shard] = read_shard(self.run_dir / ROLLOUTS_SUBDIR / shard)
+                    trajs += [cache[shard][i] for i in indices]
+                    mb_of += [j] * len(indices)
         with self.timeline.span("train"):
             pc = self.cfg.ppo
             r = np.array([t.reward for t in trajs], dtype=np.float64)
             gids = np.array([t.group_id for t in trajs], dtype=np.int64)
             adv = group_advantages(r, gids, pc.adv_norm) if trajs else np.zeros(0)
             keep = informative_groups(r, gids) if (pc.drop_uniform_groups and trajs) else np.ones(len(trajs), bool)
-            stats = self.engine.ppo_update([t for t, k in zip(trajs, keep) if k], adv[keep])
+            kept = np.flatnonzero(keep)
+            minibatches = [[k for k, i in enumerate(kept) if mb_of[i] == j] for j in range(len(share))]
+            stats = self.engine.ppo_update([trajs[i] for i in kept], adv[kept], minibatches)
         stats.update(share_stats(trajs, version))
         stats["groups_kept"] = int(len(set(gids[keep].tolist()))) if trajs else 0
         stats["loss_tokens"] = int(sum(int(t.loss_mask.sum()) for t, k in zip(trajs, keep) if k))
         stats["t_train"] = time.time() - t0
-        self.mail.send(0, Tag.TRAIN_DONE, {"version": self.engine.version, "stats": stats})
-        self._publish()
+        self._announce_and_publish(Tag.TRAIN_DONE, {"version": self.engine.version, "stats": stats})
 
     def _checkpoint(self, version: int) -> None:
         path = trainer_checkpoint_dir(self.run_dir, version)

@@ -1,0 +1,35 @@
+"""Under mpirun -n 2: two trainers on the runtime's own trainer group split one batch by tokens and update."""
+
+import pickle
+import sys
+
+import torch
+from mpi4py import MPI
+
+from areal_hpc.algo.packing import balance_across_ranks
+from areal_hpc.engines.torch_train import TorchTrainEngine
+from areal_hpc.runtime.worker import _trainer_group
+
+
+def main(model_dir: str, out: str) -> None:
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(1)
+    _trainer_group(comm, 60)
+    with open(f"{out}/batch.pkl", "rb") as f:
+        trajs, adv = pickle.load(f)
+    lengths = [len(t.input_ids) for t in trajs]
+    # as the scheduler does: minibatches over the whole batch, then each one split across trainers
+    mine, minibatches = [], []
+    for mb in balance_across_ranks(lengths, 2):
+        part = [mb[j] for j in balance_across_ranks([lengths[i] for i in mb], comm.Get_size())[comm.Get_rank()]]
+        minibatches.append(list(range(len(mine), len(mine) + len(part))))
+        mine += part
+    eng = TorchTrainEngine(model_dir, lr=1e-3, n_minibatches=2)
+    eng.optimizer = torch.optim.SGD(eng.model.parameters(), lr=0.1)  # linear in the gradient (see test_engines)
+    eng.ppo_update([trajs[i] for i in mine], adv[mine], minibatches)
+    torch.save(eng.weights(), f"{out}/rank{comm.Get_rank()}.pt")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,211 @@
+"""End-to-end tests of the asynchronous runtime: real mpirun, real ranks, real store, ledger and checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from areal_hpc.config import load_config
+from areal_hpc.launch.local import launch, mpi_env
+from areal_hpc.runtime.weight_sync import weights_checksum
+from areal_hpc.store import Ledger, list_shards, load_trajectories, read_shard_summary
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "jobs" / "demo.yaml"
+CLI = [sys.executable, "-m", "areal_hpc.cli"]
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(DEMO, [f"store.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
+                              "logging.progress=false", "logging.tensorboard=false", *overrides])
+
+
+def _mpirun(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
+    return subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _audit(run: Path, eta: int) -> pd.DataFrame:
+    """Exactly-once and staleness, from the store and ledger alone."""
+    ledger = Ledger(run)  # raises if any trajectory was recorded twice
+    sizes = {p.name: read_shard_summary(p).n_trajectories for p in list_shards(run / "rollouts")}
+    for shard, idx in ledger.consumed():
+        assert shard in sizes and idx < sizes[shard], f"ledger entry ({shard}, {idx}) points at no trajectory"
+    df = load_trajectories(run)
+    eaten = df[df["consumed_version"] >= 0]
+    assert len(eaten) == len(ledger.consumed())
+    assert (eaten["consumed_version"] - eaten["version_start"] <= eta).all()
+    assert (eaten["version_start"] >= 0).all()
+    return eaten
+
+
+def test_bucketed_broadcast_delivers_exact_weights(tmp_path):
+    r = _mpirun(3, str(ROOT / "tests" / "mpi" / "bucket_broadcast.py"), str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.loads((tmp_path / "result.json").read_text())
+    for sender, *receivers in results:
+        assert sender["buckets"] >= 3  # several dtypes and an oversize tensor: several buckets
+        for got in receivers:
+            assert got["equal"] and got["checksum"] == sender["checksum"]
+    assert results[0][0]["checksum"] != results[1][0]["checksum"]  # two different versions went through
+
+
+def test_two_trainers_under_mpirun_match_one(tiny_model_dir, tmp_path):
+    from areal_hpc.engines.torch_gen import TorchGenerationEngine
+    from areal_hpc.engines.torch_train import TorchTrainEngine
+    from areal_hpc.model import load_tokenizer
+    from areal_hpc.rollout import group_requests, to_trajectory
+
+    tok = load_tokenizer(tiny_model_dir)
+    gen = TorchGenerationEngine(str(tiny_model_dir), seed=3)
+    reqs = [r for g, q in enumerate(["03+04=", "11+09=", "05+05=", "19+01="]) for r in group_requests(tok.encode(q), g, 4, 6)]
+    trajs = [to_trajectory(o, 0, float(i % 3 == 0), 1, 0, 0) for i, o in enumerate(gen.generate(reqs))]
+    adv = np.linspace(-1, 1, len(trajs)).astype(np.float32)
+    with open(tmp_path / "batch.pkl", "wb") as f:
+        pickle.dump((trajs, adv), f)
+    r = _mpirun(2, str(ROOT / "tests" / "mpi" / "trainer_dp.py"), str(tiny_model_dir), str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    single = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, n_minibatches=2)
+    single.optimizer = torch.optim.SGD(single.model.parameters(), lr=0.1)
+    start = {k: v.clone() for k, v in single.weights().items()}
+    single.ppo_update(trajs, adv)  # its own split of the whole batch into 2 minibatches, as the scheduler makes
+    w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    for k, v in single.weights().items():
+        torch.testing.assert_close(w0[k], w1[k], rtol=0, atol=0)
+        torch.testing.assert_close(w0[k], v, rtol=1e-4, atol=1e-6)
+    assert any(not torch.equal(start[k], v) for k, v in single.weights().items())
+
+
+@pytest.mark.slow
+def test_async_run_learns_and_keeps_weights_in_sync(tmp_path):
+    cfg = _cfg(tmp_path, "rollout.eta=2", "cluster.n_generators=2", "cluster.n_trainers=1",
+               "trainer.versions=200", "trainer.max_wall_s=200", "trainer.checkpoint_every=50", "logging.eval_every=50")
+    s = launch(cfg, progress=False)
+    # RL itself, with data up to 2 versions stale, adds >= 20 points over the warm-started policy
+    assert s["acc_init"] < 0.05
+    assert s["acc_final"] - s["acc_start"] >= 0.20, s
+    run = tmp_path / "run"
+    eaten = _audit(run, eta=2)
+    assert eaten["staleness"].max() >= 1  # generation really ran ahead of training
+    assert len(eaten) == s["versions"] * cfg.rollout.batch_prompts * cfg.rollout.n_samples
+
+    m = pd.read_csv(run / "metrics.csv")
+    assert list(m["version"]) == list(range(s["versions"] + 1))  # one row per version, in order
+    assert (m["weights_match"] == 1).all()  # both generators hold exactly the trainer's weights, every version
+    assert (m["checksum_gen0"] == m["checksum_trainer"]).all() and (m["checksum_gen1"] == m["checksum_trainer"]).all()
+    final = load_file(str(run / "checkpoints" / f"v{s['versions']:08d}" / "model.safetensors"))
+    assert weights_checksum(final) == m["checksum_trainer"].iloc[-1]  # ... and the final export
+    assert m["sync_gbps"].gt(0).all() and s["raw_broadcast_gbps"] > 0
+
+    tl = pd.concat(pd.read_csv(p) for p in (run / "timeline").glob("rank*.csv"))
+    assert set(tl["role"]) == {"scheduler", "generator", "trainer"}
+    assert {"generate", "reward", "write", "train", "sync", "wait"} <= set(tl["event"])
+    assert len(list((run / "logs").glob("rank*-*.log"))) == 4
+
+
+def test_staleness_audit_and_interrupted_generation(tmp_path):
+    # long generations from an untrained model: new weights arrive while requests are in flight
+    cfg = _cfg(tmp_path, "rollout.eta=2", "rollout.max_new_tokens=48", "rollout.batch_prompts=8",
+               "rollout.prompts_per_generator=8", "trainer.warm_start_steps=0", "trainer.versions=10",
+               "trainer.max_wall_s=0", "logging.eval_prompts=20")
+    s = launch(cfg, progress=False)
+    eaten = _audit(tmp_path / "run", eta=2)
+    mixed = eaten[eaten["version_start"] != eaten["version_end"]]
+    assert len(mixed) > 0, "no trajectory was interrupted and resumed under new weights"
+    assert (mixed["finish_reason"] != "abort").all()  # resumed to a real end, never stored half-done
+    assert s["versions"] == 10
+
+
+def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):
+    cfg = _cfg(tmp_path, "rollout.eta=0", "cluster.n_generators=1", "cluster.n_trainers=2", "sync.method=disk",
+               "sync.keep_versions=2", "rollout.batch_prompts=16", "trainer.versions=6", "trainer.max_wall_s=0",
+               "logging.eval_prompts=20")
+    s = launch(cfg, progress=False)
+    run = tmp_path / "run"
+    eaten = _audit(run, eta=0)
+    assert (eaten["staleness"] == 0).all() and (eaten["version_start"] == eaten["version_end"]).all()
+    assert len(eaten) == 6 * 16 * cfg.rollout.n_samples
+    m = pd.read_csv(run / "metrics.csv")
+    assert (m["weights_match"] == 1).all()
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["v00000005", "v00000006"]
+    assert s["dropped_stale"] == 0
+
+
+def _wait_progress(run: Path, version: int, proc, timeout: float = 180) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        try:
+            if json.loads((run / "progress.json").read_text())["version"] >= version:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"run did not reach version {version}")
+
+
+def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
+    run = tmp_path / "run"
+    args = [str(DEMO), f"store.run_dir={run}", f"model.path={tmp_path / 'model'}", "rollout.eta=1",
+            "rollout.interrupt=false", "rollout.max_new_tokens=16", "trainer.versions=14", "trainer.max_wall_s=0",
+            "trainer.checkpoint_every=3", "logging.eval_prompts=20", "logging.tensorboard=false"]
+    proc = subprocess.Popen([*CLI, "run", *args, "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_progress(run, 5, proc)
+    trainer_pid = int((run / "logs" / "rank003.pid").read_text())
+    os.kill(trainer_pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "mpirun exited with code" in err, err
+    assert len(err.strip().splitlines()) == 1  # one clear line
+    crashed_at = Ledger(run).last_version()
+
+    r = subprocess.run([*CLI, "run", "--resume", str(run), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["start_version"] in (3, 6) and s["start_version"] <= crashed_at + 1 and s["versions"] == 14
+    eaten = _audit(run, eta=1)
+    assert len(eaten) == 14 * 32 * 8  # every version consumed one full batch, none twice
+    assert (eaten["version_start"] == eaten["version_end"]).all()  # interrupt off: one version per trajectory
+    m = pd.read_csv(run / "metrics.csv")
+    assert list(m["version"]) == list(range(15))
+    assert not list((run / "rollouts").glob("*.tmp"))
+
+
+def test_error_in_one_rank_stops_every_rank_with_one_line(tmp_path):
+    run = tmp_path / "run"
+    args = [str(DEMO), f"store.run_dir={run}", f"model.path={tmp_path / 'model'}", "trainer.versions=50",
+            "logging.eval_prompts=20", "logging.tensorboard=false", "--no-progress"]
+    t0 = time.time()
+    r = subprocess.run([*CLI, "run", *args], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "AREAL_HPC_FAULT": "trainer@3"})
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rank 3 (trainer) failed: RuntimeError: injected fault" in lines[0], r.stderr
+    assert time.time() - t0 < 120
+    for pid_file in (run / "logs").glob("rank*.pid"):
+        pid = int(pid_file.read_text())
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_run_refuses_bad_requests_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(DEMO.read_text())
+    r = subprocess.run([*CLI, "run", "--resume", str(run)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "no complete checkpoint" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    (run / "ledger").mkdir()
+    r = subprocess.run([*CLI, "run", str(DEMO), f"store.run_dir={run}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "already holds a run" in r.stderr
+    r = subprocess.run([*CLI, "run", str(DEMO), "sync.method=carrier-pigeon"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "sync.method" in r.stderr and "broadcast, disk" in r.stderr
