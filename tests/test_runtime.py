@@ -209,3 +209,22 @@ def test_run_refuses_bad_requests_in_one_line(tmp_path):
     assert r.returncode != 0 and "already holds a run" in r.stderr
     r = subprocess.run([*CLI, "run", str(DEMO), "sync.method=carrier-pigeon"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "sync.method" in r.stderr and "broadcast, disk" in r.stderr
+
+
+def test_ctrl_c_checkpoints_and_stops_every_rank_cleanly(tmp_path):
+    from areal_hpc.runtime.resume import latest_checkpoint
+
+    run = tmp_path / "run"
+    args = [str(DEMO), f"store.run_dir={run}", f"model.path={tmp_path / 'model'}", "trainer.versions=100000",
+            "trainer.max_wall_s=0", "logging.eval_prompts=20", "logging.tensorboard=false", "--no-progress"]
+    proc = subprocess.Popen([*CLI, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_progress(run, 4, proc)
+    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the launcher
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err[-2000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["stop_reason"] == "stop requested" and latest_checkpoint(run) == s["versions"] >= 4
+    assert "versions:" in out and "staleness:" in out
+    _audit(run, eta=2)
+    for pid_file in (run / "logs").glob("rank*.pid"):
+        assert not Path(f"/proc/{int(pid_file.read_text())}/cmdline").exists() or not Path(f"/proc/{int(pid_file.read_text())}/cmdline").read_bytes()
