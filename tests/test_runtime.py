@@ -125,7 +125,20 @@ def test_staleness_audit_and_interrupted_generation(tmp_path):
     mixed = eaten[eaten["version_start"] != eaten["version_end"]]
     assert len(mixed) > 0, "no trajectory was interrupted and resumed under new weights"
     assert (mixed["finish_reason"] != "abort").all()  # resumed to a real end, never stored half-done
-    assert s["versions"] == 10
+    assert s["versions"] == 10 and s["aborted_requests"] > 0
+
+    # the analysis notebook runs on this run directory
+    import matplotlib
+
+    matplotlib.use("Agg")
+    nb = json.loads((ROOT / "analysis" / "async_runtime.ipynb").read_text())
+    scope: dict = {}
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            src = "".join(cell["source"]).replace("Path('../runs/demo')", f"Path({str(tmp_path / 'run')!r})")
+            exec(compile(src, "async_runtime.ipynb", "exec"), scope)
+    assert len(scope["consumed"]) == len(eaten) and scope["interrupted"] > 0
+    assert {"generate", "train"} <= set(scope["util"].columns)
 
 
 def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):

@@ -98,6 +98,12 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
         proc = subprocess.Popen(cmd, stdout=mpilog, stderr=subprocess.STDOUT, env=mpi_env(), start_new_session=True)
     bar = tqdm(total=cfg.trainer.versions, desc="versions", disable=not progress, unit="v", dynamic_ncols=True)
     stop_asked_at = None
+
+    def _as_interrupt(*_):
+        raise KeyboardInterrupt
+
+    # a launcher told to end (SIGTERM, a closed terminal) stops the run as Ctrl-C does, never orphans it
+    old_handlers = {sig: signal.signal(sig, _as_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while proc.poll() is None:
             try:
@@ -122,6 +128,8 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
                 else:
                     os.killpg(proc.pid, signal.SIGKILL)
     finally:
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
         if proc.poll() is None:  # an exception in this loop: never leave ranks behind
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

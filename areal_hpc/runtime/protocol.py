@@ -21,7 +21,8 @@ scheduler -> trainer
   BATCH       {"version": v, "share": [(shard, [indices]), ...]}  this trainer's token-balanced share
   CHECKPOINT  {"version": v}
 any -> scheduler
-  BYE         {}                               answer to STOP: this rank sends nothing more
+  BYE         {"interrupted": n}               answer to STOP: this rank sends nothing more (generators:
+                                               how many requests they aborted for new weights)
 scheduler -> any
   STOP        {}                               finish: answer BYE and exit (rank 0 drains until every BYE)
 

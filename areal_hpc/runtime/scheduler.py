@@ -64,6 +64,7 @@ class Scheduler:
         self.stopping = False
         self.stop_reason = ""
         self.byes = 0
+        self.aborted_requests = 0  # requests generators aborted for new weights (and resumed)
         self.t0 = time.time()
         self.t_rl: float | None = None
         self.tokens_consumed = 0
@@ -139,6 +140,7 @@ class Scheduler:
                 self._finish_checkpoint()
         elif tag == Tag.BYE:
             self.byes += 1
+            self.aborted_requests += body.get("interrupted", 0)
         else:
             raise RuntimeError(f"scheduler got unexpected message {tag.name} from rank {src}")
 
@@ -394,4 +396,5 @@ class Scheduler:
             "raw_broadcast_gbps": None if math.isnan(self.raw_gbps) else self.raw_gbps,
             "eta": self.cfg.rollout.eta,
             "interrupt": self.cfg.rollout.interrupt,
+            "aborted_requests": self.aborted_requests,
         }
