@@ -223,3 +223,23 @@ def test_two_trainers_match_one(tiny_model_dir, tmp_path):
         torch.testing.assert_close(w0[k], w1[k], rtol=0, atol=0)  # ranks stay identical
         torch.testing.assert_close(w0[k], v, rtol=1e-4, atol=1e-6)  # and equal the single trainer
     assert any(not torch.equal(start[k], v) for k, v in single.weights().items())
+
+
+def test_loglinear_prox_treats_current_weights_as_the_proximal_policy(tiny_model_dir, monkeypatch):
+    import areal_hpc.engines.torch_train as tt
+
+    tok = load_tokenizer(tiny_model_dir)
+    trajs = _trajs(tok, TorchGenerationEngine(str(tiny_model_dir), seed=7))
+    seen = []
+    real = tt.loglinear_prox_logp
+
+    def spy(logp, behav, versions, current_version):
+        seen.append(current_version)
+        return real(logp, behav, versions, current_version)
+
+    monkeypatch.setattr(tt, "loglinear_prox_logp", spy)
+    tr = TorchTrainEngine(str(tiny_model_dir), prox="loglinear")
+    tr.version = 4
+    tr.ppo_update(trajs, np.linspace(-1, 1, len(trajs)).astype(np.float32))
+    # the weights being trained become version 5; tokens of version 4 are on-policy (alpha = 0)
+    assert seen and set(seen) == {5}

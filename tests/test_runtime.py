@@ -48,6 +48,8 @@ def _audit(run: Path, eta: int) -> pd.DataFrame:
     assert len(eaten) == len(ledger.consumed())
     assert (eaten["consumed_version"] - eaten["version_start"] <= eta).all()
     assert (eaten["version_start"] >= 0).all()
+    # no token from a version newer than the one trained on it (a resume must not reuse rolled-back tokens)
+    assert (eaten["version_end"] <= eaten["consumed_version"]).all()
     return eaten
 
 

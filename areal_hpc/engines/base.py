@@ -18,7 +18,13 @@ class GenerationEngine(Protocol):
         """Sample continuations. If abort() is called meanwhile, return partial outputs ('abort')."""
 
     def abort(self) -> None:
-        """Thread-safe: make the running generate() return at the next token with partial outputs."""
+        """Thread-safe: make the running generate() return at the next token with partial outputs.
+
+        An abort that reaches no running call stays pending for the next one until clear_abort().
+        """
+
+    def clear_abort(self) -> None:
+        """Forget a pending abort (call when nothing is generating)."""
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new weights in place; tokens sampled afterwards carry `version`."""

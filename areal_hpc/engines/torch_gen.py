@@ -46,6 +46,9 @@ class TorchGenerationEngine:
     def abort(self) -> None:
         self._abort.set()
 
+    def clear_abort(self) -> None:
+        self._abort.clear()
+
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with self._lock:

@@ -151,7 +151,8 @@ class TorchTrainEngine:
                     if prox_all[i] is not None:
                         prox = prox_all[i]
                     else:
-                        prox = loglinear_prox_logp(lp, behav, torch.as_tensor(t.versions), self.version)
+                        # the weights being trained become version+1; pi_prox is the current version
+                        prox = loglinear_prox_logp(lp, behav, torch.as_tensor(t.versions), self.version + 1)
                     parts["logp"].append(lp)
                     parts["prox"].append(prox)
                     parts["behav"].append(behav)

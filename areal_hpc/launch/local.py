@@ -68,7 +68,8 @@ def prepare_run_dir(cfg: Config, resume: bool) -> Path:
 
 
 def failure_line(run_dir: Path, returncode: int) -> str:
-    errors = sorted((run_dir / LOGS_SUBDIR).glob("error-rank*.txt"))
+    # the first error written is the cause; later ones are usually peers losing their connection
+    errors = sorted((run_dir / LOGS_SUBDIR).glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
     if errors:
         first = errors[0].read_text().strip()
         log = next((run_dir / LOGS_SUBDIR).glob(errors[0].name.replace("error-", "").replace(".txt", "-*.log")), None)

@@ -83,10 +83,21 @@ class Generator:
 
     # -- weights --------------------------------------------------------------------------------
     def _receive(self, version: int) -> None:
+        crc = None
+        if self.staged is not None:
+            # computed before the receive overwrites the shared buffers
+            crc = weights_checksum(self.staged[1]) if self.cfg.sync.checksum else None
         with self.timeline.span("sync"):
-            sd = self.receiver.receive(version)
+            try:
+                sd = self.receiver.receive(version)
+            except FileNotFoundError:
+                # disk path: pruned because newer versions exist, whose NEW_VERSION messages follow
+                self.mail.send(0, Tag.WEIGHTS_OK, {"version": version, "checksum": None, "skipped": True})
+                return
+        if self.staged is not None:  # never applied: a newer version is here first
+            self.mail.send(0, Tag.WEIGHTS_OK, {"version": self.staged[0], "checksum": crc, "skipped": True})
         self.staged = (version, sd)
-        if self.cfg.rollout.interrupt and self.running is not None:
+        if self.cfg.rollout.interrupt and self.running is not None and not self.running.done():
             self.engine.abort()
 
     def _apply_staged(self) -> None:
@@ -97,9 +108,10 @@ class Generator:
         t0 = time.time()
         with self.timeline.span("load"):
             self.engine.update_weights(sd, version)
+        load_s = time.time() - t0
         crc = weights_checksum(self.engine.state_dict()) if self.cfg.sync.checksum else None
         self.have_weights = True
-        self.mail.send(0, Tag.WEIGHTS_OK, {"version": version, "checksum": crc, "load_s": time.time() - t0})
+        self.mail.send(0, Tag.WEIGHTS_OK, {"version": version, "checksum": crc, "load_s": load_s})
 
     # -- generation -----------------------------------------------------------------------------
     def _start_batch(self) -> None:
@@ -112,6 +124,7 @@ class Generator:
     def _collect_batch(self) -> None:
         outs = self.running.result()  # re-raises an engine error here, on the main thread
         self.running = None
+        self.engine.clear_abort()  # an abort that came as the batch ended must not hit the next call
         self.idle_since = time.time()
         self.timeline.add("generate", self.t_gen, self.idle_since)
         finished: list[int] = []

@@ -7,7 +7,8 @@ generator -> scheduler
   WANT        {"k": n}                         n more prompts wanted (free capacity not yet asked for)
   GROUPS_DONE {"shard": name, "groups": [...]} finished, rewarded groups now in a shard file
   EVAL_RESULT {"tag": str, "version": v, "acc": float}
-  WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s}   weights applied
+  WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s}   weights applied (or, with "skipped":
+                                               True, received but replaced by a newer version first)
 scheduler -> generator
   GRANT       {"prompts": [(dataset index, group id), ...]}
   NEW_VERSION {"version": v}                   join the weight transfer of version v now

@@ -46,14 +46,15 @@ def load_scheduler_state(run_dir: Path, version: int) -> dict:
     return json.loads(scheduler_state_path(run_dir, version).read_text())
 
 
-def unconsumed_groups(run_dir: Path, consumed: dict) -> tuple[list[ReadyGroup], int]:
-    """Every group in the store none of whose trajectories the ledger lists, oldest first.
+def unconsumed_groups(run_dir: Path, consumed: dict) -> tuple[list[tuple[ReadyGroup, int]], int]:
+    """Every group in the store none of whose trajectories the ledger lists, oldest first, each with the
+    newest version among its tokens (a resume must not reuse tokens of versions it rolled back).
 
     Also returns the largest group id seen (-1 if none), so new group ids never repeat old ones.
     A corrupt shard (torn by a crash mid-write cannot happen: writes are atomic, but a damaged
     disk can) is skipped; its groups are simply never trained on.
     """
-    groups: list[ReadyGroup] = []
+    groups: list[tuple[ReadyGroup, int]] = []
     max_gid = -1
     for path in list_shards(Path(run_dir) / ROLLOUTS_SUBDIR):
         try:
@@ -68,12 +69,13 @@ def unconsumed_groups(run_dir: Path, consumed: dict) -> tuple[list[ReadyGroup], 
         for gid, idx in members.items():
             if any((path.name, i) in consumed for i in idx):
                 continue
-            groups.append(ReadyGroup(
+            group = ReadyGroup(
                 shard=path.name, indices=idx, prompt_id=int(s.prompt_id[idx[0]]), group_id=int(gid),
                 n_tokens=int(sum(int(lengths[i]) for i in idx)),
                 version_start=int(min(int(s.version_start[i]) for i in idx)),
-            ))
-    groups.sort(key=lambda g: (g.version_start, g.group_id))
+            )
+            groups.append((group, int(max(int(s.version_end[i]) for i in idx))))
+    groups.sort(key=lambda g: (g[0].version_start, g[0].group_id))
     return groups, max_gid
 
 

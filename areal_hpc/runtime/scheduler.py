@@ -82,10 +82,15 @@ class Scheduler:
         clean_temporaries(self.run_dir)
         state = load_scheduler_state(self.run_dir, n)
         removed = self.ledger.truncate_after(n - 1)  # batches recorded after the checkpoint were not kept
-        ready, max_gid = unconsumed_groups(self.run_dir, self.ledger.consumed())
-        fresh = [g for g in ready if n - g.version_start <= self.cfg.rollout.eta]
-        self.dropped_on_resume = state.get("dropped_on_resume", 0) + len(ready) - len(fresh)
         self.core.load_state_dict(state["core"])
+        found, max_gid = unconsumed_groups(self.run_dir, self.ledger.consumed())
+        already = set(self.core.dropped_ids)
+        ready = [(g, end) for g, end in found if g.group_id not in already]
+        # reusable: fresh enough for version n, and sampled only by versions that still exist (<= n)
+        fresh = [g for g, end in ready if n - g.version_start <= self.cfg.rollout.eta and end <= n]
+        stale = [g for g, end in ready if not (n - g.version_start <= self.cfg.rollout.eta and end <= n)]
+        self.core.dropped_ids += [g.group_id for g in stale]
+        self.dropped_on_resume = state.get("dropped_on_resume", 0) + len(stale)
         self.core.ready.clear()
         self.core.ready.extend(fresh)
         self.core.gate.version = n
@@ -94,8 +99,8 @@ class Scheduler:
         self.tokens_consumed = state.get("tokens_consumed", 0)
         self.samples_consumed = state.get("samples_consumed", 0)
         self.evals = dict(state.get("evals", {}))
-        log.info("resumed from checkpoint v%d: ledger versions %s dropped, %d stored groups reused, %d too stale",
-                 n, removed, len(fresh), len(ready) - len(fresh))
+        log.info("resumed from checkpoint v%d: ledger versions %s dropped, %d stored groups reused, %d dropped",
+                 n, removed, len(fresh), len(stale))
         return n
 
     # -- messages -------------------------------------------------------------------------------
@@ -122,9 +127,13 @@ class Scheduler:
         elif tag == Tag.WEIGHTS_OK:
             v = body["version"]
             row = self.rows.setdefault(v, {})
+            g = self.layout.index(src)
             if body["checksum"] is not None:
-                row[f"checksum_gen{self.layout.index(src)}"] = body["checksum"]
-            row[f"load_s_gen{self.layout.index(src)}"] = body["load_s"]
+                row[f"checksum_gen{g}"] = body["checksum"]
+            if body.get("skipped"):  # a newer version arrived first; the checksum is of what was received
+                row[f"skipped_gen{g}"] = 1
+            else:
+                row[f"load_s_gen{g}"] = body["load_s"]
             self._row_got(v, f"weights{src}")
         elif tag == Tag.EVAL_RESULT:
             self.evals[body["tag"]] = body["acc"]
@@ -179,6 +188,8 @@ class Scheduler:
         self._publish(v, {"wall_s": time.time() - self.t0})
         self._row_got(v, "train")  # the starting weights: nothing trained, the row only waits for the sync
         self.t_rl = time.time()
+        if v >= self.cfg.trainer.versions:
+            self._begin_stop(f"already at version {v} (trainer.versions={self.cfg.trainer.versions})")
         if not self.resume:
             self._request_eval("start")
             self._start_checkpoint(v)
@@ -344,6 +355,8 @@ class Scheduler:
 
     def run(self) -> dict:
         self.start_version = self._restore() if self.resume else 0
+        if self.resume:
+            self.last_ckpt = self.start_version  # never rewrite the checkpoint we resumed from
         self.core.version_trained(self.start_version)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.logging.tensorboard,
                                      keep_upto=self.start_version if self.resume else None)

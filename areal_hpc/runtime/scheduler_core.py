@@ -57,6 +57,7 @@ class SchedulerCore:
     seed: int = 0
     cursor: int = 0
     dropped_stale: int = 0
+    dropped_ids: list = field(default_factory=list)  # group ids dropped as too stale
     ready: deque = field(default_factory=deque)
     gate: StalenessGate | None = None
 
@@ -102,6 +103,7 @@ class SchedulerCore:
             if self.version - g.version_start > self.eta:
                 # too old already; it only gets older, so drop it now and return its slot
                 self.dropped_stale += 1
+                self.dropped_ids.append(g.group_id)
                 self.gate.discard(1)
             else:
                 fresh.append(g)
@@ -123,6 +125,7 @@ class SchedulerCore:
         return {
             "cursor": self.cursor,
             "dropped_stale": self.dropped_stale,
+            "dropped_ids": list(self.dropped_ids),
             "ready": [asdict(g) for g in self.ready],
             "gate": asdict(self.gate),
         }
@@ -131,5 +134,6 @@ class SchedulerCore:
         """Restore a checkpoint. In-flight prompts of the crashed run are not running any more."""
         self.cursor = state["cursor"]
         self.dropped_stale = state["dropped_stale"]
+        self.dropped_ids = list(state.get("dropped_ids", []))
         self.ready = deque(ReadyGroup(**g) for g in state["ready"])
         self.gate = StalenessGate(**{**state["gate"], "running": 0})
