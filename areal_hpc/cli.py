@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -91,6 +92,78 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
         click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s bucketed, raw single buffer {s['raw_broadcast_gbps'] or float('nan'):.2f} GB/s")
     click.echo(f"run dir:     {run_dir}  (metrics.csv, timeline/, logs/, checkpoints/)")
     click.echo(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
+
+
+@main.command("render")
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--check/--no-check", default=True, help="Check the request against the cluster (sinfo) first.")
+def render_cmd(config_path: str, overrides: tuple[str, ...], check: bool) -> None:
+    """Print the heterogeneous-job sbatch script for CONFIG_PATH [KEY=VALUE ...] (submit it with sbatch)."""
+    from areal_hpc.launch.slurm import SlurmError, check_request, render_sbatch, which_slurm
+
+    cfg = _load(config_path, overrides)
+    try:
+        if check and which_slurm():
+            check_request(cfg)
+        script = render_sbatch(cfg, " ".join([config_path, *overrides]))
+        # sbatch opens the job's output file in RUN_DIR/logs before the script runs: it must exist
+        (Path(cfg.store.run_dir).resolve() / "logs").mkdir(parents=True, exist_ok=True)
+    except SlurmError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(script, nl=False)
+
+
+@main.command("status")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+def status_cmd(run_dir: str) -> None:
+    """Slurm state (sacct) and progress (version, reward, throughput) of the run in RUN_DIR."""
+    import json
+
+    from areal_hpc.launch.slurm import SlurmError, job_state, load_job
+
+    try:
+        job = load_job(Path(run_dir))
+        state = job_state(job["job_id"])
+    except SlurmError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"job {job['job_id']}: {state}")
+    try:
+        p = json.loads((Path(run_dir) / "progress.json").read_text())
+    except (OSError, ValueError):
+        click.echo("progress: none yet (the run has not published its first version)")
+        return
+    reward = "n/a" if p.get("reward_mean") is None else f"{p['reward_mean']:.3f}"
+    acc = "n/a" if p.get("heldout_acc") is None else f"{p['heldout_acc']:.1%}"
+    click.echo(f"progress: version {p['version']}/{p['versions']} ({p['state']}), reward {reward}, held-out {acc}, "
+               f"{p['consumed_tokens_per_s']:.0f} consumed tokens/s, {p['elapsed_s']:.0f} s since start")
+
+
+@main.command("cancel")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+def cancel_cmd(run_dir: str) -> None:
+    """Cancel the Slurm job of the run in RUN_DIR (its checkpoints stay; resume by submitting again)."""
+    from areal_hpc.launch.slurm import SlurmError, cancel, load_job
+
+    try:
+        job = load_job(Path(run_dir))
+        cancel(job["job_id"])
+    except SlurmError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"cancelled job {job['job_id']}")
+
+
+@main.command("prepare", hidden=True)
+@click.argument("run_dir", type=click.Path(file_okay=False))
+def prepare_cmd(run_dir: str) -> None:
+    """(Run by the batch script) make RUN_DIR ready to start or resume."""
+    from areal_hpc.launch.slurm import prepare_run_dir
+    from areal_hpc.model import ModelFolderError
+
+    try:
+        click.echo(f"[areal] {prepare_run_dir(run_dir)}")
+    except (ModelFolderError, OSError, ValueError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,27 @@ class ClusterConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """How `areal-hpc render` / `submit` ask Slurm for the heterogeneous job (training + generation)."""
+
+    partition: str = ""  # "" = the cluster's default partition
+    account: str = ""
+    qos: str = ""
+    time: str = "01:00:00"  # [D-]HH:MM:SS or minutes
+    constraint: str = ""
+    train_nodes: int = 1  # component 0: scheduler + trainers
+    gen_nodes: int = 1  # component 1: generators
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem: str = ""  # per node, e.g. 64G ("" = partition default)
+    signal_s: int = 120  # USR1 this long before the time limit: checkpoint, stop, requeue
+    requeue: bool = True
+    venv: str = ""  # virtual environment to activate ("" = the one running areal-hpc)
+    setup: list[str] = field(default_factory=list)  # shell lines before the run (module load ...)
+    extra_sbatch: list[str] = field(default_factory=list)  # more "#SBATCH" options, e.g. "--exclusive"
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = True
     eval_every: int = 10  # versions between held-out evaluations (0 = only first and last)
@@ -133,6 +155,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -166,8 +189,13 @@ _LOWER = {
     "trainer.warm_start_examples": (1, True), "trainer.warm_start_batch": (1, True),
     "trainer.checkpoint_every": (0, True),
     "cluster.n_generators": (1, True), "cluster.n_trainers": (1, True), "cluster.threads_per_rank": (1, True),
+    "slurm.train_nodes": (1, True), "slurm.gen_nodes": (1, True), "slurm.gpus_per_node": (0, True),
+    "slurm.cpus_per_task": (1, True), "slurm.signal_s": (0, True),
     "logging.eval_every": (0, True), "logging.eval_prompts": (1, True),
 }
+
+
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -200,6 +228,8 @@ def validate(cfg: Config) -> Config:
         )
     if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
         raise ConfigError(f"config trainer.betas={list(cfg.trainer.betas)} must be two numbers in [0, 1)")
+    if not _SLURM_TIME.match(cfg.slurm.time):
+        raise ConfigError(f"config slurm.time={cfg.slurm.time!r} is not a Slurm time; use [D-]HH:MM:SS, HH:MM or minutes")
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
     return cfg

@@ -37,7 +37,7 @@ def mpi_env() -> dict[str, str]:
 
 
 def mpirun_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
-    layout = Layout(cfg.cluster.n_generators, cfg.cluster.n_trainers)
+    layout = Layout.from_counts(cfg.cluster.n_generators, cfg.cluster.n_trainers)
     mpirun = shutil.which(cfg.cluster.mpirun)
     if mpirun is None:
         raise RunFailed(f"cluster.mpirun={cfg.cluster.mpirun!r} is not on PATH; install Open MPI (env/setup.sh)")

@@ -1,56 +1,77 @@
-"""Who does what in the MPI world: rank 0 schedules, then G generator ranks, then T trainer ranks."""
+"""Who does what in the MPI world: rank 0 schedules; the other ranks generate or train."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 SCHEDULER, GENERATOR, TRAINER = "scheduler", "generator", "trainer"
+TRAIN_GROUP, GEN_GROUP = "train", "gen"  # the two parts of a heterogeneous Slurm job
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Ranks 1..G generate, ranks G+1..G+T train.
+    """The role of every rank. Rank 0 is always the scheduler; its messages go to and from rank 0.
 
-    On Slurm a heterogeneous job lists its components in this same order (training component:
-    scheduler + trainers is mapped by the launcher script), so roles never depend on host names.
+    Locally (`from_counts`) ranks 1..G generate and ranks G+1..G+T train. Under Slurm each rank only
+    knows which component of the heterogeneous job it belongs to (`from_groups`): the training
+    component (scheduler + trainers) comes first, so its first rank is rank 0.
     """
 
-    n_generators: int
-    n_trainers: int
+    roles: tuple[str, ...]
+
+    @classmethod
+    def from_counts(cls, n_generators: int, n_trainers: int) -> "Layout":
+        return cls((SCHEDULER,) + (GENERATOR,) * n_generators + (TRAINER,) * n_trainers)
+
+    @classmethod
+    def from_groups(cls, groups: list[str]) -> "Layout":
+        """groups[r] is rank r's het-job component: 'train' (scheduler + trainers) or 'gen'."""
+        bad = sorted({g for g in groups if g not in (TRAIN_GROUP, GEN_GROUP)})
+        if bad:
+            raise ValueError(f"unknown rank group(s) {bad}; each rank is 'train' or 'gen'")
+        if not groups or groups[0] != TRAIN_GROUP:
+            raise ValueError("rank 0 must belong to the training component (het group 0: scheduler + trainers)")
+        return cls(tuple(SCHEDULER if r == 0 else (TRAINER if g == TRAIN_GROUP else GENERATOR)
+                         for r, g in enumerate(groups)))
 
     @property
     def world_size(self) -> int:
-        return 1 + self.n_generators + self.n_trainers
+        return len(self.roles)
+
+    @property
+    def n_generators(self) -> int:
+        return self.roles.count(GENERATOR)
+
+    @property
+    def n_trainers(self) -> int:
+        return self.roles.count(TRAINER)
 
     @property
     def generator_ranks(self) -> list[int]:
-        return list(range(1, 1 + self.n_generators))
+        return [r for r, role in enumerate(self.roles) if role == GENERATOR]
 
     @property
     def trainer_ranks(self) -> list[int]:
-        return list(range(1 + self.n_generators, self.world_size))
+        return [r for r, role in enumerate(self.roles) if role == TRAINER]
 
     @property
     def trainer0(self) -> int:
-        return 1 + self.n_generators
+        return self.trainer_ranks[0]
 
     def role(self, rank: int) -> str:
-        if rank == 0:
-            return SCHEDULER
-        if rank <= self.n_generators:
-            return GENERATOR
-        if rank < self.world_size:
-            return TRAINER
-        raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
+        return self.roles[rank]
 
     def index(self, rank: int) -> int:
         """Position of a rank among the ranks of its role (generator 0.., trainer 0..)."""
         role = self.role(rank)
-        return 0 if role == SCHEDULER else (rank - 1 if role == GENERATOR else rank - self.trainer0)
+        return self.roles[:rank].count(role)
 
-    def check_world(self, world_size: int) -> None:
-        if world_size != self.world_size:
+    def check(self, world_size: int, n_generators: int, n_trainers: int) -> None:
+        """The world must hold exactly the ranks the config asks for."""
+        if (world_size, self.n_generators, self.n_trainers) != (1 + n_generators + n_trainers, n_generators, n_trainers):
             raise ValueError(
-                f"MPI world has {world_size} ranks but the config needs {self.world_size} "
-                f"(1 scheduler + {self.n_generators} generators + {self.n_trainers} trainers)"
+                f"MPI world has {world_size} ranks ({self.n_generators} generators, {self.n_trainers} trainers) but the "
+                f"config needs {1 + n_generators + n_trainers} (1 scheduler + {n_generators} generators + {n_trainers} trainers)"
             )

@@ -1,4 +1,8 @@
-"""What every MPI rank runs: `python -m areal_hpc.runtime.worker RUN_DIR [--resume]` picks its role and runs it.
+"""What every MPI rank runs: `python -m areal_hpc.runtime.worker RUN_DIR [--resume|--resume-auto] [--group G]`.
+
+Locally roles come from the config's counts; under a heterogeneous Slurm job each rank is told its
+component (`--group train` for scheduler + trainers, `--group gen` for generators). `--resume-auto`
+resumes when the run dir has a complete checkpoint and starts fresh otherwise (a requeued job).
 
 Each rank writes RUN_DIR/logs/rank{r}-{role}.log (its stdout and stderr too) and a pid file. A rank that
 fails writes one line naming itself and the error to RUN_DIR/logs/error-rank{r}.txt, then aborts the MPI
@@ -60,7 +64,8 @@ def _trainer_group(trainer_comm, timeout_s: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
-    resume = "--resume" in argv[1:]
+    opts = argv[1:]
+    group = opts[opts.index("--group") + 1] if "--group" in opts else None
 
     from mpi4py import MPI
 
@@ -72,14 +77,20 @@ def main(argv: list[str] | None = None) -> int:
         from areal_hpc.config import load_config
         from areal_hpc.runtime.layout import GENERATOR, SCHEDULER, TRAINER, Layout
 
+        from areal_hpc.runtime.resume import latest_checkpoint
+
         cfg = load_config(run_dir / "config.yaml")
-        layout = Layout(cfg.cluster.n_generators, cfg.cluster.n_trainers)
+        if group is not None:
+            layout = Layout.from_groups(comm.allgather(group))
+        else:
+            layout = Layout.from_counts(cfg.cluster.n_generators, cfg.cluster.n_trainers)
         role = layout.role(rank) if rank < layout.world_size else "rank"
         _redirect_output(log_path(run_dir, rank, role))
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format=f"%(asctime)s rank{rank} {role} %(name)s: %(message)s")
         (run_dir / LOGS_SUBDIR / f"rank{rank:03d}.pid").write_text(str(os.getpid()))
-        layout.check_world(comm.Get_size())
+        layout.check(comm.Get_size(), cfg.cluster.n_generators, cfg.cluster.n_trainers)
+        resume = "--resume" in opts or ("--resume-auto" in opts and latest_checkpoint(run_dir) is not None)
         # A signal (Slurm's --signal, scancel, a terminal) asks for a checkpoint and a clean stop;
         # rank 0 acts on it, the others wait for its STOP.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):

@@ -1,0 +1,233 @@
+"""Slurm: render the heterogeneous-job sbatch script, check a request against the cluster, job state."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from areal_hpc.config import Config, to_yaml
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
+HETJOB_TEMPLATE = "areal_hetjob.sbatch.j2"
+JOB_FILE = "slurm/job.json"  # RUN_DIR/slurm/job.json: how the run was submitted (job id, script, submitit folder)
+SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.glusterfs", "glusterfs",
+             "panfs", "wekafs", "fuse.sshfs", "cifs", "smb2", "9p", "virtiofs"}
+
+
+class SlurmError(RuntimeError):
+    """A Slurm request that cannot work; the message is one line naming what and what is allowed."""
+
+
+def _run(cmd: list[str], timeout: float = 30) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise SlurmError(f"{cmd[0]} is not on PATH: is this a Slurm login node? (locally: bash env/slurm-up.sh)") from None
+    if out.returncode != 0:
+        msg = " ".join((out.stderr or out.stdout).split()) or f"exit code {out.returncode}"
+        raise SlurmError(f"{' '.join(cmd[:2])} failed: {msg}")
+    return out.stdout
+
+
+def _venv() -> str:
+    return sys.prefix if sys.prefix != sys.base_prefix else ""
+
+
+def render_sbatch(cfg: Config, source: str = "") -> str:
+    """The sbatch script for this config: readable, and runs as is with plain `sbatch`."""
+    sc = cfg.slurm
+    run_dir = Path(cfg.store.run_dir).resolve()
+    common = [f"--{k}={v}" for k, v in (("partition", sc.partition), ("account", sc.account), ("qos", sc.qos),
+                                         ("constraint", sc.constraint)) if v]
+    per_component = [f"--cpus-per-task={sc.cpus_per_task}"]
+    if sc.gpus_per_node:
+        per_component.append(f"--gpus-per-node={sc.gpus_per_node}")
+    if sc.mem:
+        per_component.append(f"--mem={sc.mem}")
+    per_component += list(sc.extra_sbatch)
+    resolved = copy.deepcopy(cfg)
+    resolved.store.run_dir = str(run_dir)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True)
+    env.filters["shell"] = lambda s: shlex.quote(str(s))
+    return env.get_template(HETJOB_TEMPLATE).render(
+        run_name=cfg.run_name, job_name=f"areal-{cfg.run_name}", run_dir=str(run_dir), source=source or "<config>",
+        n_trainers=cfg.cluster.n_trainers, n_generators=cfg.cluster.n_generators,
+        train_nodes=sc.train_nodes, gen_nodes=sc.gen_nodes, time=sc.time, requeue=sc.requeue,
+        signal_s=sc.signal_s, common=common, per_component=per_component, setup=list(sc.setup),
+        venv=sc.venv or _venv(), config_yaml=to_yaml(resolved),
+    )
+
+
+# -- checks before anything is queued ------------------------------------------------------------------
+@dataclass
+class PartitionInfo:
+    name: str
+    nodes: int
+    cpus_per_node: int
+    gpus_per_node: int
+    hosts: set[str]
+
+
+def partition_info(partition: str = "") -> PartitionInfo:
+    """Nodes, CPUs and GPUs of a partition ('' = the default one), from sinfo/scontrol."""
+    rows = [ln.split("|") for ln in _run(["sinfo", "-h", "-N", "-o", "%R|%N|%c|%G|%P"]).splitlines() if ln.strip()]
+    names = {r[0] for r in rows}
+    if not partition:
+        default = [r[4].rstrip("*") for r in rows if r[4].endswith("*")]
+        if not default:
+            raise SlurmError("the cluster has no default partition; set slurm.partition")
+        partition = default[0]
+    elif partition not in names:
+        raise SlurmError(f"slurm.partition={partition!r} does not exist; partitions here: {', '.join(sorted(names))}")
+    mine = [r for r in rows if r[0] == partition]
+    gpus = 0
+    for r in mine:
+        m = re.search(r"gpu(?::[^:,()]+)?:(\d+)", r[3])
+        gpus = max(gpus, int(m.group(1)) if m else 0)
+    node_names = sorted({r[1] for r in mine})
+    hosts = set()
+    for line in _run(["scontrol", "show", "node", ",".join(node_names), "-o"]).splitlines():
+        m = re.search(r"NodeHostName=(\S+)", line)
+        if m:
+            hosts.add(m.group(1))
+    return PartitionInfo(partition, len(node_names), min(int(r[2]) for r in mine), gpus, hosts)
+
+
+def _fs_type(path: Path) -> str:
+    p = path
+    while not p.exists():
+        p = p.parent
+    return _run(["stat", "-f", "-c", "%T", str(p)]).strip()
+
+
+def check_request(cfg: Config) -> PartitionInfo:
+    """One clear line per impossible request, before anything is queued."""
+    from areal_hpc.model import ModelFolderError, check_model_folder
+
+    sc = cfg.slurm
+    part = partition_info(sc.partition)
+    nodes = sc.train_nodes + sc.gen_nodes
+    if nodes > part.nodes:
+        raise SlurmError(f"the job asks for {nodes} nodes (slurm.train_nodes={sc.train_nodes} + slurm.gen_nodes="
+                         f"{sc.gen_nodes}) but partition {part.name!r} has {part.nodes}")
+    for comp, tasks, n in (("training", 1 + cfg.cluster.n_trainers, sc.train_nodes), ("generation", cfg.cluster.n_generators, sc.gen_nodes)):
+        cpus = tasks * sc.cpus_per_task
+        if cpus > n * part.cpus_per_node:
+            raise SlurmError(f"the {comp} component needs {cpus} CPUs ({tasks} tasks x slurm.cpus_per_task={sc.cpus_per_task}) "
+                             f"but {n} node(s) of {part.name!r} have {n * part.cpus_per_node}")
+    if sc.gpus_per_node > part.gpus_per_node:
+        raise SlurmError(f"slurm.gpus_per_node={sc.gpus_per_node} but nodes of partition {part.name!r} have {part.gpus_per_node} GPUs")
+    run_dir = Path(cfg.store.run_dir).resolve()
+    local_only = part.hosts <= {os.uname().nodename.split(".")[0], os.uname().nodename}
+    if nodes > 1 and not local_only:
+        fs = _fs_type(run_dir)
+        if fs not in SHARED_FS:
+            raise SlurmError(f"store.run_dir={str(run_dir)!r} is on a local filesystem ({fs}); with {nodes} nodes it must be "
+                             f"on a shared one ({', '.join(sorted(SHARED_FS)[:6])}, ...)")
+    if not cfg.model.build_tiny:
+        try:
+            check_model_folder(cfg.model.path)
+        except ModelFolderError as err:
+            raise SlurmError(str(err).splitlines()[0]) from None
+    return part
+
+
+def prepare_run_dir(run_dir: Path) -> str:
+    """Run by the batch script before srun: model folder ready, no stale stop request; says fresh or resume."""
+    from areal_hpc.config import load_config
+    from areal_hpc.model import ensure_model
+    from areal_hpc.runtime.resume import latest_checkpoint
+    from areal_hpc.runtime.scheduler import STOP_FILE
+
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    ensure_model(cfg.model)
+    (run_dir / STOP_FILE).unlink(missing_ok=True)
+    if os.environ.get("SLURM_JOB_ID"):
+        info = {"job_id": os.environ["SLURM_JOB_ID"], "submitted_by": "sbatch"}
+        try:
+            info = {**load_job(run_dir), **info}
+        except SlurmError:
+            pass
+        save_job(run_dir, info)
+    n = latest_checkpoint(run_dir)
+    if n is not None:
+        return f"resuming {run_dir} from checkpoint v{n}"
+    leftovers = [d for d in ("rollouts", "ledger") if (run_dir / d).exists()]
+    if leftovers:  # a start that died before its first checkpoint: nothing was trained; keep it aside
+        aside = run_dir / f"discarded-{int(time.time())}"
+        aside.mkdir()
+        for d in leftovers + [d for d in ("metrics.csv", "timeline", "checkpoints") if (run_dir / d).exists()]:
+            os.replace(run_dir / d, aside / d)
+        return f"starting {run_dir} afresh (an earlier start without a checkpoint moved to {aside.name})"
+    return f"starting {run_dir}"
+
+
+# -- job state ----------------------------------------------------------------------------------------
+def save_job(run_dir: Path, info: dict) -> None:
+    from areal_hpc.utils import atomic_write_text
+
+    path = Path(run_dir) / JOB_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(info, indent=1))
+
+
+def load_job(run_dir: Path) -> dict:
+    path = Path(run_dir) / JOB_FILE
+    if not path.exists():
+        raise SlurmError(f"{str(run_dir)!r} has no {JOB_FILE}: it was not submitted with areal-hpc render+sbatch or submit")
+    return json.loads(path.read_text())
+
+
+def sbatch(script: Path, test_only: bool = False) -> str:
+    """Submit a script with plain sbatch; returns the job id (or sbatch's --test-only answer)."""
+    if test_only:
+        # --test-only answers on stderr and exits 0 when the job could run
+        out = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise SlurmError(f"sbatch --test-only: {' '.join(out.stderr.split())}")
+        return out.stderr.strip()
+    return _run(["sbatch", "--parsable", str(script)]).strip().split(";")[0]
+
+
+def job_state(job_id: str) -> str:
+    """Slurm's state of a (het) job from sacct: PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ..."""
+    out = _run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,State"])
+    states = [ln.split("|")[1].split()[0] for ln in out.splitlines() if ln.strip()]
+    if not states:  # not in accounting yet: ask the controller
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True)
+        return (out.stdout.split() or ["UNKNOWN"])[0]
+    for worst in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "CANCELLED", "PREEMPTED", "REQUEUED",
+                  "RUNNING", "PENDING", "COMPLETED"):
+        if worst in states:
+            return worst
+    return states[0]
+
+
+def wait_for(job_id: str, states: set[str], timeout_s: float, poll_s: float = 0.5) -> str:
+    end = time.time() + timeout_s
+    while True:
+        st = job_state(job_id)
+        if st in states or time.time() > end:
+            return st
+        time.sleep(poll_s)
+
+
+def cancel(job_id: str) -> None:
+    _run(["scancel", str(job_id)])
+
+
+def which_slurm() -> bool:
+    return shutil.which("sbatch") is not None
