@@ -114,6 +114,67 @@ def render_cmd(config_path: str, overrides: tuple[str, ...], check: bool) -> Non
     click.echo(script, nl=False)
 
 
+@main.command("submit")
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+def submit_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Submit CONFIG_PATH [KEY=VALUE ...] as a heterogeneous Slurm job through submitit."""
+    from areal_hpc.launch.local import RunFailed
+    from areal_hpc.launch.slurm import SlurmError
+    from areal_hpc.launch.submit import submit
+
+    cfg = _load(config_path, overrides)
+    try:
+        job = submit(cfg)
+    except (SlurmError, RunFailed, OSError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    click.echo(f"submitted job {job.job_id}")
+    click.echo(f"run dir: {cfg.store.run_dir}")
+    click.echo(f"watch:   areal-hpc status {cfg.store.run_dir}")
+
+
+@main.command("sweep")
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--grid", "grid", multiple=True, required=True, help="KEY=V1,V2,... (repeat for more keys)")
+@click.option("--sweep-dir", required=True, type=click.Path(file_okay=False), help="Where the points' run dirs go.")
+@click.option("--max-parallel", type=int, default=None, help="At most this many points running at once.")
+def sweep_cmd(config_path: str, overrides: tuple[str, ...], grid: tuple[str, ...], sweep_dir: str, max_parallel: int | None) -> None:
+    """Submit a grid over CONFIG_PATH [KEY=VALUE ...] as one Slurm job array."""
+    import yaml
+
+    from areal_hpc.launch.local import RunFailed
+    from areal_hpc.launch.slurm import SlurmError
+    from areal_hpc.launch.sweep import sweep
+
+    parsed = {}
+    for g in grid:
+        if "=" not in g:
+            raise click.ClickException(f"--grid {g!r} must look like key=v1,v2 (e.g. rollout.eta=0,4)")
+        key, values = g.split("=", 1)
+        parsed[key] = [yaml.safe_load(v) for v in values.split(",")]
+    try:
+        jobs = sweep(config_path, parsed, sweep_dir, list(overrides), max_parallel)
+    except (SlurmError, RunFailed, ValueError, OSError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    click.echo(f"submitted {len(jobs)} points as job array {jobs[0].job_id.split('_')[0]}")
+    click.echo(f"results: areal-hpc collect {sweep_dir}")
+
+
+@main.command("collect")
+@click.argument("sweep_dir", type=click.Path(file_okay=False))
+def collect_cmd(sweep_dir: str) -> None:
+    """Print a sweep's results (one row per point)."""
+    from areal_hpc.launch.slurm import SlurmError
+    from areal_hpc.launch.sweep import collect
+
+    try:
+        df = collect(sweep_dir)
+    except SlurmError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(df.drop(columns=["run_dir"]).to_string(index=False))
+
+
 @main.command("status")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 def status_cmd(run_dir: str) -> None:

@@ -16,6 +16,7 @@ stop() {
   fi
   rm -f "$f"
 }
+stop "$STATE/run/nudge.pid"
 for f in "$STATE"/run/slurmd-*.pid; do stop "$f"; done
 stop "$STATE/run/slurmctld.pid"
 stop "$STATE/run/slurmdbd.pid"

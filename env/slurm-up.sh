@@ -39,7 +39,7 @@ fi
 
 # -- already up? ----------------------------------------------------------------------------------
 all_up=1
-for p in mariadb slurmdbd slurmctld; do alive "$STATE/run/$p.pid" || all_up=0; done
+for p in mariadb slurmdbd slurmctld nudge; do alive "$STATE/run/$p.pid" || all_up=0; done
 alive "$STATE/munge/munged.pid" || alive "$STATE/run/munged.pid.foreign" || all_up=0
 for i in $(seq 1 "$NODES"); do alive "$STATE/run/slurmd-n$i.pid" || all_up=0; done
 if ((all_up)) && SLURM_CONF="$CONF" sinfo -h >/dev/null 2>&1; then
@@ -181,6 +181,14 @@ alive "$STATE/run/slurmctld.pid" || slurmctld
 for i in $(seq 1 "$NODES"); do
   alive "$STATE/run/slurmd-n$i.pid" || slurmd -N "n$i"
 done
+# Slurm's backfill scheduler (the only one that starts heterogeneous jobs) runs only after something
+# changed; a requeued job becomes eligible 2 minutes later with nothing changing on an idle local
+# cluster, and would wait forever. This poke every 10 s stands in for a busy cluster's traffic.
+if ! alive "$STATE/run/nudge.pid"; then
+  nohup bash -c "while sleep 10; do SLURM_CONF=$CONF scontrol update partitionname=debug state=up >/dev/null 2>&1; done" \
+    >/dev/null 2>&1 &
+  echo $! > "$STATE/run/nudge.pid"
+fi
 
 for _ in $(seq 1 300); do
   states="$(sinfo -h -o '%T' 2>/dev/null | sort -u | tr '\n' ' ')"

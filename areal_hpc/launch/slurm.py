@@ -112,8 +112,8 @@ def _fs_type(path: Path) -> str:
     return _run(["stat", "-f", "-c", "%T", str(p)]).strip()
 
 
-def check_request(cfg: Config) -> PartitionInfo:
-    """One clear line per impossible request, before anything is queued."""
+def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
+    """One clear line per impossible request, before anything is queued (het=False: one allocation for all ranks)."""
     from areal_hpc.model import ModelFolderError, check_model_folder
 
     sc = cfg.slurm
@@ -122,7 +122,10 @@ def check_request(cfg: Config) -> PartitionInfo:
     if nodes > part.nodes:
         raise SlurmError(f"the job asks for {nodes} nodes (slurm.train_nodes={sc.train_nodes} + slurm.gen_nodes="
                          f"{sc.gen_nodes}) but partition {part.name!r} has {part.nodes}")
-    for comp, tasks, n in (("training", 1 + cfg.cluster.n_trainers, sc.train_nodes), ("generation", cfg.cluster.n_generators, sc.gen_nodes)):
+    comps = (("training", 1 + cfg.cluster.n_trainers, sc.train_nodes), ("generation", cfg.cluster.n_generators, sc.gen_nodes))
+    if not het:
+        comps = (("job", 1 + cfg.cluster.n_trainers + cfg.cluster.n_generators, nodes),)
+    for comp, tasks, n in comps:
         cpus = tasks * sc.cpus_per_task
         if cpus > n * part.cpus_per_node:
             raise SlurmError(f"the {comp} component needs {cpus} CPUs ({tasks} tasks x slurm.cpus_per_task={sc.cpus_per_task}) "

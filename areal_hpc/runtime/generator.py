@@ -87,6 +87,7 @@ class Generator:
         if self.staged is not None:
             # computed before the receive overwrites the shared buffers
             crc = weights_checksum(self.staged[1]) if self.cfg.sync.checksum else None
+        self.mail.flush()  # pending messages leave before this rank blocks outside MPI
         with self.timeline.span("sync"):
             try:
                 sd = self.receiver.receive(version)

@@ -97,7 +97,8 @@ class Mailbox:
             time.sleep(self.idle_sleep_s)
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every send has been delivered (before exit)."""
+        """Wait until every send has completed: before exit, and before blocking outside MPI (a gloo
+        collective, a long computation), because between nodes MPI progresses messages only inside MPI calls."""
         end = time.monotonic() + timeout_s
         while self._pending and time.monotonic() < end:
             self._pending = [r for r in self._pending if not r.Test()]

@@ -348,6 +348,8 @@ class Scheduler:
         atomic_write_text(self.run_dir / "progress.json", json.dumps(doc))
 
     def _last_eval_tag(self) -> str | None:
+        if "final" in self.evals:
+            return "final"
         tags = [t for t in self.evals if t.startswith("v")]
         if tags:
             return max(tags, key=lambda t: int(t[1:]))

@@ -90,6 +90,9 @@ class Trainer:
         disk = self.sender.method == "disk"
         if not disk:
             self.mail.send(0, tag, body)
+            # MPI moves a message between nodes only while the sender is inside MPI; the broadcast
+            # below is not, so make sure the announcement has left before blocking in it
+            self.mail.flush()
         with self.timeline.span("sync"):
             info = self.sender.publish(self.engine.weights(), self.engine.version)
         if disk:

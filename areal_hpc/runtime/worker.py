@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / LOGS_SUBDIR / f"rank{rank:03d}.pid").write_text(str(os.getpid()))
         layout.check(comm.Get_size(), cfg.cluster.n_generators, cfg.cluster.n_trainers)
         resume = "--resume" in opts or ("--resume-auto" in opts and latest_checkpoint(run_dir) is not None)
-        # A signal (Slurm's --signal, scancel, a terminal) asks for a checkpoint and a clean stop;
+        # A signal (Slurm's --signal, submitit's USR2, scancel, a terminal) asks for a checkpoint and a clean stop;
         # rank 0 acts on it, the others wait for its STOP.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, lambda *_: stop_requested.append(True))
 
         import torch

@@ -1,0 +1,152 @@
+"""Submit a run as a heterogeneous Slurm job through submitit (its executor, folder and log conventions)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import submitit
+
+from areal_hpc.config import Config, save_config
+from areal_hpc.launch.slurm import prepare_run_dir, save_job
+
+SUBMITIT_SUBDIR = "slurm/submitit"
+
+
+def srun_command(cfg: Config, run_dir: Path, het: bool = True, python: str = sys.executable) -> list[str]:
+    """Every rank as one MPI world, started from inside the job (by the first task of component 0).
+
+    het=False is for job arrays (Slurm has no heterogeneous job arrays): one homogeneous allocation,
+    roles from the config's counts.
+    """
+    worker = [python, "-m", "areal_hpc.runtime.worker", str(run_dir), "--resume-auto"]
+    cpus = f"--cpus-per-task={cfg.slurm.cpus_per_task}"
+    # --overlap: this step shares CPUs with the submitit task that launches it
+    srun = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "--overlap"]
+    if not het:
+        world = 1 + cfg.cluster.n_generators + cfg.cluster.n_trainers
+        return [*srun, f"--ntasks={world}", cpus, *worker]
+    return [*srun, "--het-group=0", f"--ntasks={1 + cfg.cluster.n_trainers}", cpus, *worker, "--group", "train", ":",
+            "--het-group=1", f"--ntasks={cfg.cluster.n_generators}", cpus, *worker, "--group", "gen"]
+
+
+class AsyncRun(submitit.helpers.Checkpointable):
+    """What submitit runs: prepare the run dir, srun every rank, return summary.json.
+
+    On submitit's pre-timeout / preemption signal, `checkpoint` asks rank 0 to checkpoint and stop,
+    waits for the ranks, and hands submitit the same run to requeue; it resumes from the checkpoint.
+    """
+
+    def __init__(self, run_dir: str, cmd: list[str], grace_s: float = 60.0):
+        self.run_dir, self.cmd, self.grace_s = run_dir, cmd, grace_s
+        self._proc: subprocess.Popen | None = None
+
+    def __call__(self) -> dict:
+        if int(os.environ.get("SLURM_PROCID", "0")) != 0:
+            return {}  # one launcher per job: component 0's other tasks have nothing to do
+        print(f"[areal] {prepare_run_dir(Path(self.run_dir))}", flush=True)
+        env = {**os.environ, "OMPI_MCA_btl_vader_single_copy_mechanism": "none", "PYTHONUNBUFFERED": "1"}
+        self._proc = subprocess.Popen(self.cmd, env=env)
+        rc = self._proc.wait()
+        if rc != 0:
+            from areal_hpc.launch.local import failure_line
+
+            raise RuntimeError(failure_line(Path(self.run_dir), rc))
+        return json.loads((Path(self.run_dir) / "summary.json").read_text())
+
+    def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
+        (Path(self.run_dir) / "STOP").touch()
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=self.grace_s)
+            except subprocess.TimeoutExpired:
+                self._proc.send_signal(signal.SIGTERM)
+        return submitit.helpers.DelayedSubmission(AsyncRun(self.run_dir, self.cmd, self.grace_s))
+
+
+def make_executor(cfg: Config, folder: Path, het: bool = True, array_parallelism: int | None = None) -> submitit.AutoExecutor:
+    """A submitit executor for component 0; component 1 (the generators) is added by `#SBATCH hetjob` lines
+    written where sbatch still reads them (submitit has no heterogeneous-job API). het=False: one
+    homogeneous allocation for every rank (job arrays)."""
+    sc = cfg.slurm
+    common = {"partition": sc.partition, "account": sc.account, "qos": sc.qos, "constraint": sc.constraint}
+    comp1 = []
+    if het:
+        comp1 = ["#SBATCH hetjob"] + [f"#SBATCH --{k}={v}" for k, v in common.items() if v] + [
+            f"#SBATCH --nodes={sc.gen_nodes}", f"#SBATCH --ntasks={cfg.cluster.n_generators}",
+            f"#SBATCH --cpus-per-task={sc.cpus_per_task}",
+        ]
+        if sc.gpus_per_node:
+            comp1.append(f"#SBATCH --gpus-per-node={sc.gpus_per_node}")
+        if sc.mem:
+            comp1.append(f"#SBATCH --mem={sc.mem}")
+        comp1 += [f"#SBATCH {opt}" for opt in sc.extra_sbatch]
+    venv = sc.venv or (sys.prefix if sys.prefix != sys.base_prefix else "")
+    setup = comp1 + list(sc.setup) + ([f"source {venv}/bin/activate"] if venv else [])
+    h, m, s = _hms(sc.time)
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+    extra = {k: v for k, v in common.items() if v and k != "partition"}
+    ranks = 1 + cfg.cluster.n_trainers + (0 if het else cfg.cluster.n_generators)
+    nodes = sc.train_nodes + (0 if het else sc.gen_nodes)
+    params = dict(
+        name=f"areal-{cfg.run_name}", timeout_min=max(1, h * 60 + m + (1 if s else 0)),
+        nodes=nodes, tasks_per_node=1, cpus_per_task=-(-ranks // nodes) * sc.cpus_per_task,
+        slurm_setup=setup, slurm_additional_parameters=extra,
+        slurm_signal_delay_s=max(sc.signal_s, 1),
+    )
+    if sc.partition:
+        params["slurm_partition"] = sc.partition
+    if sc.gpus_per_node:
+        params["slurm_gpus_per_node"] = sc.gpus_per_node
+    if sc.mem:
+        params["slurm_mem"] = sc.mem
+    if array_parallelism:
+        params["slurm_array_parallelism"] = array_parallelism
+    ex.update_parameters(**params)
+    return ex
+
+
+def _hms(t: str) -> tuple[int, int, int]:
+    """Slurm time -> hours, minutes, seconds."""
+    days = 0
+    if "-" in t:
+        d, t = t.split("-", 1)
+        days = int(d)
+    parts = [int(x) for x in t.split(":")]
+    if len(parts) == 1:  # minutes
+        return days * 24, parts[0], 0
+    if len(parts) == 2:
+        return days * 24 + parts[0], parts[1], 0
+    return days * 24 + parts[0], parts[1], parts[2]
+
+
+def new_run_dir(cfg: Config) -> Path:
+    """Create RUN_DIR with its resolved config (refusing one that holds a run)."""
+    from areal_hpc.launch.local import RunFailed
+
+    run_dir = Path(cfg.store.run_dir).resolve()
+    if (run_dir / "config.yaml").exists():
+        raise RunFailed(f"run dir {str(run_dir)!r} already holds a run; pick another run_name=... or store.run_dir=...")
+    cfg.store.run_dir = str(run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def submit(cfg: Config) -> submitit.Job:
+    """Check the request, create RUN_DIR and submit; returns submitit's Job (job.job_id, job.result())."""
+    from areal_hpc.launch.slurm import check_request
+
+    check_request(cfg)
+    run_dir = new_run_dir(cfg)
+    folder = run_dir / SUBMITIT_SUBDIR
+    ex = make_executor(cfg, folder)
+    job = ex.submit(AsyncRun(str(run_dir), srun_command(cfg, run_dir)))
+    save_job(run_dir, {"job_id": job.job_id, "submitted_by": "submitit", "submitit_folder": str(folder),
+                       "time": time.time()})
+    return job
