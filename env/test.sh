@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The test suite, from a fresh machine: installs the environment (idempotent), then runs pytest.
-# Extra arguments go to pytest (e.g. env/test.sh -k store).
+# The test suite, from a fresh machine: installs the environment and starts the local Slurm cluster
+# (both idempotent), then runs pytest. Extra arguments go to pytest (e.g. env/test.sh -k store).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/env/setup.sh"
+bash "$ROOT/env/slurm-up.sh"   # the Slurm end-to-end tests run against it (env/slurm-down.sh stops it)
 cd "$ROOT"
 exec "$ROOT/.venv/bin/python" -m pytest "$@"

@@ -1,0 +1,154 @@
+"""Slurm end to end, on the real local cluster env/slurm-up.sh starts (4 virtual nodes, accounting on)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.config import load_config
+from areal_hpc.launch.slurm import SlurmError, check_request, job_state, wait_for
+from areal_hpc.runtime.resume import latest_checkpoint
+from areal_hpc.store import Ledger, load_trajectories
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "jobs" / "demo.yaml"
+CLI = [sys.executable, "-m", "areal_hpc.cli"]
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster():
+    """The cluster is started by env/ (idempotent: a second start only checks it is up)."""
+    r = subprocess.run(["bash", str(ROOT / "env" / "slurm-up.sh")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _args(tmp_path, *more):
+    return [f"store.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "logging.eval_prompts=20",
+            "logging.tensorboard=false", "trainer.max_wall_s=0", *more]
+
+
+def _audit(run: Path, eta: int, versions: int) -> None:
+    ledger = Ledger(run)  # raises on a trajectory consumed twice
+    df = load_trajectories(run)
+    eaten = df[df["consumed_version"] >= 0]
+    assert df.attrs["unmatched_ledger_entries"] == 0
+    assert len(eaten) == len(ledger.consumed()) == versions * 32 * 8
+    assert (eaten["staleness"] <= eta).all() and (eaten["version_end"] <= eaten["consumed_version"]).all()
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _wait_version(run: Path, version: int, job_id: str, timeout: float = 180) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            if json.loads((run / "progress.json").read_text())["version"] >= version:
+                return
+        except (OSError, ValueError):
+            pass
+        assert job_state(job_id) not in DONE, job_state(job_id)
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} did not reach version {version}")
+
+
+def test_rendered_sbatch_runs_with_plain_sbatch(tmp_path):
+    r = _cli("render", str(DEMO), *_args(tmp_path, "trainer.versions=8"))
+    assert r.returncode == 0, r.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(r.stdout)
+    assert "#SBATCH hetjob" in r.stdout and "srun --mpi=pmix" in r.stdout
+    test_only = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True)
+    assert test_only.returncode == 0 and "to start" in test_only.stderr, test_only.stderr
+    t0 = time.time()
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    run = tmp_path / "run"
+    first_batch = None
+    while job_state(job_id) not in DONE and time.time() - t0 < 240:
+        if first_batch is None and (run / "ledger" / "v00000000.json").exists():
+            first_batch = time.time() - t0
+        time.sleep(0.2)
+    assert job_state(job_id) == "COMPLETED", (run / "logs").iterdir()
+    print(f"\n[slurm] sbatch -> first consumed batch {first_batch:.1f} s, -> COMPLETED {time.time() - t0:.1f} s")
+    _audit(run, eta=2, versions=8)
+    assert len(list((run / "logs").glob("rank*-*.log"))) == 4 and list((run / "logs").glob("slurm-*.out"))
+    status = _cli("status", str(run))
+    assert status.returncode == 0 and "COMPLETED" in status.stdout and "version 8/8" in status.stdout
+
+
+def test_submitit_submit_status_and_completion(tmp_path):
+    r = _cli("submit", str(DEMO), *_args(tmp_path, "trainer.versions=6", "rollout.eta=1"))
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.split()[2]
+    run = tmp_path / "run"
+    assert wait_for(job_id, DONE, 240) == "COMPLETED"
+    status = _cli("status", str(run))
+    assert f"job {job_id}: COMPLETED" in status.stdout and "version 6/6" in status.stdout
+    _audit(run, eta=1, versions=6)
+    assert any((run / "slurm" / "submitit").glob(f"{job_id}_*_log.out"))  # submitit's own folder and logs
+    assert _cli("submit", str(DEMO), *_args(tmp_path)).returncode != 0  # the run dir is taken
+
+
+def test_sweep_runs_as_a_job_array_and_collects(tmp_path):
+    import areal_hpc
+
+    jobs = areal_hpc.sweep(DEMO, {"rollout.eta": [0, 2]}, tmp_path / "sweep",
+                           overrides=[f"model.path={tmp_path / 'model'}", "trainer.versions=4", "logging.eval_prompts=20",
+                                      "logging.tensorboard=false"])
+    assert len({j.job_id.split("_")[0] for j in jobs}) == 1  # one array
+    for j in jobs:
+        assert wait_for(j.job_id, DONE, 300) == "COMPLETED"
+    df = areal_hpc.collect(tmp_path / "sweep")
+    assert list(df["rollout.eta"]) == [0, 2] and (df["status"] == "COMPLETED").all()
+    assert (df["versions"] == 4).all() and df["consumed_tokens_per_s"].gt(0).all() and df["acc_final"].notna().all()
+
+
+def test_requeue_mid_run_resumes_from_checkpoint(tmp_path):
+    r = _cli("render", str(DEMO), *_args(tmp_path, "trainer.versions=24", "trainer.checkpoint_every=4"))
+    script = tmp_path / "job.sbatch"
+    script.write_text(r.stdout)
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    run = tmp_path / "run"
+    _wait_version(run, 9, job_id)
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    time.sleep(2)
+    # Slurm holds a requeued job for 2 minutes before it is eligible again; start it now
+    subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)
+    assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"
+    s = json.loads((run / "summary.json").read_text())
+    assert s["start_version"] >= 4 and s["versions"] == 24  # the second start resumed, it did not start over
+    out = next((run / "logs").glob("slurm-*.out")).read_text()
+    assert "restart count 1" in out and "resuming" in out
+    _audit(run, eta=2, versions=24)
+    assert latest_checkpoint(run) == 24
+
+
+def test_requests_the_cluster_cannot_serve_are_refused_in_one_line(tmp_path, monkeypatch):
+    def refused(*overrides):
+        r = _cli("render", str(DEMO), *_args(tmp_path), *overrides)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        return r.stderr
+
+    assert "partition 'debug' has 4" in refused("slurm.train_nodes=3", "slurm.gen_nodes=2")
+    assert "does not exist; partitions here: debug" in refused("slurm.partition=gpu-h100")
+    assert "GPUs" in refused("slurm.gpus_per_node=8")
+    assert "CPUs" in refused("cluster.n_generators=9", "slurm.gen_nodes=1", "slurm.cpus_per_task=1")
+    assert "model" in refused("model.build_tiny=false", f"model.path={tmp_path / 'no-model'}")
+    # a multi-node job on nodes elsewhere needs the run dir on a shared filesystem
+    import areal_hpc.launch.slurm as slurm
+
+    real = slurm.partition_info
+    monkeypatch.setattr(slurm, "partition_info", lambda p="": slurm.PartitionInfo(**{**real(p).__dict__, "hosts": {"node-a", "node-b"}}))
+    cfg = load_config(DEMO, _args(tmp_path))
+    assert slurm._fs_type(tmp_path) not in slurm.SHARED_FS  # this machine's /tmp is local
+    with pytest.raises(SlurmError, match="local filesystem .* must be on a shared one"):
+        check_request(cfg)
+    monkeypatch.setattr(slurm, "_fs_type", lambda path: "lustre")
+    check_request(cfg)
