@@ -152,3 +152,25 @@ def test_requests_the_cluster_cannot_serve_are_refused_in_one_line(tmp_path, mon
         check_request(cfg)
     monkeypatch.setattr(slurm, "_fs_type", lambda path: "lustre")
     check_request(cfg)
+
+
+def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
+    # what Slurm sends slurm.signal_s before the time limit: USR1 to the batch shell
+    r = _cli("render", str(DEMO), *_args(tmp_path, "trainer.versions=30", "trainer.checkpoint_every=100"))
+    script = tmp_path / "job.sbatch"
+    script.write_text(r.stdout)
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    run = tmp_path / "run"
+    _wait_version(run, 6, job_id)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+    end = time.time() + 120
+    while "requeueing" not in "".join(p.read_text() for p in (run / "logs").glob("slurm-*.out")) and time.time() < end:
+        time.sleep(0.5)
+    stopped_at = json.loads((run / "summary.json").read_text())["versions"]
+    assert latest_checkpoint(run) == stopped_at >= 6  # a clean stop checkpoints where it stopped
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)  # skip the requeue hold
+    assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"
+    s = json.loads((run / "summary.json").read_text())
+    assert s["start_version"] == stopped_at and s["versions"] == 30  # resumed exactly where it stopped
+    _audit(run, eta=2, versions=30)
