@@ -174,3 +174,15 @@ def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     assert s["start_version"] == stopped_at and s["versions"] == 30  # resumed exactly where it stopped
     _audit(run, eta=2, versions=30)
+
+
+def test_cancel_stops_the_job_and_status_says_so(tmp_path):
+    r = _cli("submit", str(DEMO), *_args(tmp_path, "trainer.versions=100000"))
+    job_id = r.stdout.split()[2]
+    run = tmp_path / "run"
+    _wait_version(run, 1, job_id)
+    c = _cli("cancel", str(run))
+    assert c.returncode == 0 and f"cancelled job {job_id}" in c.stdout
+    assert wait_for(job_id, DONE, 60) == "CANCELLED"
+    assert f"job {job_id}: CANCELLED" in _cli("status", str(run)).stdout
+    assert "not submitted" in _cli("status", str(tmp_path)).stderr
