@@ -195,7 +195,23 @@ _LOWER = {
 }
 
 
-_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
+_SLURM_TIME = re.compile(r"^(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2})$")
+
+
+def slurm_time_minutes(t: str) -> float:
+    """Minutes in a Slurm time: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S (as sbatch reads --time)."""
+    if not _SLURM_TIME.match(t):
+        raise ValueError(f"{t!r} is not a Slurm time")
+    if "-" in t:
+        days, rest = t.split("-", 1)
+        h, m, s = ([int(x) for x in rest.split(":")] + [0, 0])[:3]
+        return int(days) * 1440 + h * 60 + m + s / 60
+    parts = [int(x) for x in t.split(":")]
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return parts[0] + parts[1] / 60
+    return parts[0] * 60 + parts[1] + parts[2] / 60
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -229,7 +245,7 @@ def validate(cfg: Config) -> Config:
     if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
         raise ConfigError(f"config trainer.betas={list(cfg.trainer.betas)} must be two numbers in [0, 1)")
     if not _SLURM_TIME.match(cfg.slurm.time):
-        raise ConfigError(f"config slurm.time={cfg.slurm.time!r} is not a Slurm time; use [D-]HH:MM:SS, HH:MM or minutes")
+        raise ConfigError(f"config slurm.time={cfg.slurm.time!r} is not a Slurm time; use minutes, M:S, H:M:S or D-H[:M[:S]]")
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
     return cfg

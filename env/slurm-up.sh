@@ -17,7 +17,13 @@ DB_PORT="${AREAL_SLURM_DB_PORT:-3307}"
 HOST="$(hostname -s)"
 CONF="$STATE/etc/slurm.conf"
 say() { echo "[slurm] $*"; }
-alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# alive PIDFILE [NAME]: the pid in the file runs, and is that daemon (pids are reused after a restart)
+alive() {
+  [[ -f "$1" ]] || return 1
+  local pid; pid="$(cat "$1")"
+  [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || return 1
+  [[ -z "${2:-}" || "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$2" ]]
+}
 node_list="n[1-$NODES]"
 
 # -- packages ------------------------------------------------------------------------------------
@@ -29,19 +35,22 @@ if ((${#need[@]})); then
   say "apt-get install ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
   # no service starts during the install: this script starts what it needs itself
-  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
-  trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-  rm -f /usr/sbin/policy-rc.d
+  [[ "$(trap -p EXIT)" ]] && rm -f /usr/sbin/policy-rc.d
   trap - EXIT
 fi
 
 # -- already up? ----------------------------------------------------------------------------------
 all_up=1
-for p in mariadb slurmdbd slurmctld nudge; do alive "$STATE/run/$p.pid" || all_up=0; done
-alive "$STATE/munge/munged.pid" || alive "$STATE/run/munged.pid.foreign" || all_up=0
-for i in $(seq 1 "$NODES"); do alive "$STATE/run/slurmd-n$i.pid" || all_up=0; done
+alive "$STATE/run/mariadb.pid" mariadbd && alive "$STATE/run/slurmdbd.pid" slurmdbd \
+  && alive "$STATE/run/slurmctld.pid" slurmctld && alive "$STATE/run/nudge.pid" bash || all_up=0
+alive "$STATE/munge/munged.pid" munged || alive "$STATE/run/munged.pid.foreign" munged || all_up=0
+for i in $(seq 1 "$NODES"); do alive "$STATE/run/slurmd-n$i.pid" slurmd || all_up=0; done
 if ((all_up)) && SLURM_CONF="$CONF" sinfo -h >/dev/null 2>&1; then
   say "already up ($NODES nodes, state in $STATE)"
   exit 0
@@ -58,7 +67,7 @@ fi
 chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
 mkdir -p /run/munge && chown munge:munge /run/munge && chmod 755 /run/munge
 mkdir -p "$STATE/munge" && chown munge:munge "$STATE/munge" && chmod 755 "$STATE/munge"
-if ! alive "$STATE/munge/munged.pid" && ! alive "$STATE/run/munged.pid.foreign"; then
+if ! alive "$STATE/munge/munged.pid" munged && ! alive "$STATE/run/munged.pid.foreign" munged; then
   rm -f "$STATE/run/munged.pid.foreign"
   if pgrep -x munged >/dev/null; then
     say "using the munged that is already running (not stopped by env/slurm-down.sh)"
@@ -76,7 +85,7 @@ if [[ ! -d "$STATE/db/mysql" ]]; then
   mariadb-install-db --user=mysql --datadir="$STATE/db" --auth-root-authentication-method=socket >/dev/null
 fi
 SOCK="$STATE/mysql/mysqld.sock"
-if ! alive "$STATE/run/mariadb.pid"; then
+if ! alive "$STATE/run/mariadb.pid" mariadbd; then
   nohup mariadbd --user=mysql --datadir="$STATE/db" --socket="$SOCK" --pid-file="$STATE/mysql/mariadb.pid" \
     --port="$DB_PORT" --bind-address=127.0.0.1 --log-error="$STATE/mysql/mariadb.log" >/dev/null 2>&1 &
   echo $! > "$STATE/run/mariadb.pid"
@@ -172,19 +181,19 @@ done
 export SLURM_CONF="$CONF"
 
 # -- daemons --------------------------------------------------------------------------------------
-if ! alive "$STATE/run/slurmdbd.pid"; then
+if ! alive "$STATE/run/slurmdbd.pid" slurmdbd; then
   slurmdbd
   for _ in $(seq 1 100); do timeout 2 sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.2; done
 fi
 sacctmgr -n list cluster format=cluster | grep -qw areal || sacctmgr -i add cluster areal >/dev/null
-alive "$STATE/run/slurmctld.pid" || slurmctld
+alive "$STATE/run/slurmctld.pid" slurmctld || slurmctld
 for i in $(seq 1 "$NODES"); do
-  alive "$STATE/run/slurmd-n$i.pid" || slurmd -N "n$i"
+  alive "$STATE/run/slurmd-n$i.pid" slurmd || slurmd -N "n$i"
 done
 # Slurm's backfill scheduler (the only one that starts heterogeneous jobs) runs only after something
 # changed; a requeued job becomes eligible 2 minutes later with nothing changing on an idle local
 # cluster, and would wait forever. This poke every 10 s stands in for a busy cluster's traffic.
-if ! alive "$STATE/run/nudge.pid"; then
+if ! alive "$STATE/run/nudge.pid" bash; then
   nohup bash -c "while sleep 10; do SLURM_CONF=$CONF scontrol update partitionname=debug state=up >/dev/null 2>&1; done" \
     >/dev/null 2>&1 &
   echo $! > "$STATE/run/nudge.pid"

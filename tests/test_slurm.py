@@ -186,3 +186,28 @@ def test_cancel_stops_the_job_and_status_says_so(tmp_path):
     assert wait_for(job_id, DONE, 60) == "CANCELLED"
     assert f"job {job_id}: CANCELLED" in _cli("status", str(run)).stdout
     assert "not submitted" in _cli("status", str(tmp_path)).stderr
+
+
+def test_scancel_of_an_sbatch_job_is_final(tmp_path):
+    r = _cli("render", str(DEMO), *_args(tmp_path, "trainer.versions=100000"))
+    script = tmp_path / "job.sbatch"
+    script.write_text(r.stdout)
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    _wait_version(tmp_path / "run", 1, job_id)
+    subprocess.run(["scancel", job_id], check=True)
+    assert wait_for(job_id, DONE, 60) == "CANCELLED"
+    time.sleep(5)  # the batch script's TERM handler must not have requeued it
+    assert job_state(job_id) == "CANCELLED"
+    assert "Restarts=0" in subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+
+
+def test_slurm_times_and_sweep_shapes_are_checked(tmp_path):
+    from areal_hpc.config import ConfigError, slurm_time_minutes
+    from areal_hpc.launch.sweep import sweep
+
+    assert [slurm_time_minutes(t) for t in ("30", "30:00", "1:00:00", "2-12", "1-00:30")] == [30, 30, 60, 3600, 1470]
+    with pytest.raises(ConfigError, match="slurm.time='soon' is not a Slurm time"):
+        load_config(DEMO, ["slurm.time=soon"])
+    with pytest.raises(SlurmError, match="changes the job's shape"):
+        sweep(DEMO, {"cluster.n_generators": [1, 2]}, tmp_path / "sw")
+    assert not (tmp_path / "sw").exists()  # nothing written, nothing queued

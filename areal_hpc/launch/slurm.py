@@ -106,10 +106,11 @@ def partition_info(partition: str = "") -> PartitionInfo:
 
 
 def _fs_type(path: Path) -> str:
+    """The mount table's filesystem type (nfs4, lustre, fuse.glusterfs, ...) of the nearest existing folder."""
     p = path
     while not p.exists():
         p = p.parent
-    return _run(["stat", "-f", "-c", "%T", str(p)]).strip()
+    return _run(["findmnt", "-n", "-o", "FSTYPE", "-T", str(p)]).strip()
 
 
 def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
@@ -126,13 +127,15 @@ def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
     if not het:
         comps = (("job", 1 + cfg.cluster.n_trainers + cfg.cluster.n_generators, nodes),)
     for comp, tasks, n in comps:
-        cpus = tasks * sc.cpus_per_task
-        if cpus > n * part.cpus_per_node:
-            raise SlurmError(f"the {comp} component needs {cpus} CPUs ({tasks} tasks x slurm.cpus_per_task={sc.cpus_per_task}) "
-                             f"but {n} node(s) of {part.name!r} have {n * part.cpus_per_node}")
+        per_node = part.cpus_per_node // sc.cpus_per_task  # a task's CPUs must all be on one node
+        if tasks > n * per_node:
+            raise SlurmError(f"the {comp} component needs {tasks} tasks x slurm.cpus_per_task={sc.cpus_per_task} CPUs "
+                             f"but {n} node(s) of {part.name!r} ({part.cpus_per_node} CPUs each) fit {n * per_node} such tasks")
     if sc.gpus_per_node > part.gpus_per_node:
         raise SlurmError(f"slurm.gpus_per_node={sc.gpus_per_node} but nodes of partition {part.name!r} have {part.gpus_per_node} GPUs")
     run_dir = Path(cfg.store.run_dir).resolve()
+    if any(c.isspace() for c in str(run_dir)):
+        raise SlurmError(f"store.run_dir={str(run_dir)!r} contains whitespace, which #SBATCH lines cannot carry; pick a path without")
     local_only = part.hosts <= {os.uname().nodename.split(".")[0], os.uname().nodename}
     if nodes > 1 and not local_only:
         fs = _fs_type(run_dir)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -12,8 +14,8 @@ from pathlib import Path
 
 import submitit
 
-from areal_hpc.config import Config, save_config
-from areal_hpc.launch.slurm import prepare_run_dir, save_job
+from areal_hpc.config import Config, save_config, slurm_time_minutes
+from areal_hpc.launch.slurm import SlurmError, prepare_run_dir, save_job
 
 SUBMITIT_SUBDIR = "slurm/submitit"
 
@@ -52,7 +54,9 @@ class AsyncRun(submitit.helpers.Checkpointable):
         print(f"[areal] {prepare_run_dir(Path(self.run_dir))}", flush=True)
         env = {**os.environ, "OMPI_MCA_btl_vader_single_copy_mechanism": "none", "PYTHONUNBUFFERED": "1"}
         self._proc = subprocess.Popen(self.cmd, env=env)
-        rc = self._proc.wait()
+        # poll, not wait(): a blocking wait() would keep checkpoint() (a signal handler) from reaping srun
+        while (rc := self._proc.poll()) is None:
+            time.sleep(0.5)
         if rc != 0:
             from areal_hpc.launch.local import failure_line
 
@@ -62,9 +66,10 @@ class AsyncRun(submitit.helpers.Checkpointable):
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         (Path(self.run_dir) / "STOP").touch()
         if self._proc is not None:
-            try:
-                self._proc.wait(timeout=self.grace_s)
-            except subprocess.TimeoutExpired:
+            end = time.time() + self.grace_s
+            while self._proc.poll() is None and time.time() < end:
+                time.sleep(0.5)
+            if self._proc.poll() is None:
                 self._proc.send_signal(signal.SIGTERM)
         return submitit.helpers.DelayedSubmission(AsyncRun(self.run_dir, self.cmd, self.grace_s))
 
@@ -75,6 +80,7 @@ def make_executor(cfg: Config, folder: Path, het: bool = True, array_parallelism
     homogeneous allocation for every rank (job arrays)."""
     sc = cfg.slurm
     common = {"partition": sc.partition, "account": sc.account, "qos": sc.qos, "constraint": sc.constraint}
+    comp0_extra = [f"#SBATCH {opt}" for opt in sc.extra_sbatch]  # before "hetjob": component 0's (or the array's)
     comp1 = []
     if het:
         comp1 = ["#SBATCH hetjob"] + [f"#SBATCH --{k}={v}" for k, v in common.items() if v] + [
@@ -87,14 +93,14 @@ def make_executor(cfg: Config, folder: Path, het: bool = True, array_parallelism
             comp1.append(f"#SBATCH --mem={sc.mem}")
         comp1 += [f"#SBATCH {opt}" for opt in sc.extra_sbatch]
     venv = sc.venv or (sys.prefix if sys.prefix != sys.base_prefix else "")
-    setup = comp1 + list(sc.setup) + ([f"source {venv}/bin/activate"] if venv else [])
-    h, m, s = _hms(sc.time)
-    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+    setup = comp0_extra + comp1 + list(sc.setup) + ([f"source {shlex.quote(venv)}/bin/activate"] if venv else [])
+    # a long run is cut into many time slices: keep requeueing it (submitit's default stops after 3)
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm", slurm_max_num_timeout=10_000)
     extra = {k: v for k, v in common.items() if v and k != "partition"}
     ranks = 1 + cfg.cluster.n_trainers + (0 if het else cfg.cluster.n_generators)
     nodes = sc.train_nodes + (0 if het else sc.gen_nodes)
     params = dict(
-        name=f"areal-{cfg.run_name}", timeout_min=max(1, h * 60 + m + (1 if s else 0)),
+        name=f"areal-{cfg.run_name}", timeout_min=max(1, math.ceil(slurm_time_minutes(sc.time))),
         nodes=nodes, tasks_per_node=1, cpus_per_task=-(-ranks // nodes) * sc.cpus_per_task,
         slurm_setup=setup, slurm_additional_parameters=extra,
         slurm_signal_delay_s=max(sc.signal_s, 1),
@@ -111,18 +117,17 @@ def make_executor(cfg: Config, folder: Path, het: bool = True, array_parallelism
     return ex
 
 
-def _hms(t: str) -> tuple[int, int, int]:
-    """Slurm time -> hours, minutes, seconds."""
-    days = 0
-    if "-" in t:
-        d, t = t.split("-", 1)
-        days = int(d)
-    parts = [int(x) for x in t.split(":")]
-    if len(parts) == 1:  # minutes
-        return days * 24, parts[0], 0
-    if len(parts) == 2:
-        return days * 24 + parts[0], parts[1], 0
-    return days * 24 + parts[0], parts[1], parts[2]
+def forget_run_dir(run_dir: Path) -> None:
+    """Undo new_run_dir after a refused submission (only what it and submitit wrote)."""
+    import shutil
+
+    for sub in ("config.yaml", "logs", "slurm"):
+        p = run_dir / sub
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    try:
+        run_dir.rmdir()
+    except OSError:
+        pass
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -146,7 +151,11 @@ def submit(cfg: Config) -> submitit.Job:
     run_dir = new_run_dir(cfg)
     folder = run_dir / SUBMITIT_SUBDIR
     ex = make_executor(cfg, folder)
-    job = ex.submit(AsyncRun(str(run_dir), srun_command(cfg, run_dir)))
+    try:
+        job = ex.submit(AsyncRun(str(run_dir), srun_command(cfg, run_dir)))
+    except submitit.core.utils.FailedJobError as err:
+        forget_run_dir(run_dir)  # nothing was queued: let the user fix the request and submit again
+        raise SlurmError(f"sbatch refused the job: {' '.join(str(err).split())[-300:]}") from None
     save_job(run_dir, {"job_id": job.job_id, "submitted_by": "submitit", "submitit_folder": str(folder),
                        "time": time.time()})
     return job

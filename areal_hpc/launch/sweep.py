@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import submitit
 
 from areal_hpc.config import Config, load_config
 from areal_hpc.launch.slurm import SlurmError, check_request, job_state
-from areal_hpc.launch.submit import AsyncRun, make_executor, new_run_dir, srun_command
+from areal_hpc.launch.submit import AsyncRun, forget_run_dir, make_executor, new_run_dir, srun_command
 from areal_hpc.utils import atomic_write_text
 
 SWEEP_FILE = "sweep.json"
@@ -44,6 +45,9 @@ def sweep(base_config: str | Path, grid: dict[str, list], sweep_dir: str | Path,
     if (sweep_dir / SWEEP_FILE).exists():
         raise SlurmError(f"sweep dir {str(sweep_dir)!r} already holds a sweep; pick another")
     points = grid_points(grid)
+    shaped = [k for k in grid if k.startswith(("cluster.", "slurm."))]
+    if shaped:  # one array = one resource request for every task
+        raise SlurmError(f"sweep grid key {shaped[0]!r} changes the job's shape; an array shares one shape (sweep it as separate submits)")
     cfgs: list[Config] = []
     for i, params in enumerate(points):
         ov = [*(overrides or []), *(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in params.items()),
@@ -54,7 +58,12 @@ def sweep(base_config: str | Path, grid: dict[str, list], sweep_dir: str | Path,
     run_dirs = [new_run_dir(cfg) for cfg in cfgs]
     ex = make_executor(cfgs[0], sweep_dir / "submitit", het=False, array_parallelism=max_parallel or len(cfgs))
     calls = [AsyncRun(str(d), srun_command(cfg, d, het=False)) for cfg, d in zip(cfgs, run_dirs)]
-    jobs = ex.submit_array(calls)
+    try:
+        jobs = ex.submit_array(calls)
+    except submitit.core.utils.FailedJobError as err:
+        for d in run_dirs:
+            forget_run_dir(d)
+        raise SlurmError(f"sbatch refused the array: {' '.join(str(err).split())[-300:]}") from None
     doc = {"base_config": str(base_config), "grid": grid, "overrides": overrides or [],
            "points": [{"params": p, "run_dir": str(d), "job_id": j.job_id} for p, d, j in zip(points, run_dirs, jobs)]}
     atomic_write_text(sweep_dir / SWEEP_FILE, json.dumps(doc, indent=1))

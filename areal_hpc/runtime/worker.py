@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                             format=f"%(asctime)s rank{rank} {role} %(name)s: %(message)s")
         (run_dir / LOGS_SUBDIR / f"rank{rank:03d}.pid").write_text(str(os.getpid()))
         layout.check(comm.Get_size(), cfg.cluster.n_generators, cfg.cluster.n_trainers)
-        resume = "--resume" in opts or ("--resume-auto" in opts and latest_checkpoint(run_dir) is not None)
+        # decided once, by rank 0: every rank must agree even if a shared filesystem's caches do not
+        resume = comm.bcast("--resume" in opts or ("--resume-auto" in opts and latest_checkpoint(run_dir) is not None), root=0)
         # A signal (Slurm's --signal, submitit's USR2, scancel, a terminal) asks for a checkpoint and a clean stop;
         # rank 0 acts on it, the others wait for its STOP.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
