@@ -46,6 +46,15 @@ def _cli(*args, timeout=120):
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def _sbatch(tmp_path, *overrides) -> str:
+    """Render the demo job with these overrides and submit it with plain sbatch; returns the job id."""
+    r = _cli("render", str(DEMO), *_args(tmp_path, *overrides))
+    assert r.returncode == 0, r.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(r.stdout)
+    return subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def _wait_version(run: Path, version: int, job_id: str, timeout: float = 180) -> None:
     end = time.time() + timeout
     while time.time() < end:
@@ -111,10 +120,7 @@ def test_sweep_runs_as_a_job_array_and_collects(tmp_path):
 
 
 def test_requeue_mid_run_resumes_from_checkpoint(tmp_path):
-    r = _cli("render", str(DEMO), *_args(tmp_path, "trainer.versions=24", "trainer.checkpoint_every=4"))
-    script = tmp_path / "job.sbatch"
-    script.write_text(r.stdout)
-    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    job_id = _sbatch(tmp_path, "trainer.versions=24", "trainer.checkpoint_every=4")
     run = tmp_path / "run"
     _wait_version(run, 9, job_id)
     subprocess.run(["scontrol", "requeue", job_id], check=True)
@@ -156,10 +162,7 @@ def test_requests_the_cluster_cannot_serve_are_refused_in_one_line(tmp_path, mon
 
 def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
     # what Slurm sends slurm.signal_s before the time limit: USR1 to the batch shell
-    r = _cli("render", str(DEMO), *_args(tmp_path, "trainer.versions=30", "trainer.checkpoint_every=100"))
-    script = tmp_path / "job.sbatch"
-    script.write_text(r.stdout)
-    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    job_id = _sbatch(tmp_path, "trainer.versions=30", "trainer.checkpoint_every=100")
     run = tmp_path / "run"
     _wait_version(run, 6, job_id)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
@@ -189,10 +192,7 @@ def test_cancel_stops_the_job_and_status_says_so(tmp_path):
 
 
 def test_scancel_of_an_sbatch_job_is_final(tmp_path):
-    r = _cli("render", str(DEMO), *_args(tmp_path, "trainer.versions=100000"))
-    script = tmp_path / "job.sbatch"
-    script.write_text(r.stdout)
-    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    job_id = _sbatch(tmp_path, "trainer.versions=100000")
     _wait_version(tmp_path / "run", 1, job_id)
     subprocess.run(["scancel", job_id], check=True)
     assert wait_for(job_id, DONE, 60) == "CANCELLED"
