@@ -88,6 +88,8 @@ class TrainerConfig:
     warm_start_batch: int = 64
     checkpoint_every: int = 0  # versions between checkpoints (0 = only at the end)
     seed: int = 1
+    zero_stage: int = 2  # trainer.engine=deepspeed: ZeRO stage 1, 2 or 3
+    bf16: bool = False  # trainer.engine=deepspeed: bf16 compute with fp32 master weights
 
 
 @dataclass
@@ -246,6 +248,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config trainer.betas={list(cfg.trainer.betas)} must be two numbers in [0, 1)")
     if not _SLURM_TIME.match(cfg.slurm.time):
         raise ConfigError(f"config slurm.time={cfg.slurm.time!r} is not a Slurm time; use minutes, M:S, H:M:S or D-H[:M[:S]]")
+    if cfg.trainer.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"config trainer.zero_stage={cfg.trainer.zero_stage!r} is not allowed; choose one of 1, 2, 3")
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
     return cfg

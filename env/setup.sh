@@ -5,6 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${AREAL_VENV:-$ROOT/.venv}"
 REQ="$ROOT/env/requirements-cpu.txt"
+ENGINES="$ROOT/env/requirements-cpu-engines.txt"
 
 # System packages: Open MPI (mpi4py builds/links against it), a C++ compiler.
 need_apt=()
@@ -20,7 +21,7 @@ fi
 
 # Python venv; the stamp holds a hash of the requirements + pyproject so edits trigger a reinstall.
 stamp="$VENV/.areal-hpc-stamp"
-want="$(cat "$REQ" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$REQ" "$ENGINES" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "[env] $VENV is up to date"
   exit 0
@@ -30,5 +31,7 @@ fi
 # torch first and alone, so nothing later can drag in a CUDA build; then the package and its deps.
 "$VENV/bin/python" -m pip install -q -r "$REQ"
 "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+# production training engine, CPU build: after torch, without build isolation (the sdist imports torch)
+"$VENV/bin/python" -m pip install -q --no-build-isolation -r "$ENGINES"
 echo "$want" > "$stamp"
 echo "[env] ready: source $VENV/bin/activate"

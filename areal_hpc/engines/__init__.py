@@ -12,11 +12,16 @@ def make_generation_engine(name: str, **kwargs) -> GenerationEngine:
 
 
 def make_train_engine(name: str, **kwargs) -> TrainEngine:
+    deepspeed_only = {k: kwargs.pop(k) for k in ("zero_stage", "bf16", "device") if k in kwargs}
     if name == "torch":
         from areal_hpc.engines.torch_train import TorchTrainEngine
 
         return TorchTrainEngine(**kwargs)
-    raise ValueError(f"training engine {name!r} is not available; choose 'torch'")
+    if name == "deepspeed":
+        from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
+
+        return DeepSpeedTrainEngine(**kwargs, **deepspeed_only)
+    raise ValueError(f"training engine {name!r} is not available; choose 'torch' or 'deepspeed'")
 
 
 __all__ = ["GenerationEngine", "TrainEngine", "make_generation_engine", "make_train_engine"]

@@ -25,7 +25,14 @@ class TorchTrainEngine:
     flat buffer (the loss is already normalised by the global token count, so a SUM is exact). This is
     DDP's arithmetic without DDP's per-backward hooks, which would deadlock when trainers get different
     numbers of micro-batches.
+
+    Subclasses (the DeepSpeed engine) override the hooks _backward, _optimizer_step and _fwd; with
+    `lockstep` every rank runs the same number of micro-batches (ZeRO-3 gathers parameters in forward).
     """
+
+    lockstep = False
+    collective_weights = False  # True: every trainer must call weights() together (ZeRO-3 gather)
+    collective_checkpoint = False  # True: every trainer writes its part of a checkpoint
 
     def __init__(
         self,
@@ -43,13 +50,17 @@ class TorchTrainEngine:
         dtype: str = "float32",
         seed: int = 1,
         process_group: dist.ProcessGroup | None = None,
+        optimizer: str = "adamw",  # adamw | sgd (sgd: linear in the gradient, for exact comparisons)
     ):
         torch.manual_seed(seed)
         self.model_path = str(model_path)
         self.model = load_causal_lm(model_path, dtype)
         self.model.train()
         self.pad_token_id = self.model.config.pad_token_id or 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        if optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         self.grad_clip = grad_clip
         self.max_tokens_per_mb = max_tokens_per_mb
         self.n_minibatches = n_minibatches
@@ -60,6 +71,7 @@ class TorchTrainEngine:
         self.pg = process_group
         self.world = dist.get_world_size(process_group) if (process_group is not None or dist.is_initialized()) else 1
         self.version = 0
+        self._fwd = self.model  # what a forward pass calls
 
     # -- forward ---------------------------------------------------------------------------------
     def _pad(self, seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +86,7 @@ class TorchTrainEngine:
     def _token_logprobs(self, seqs: list[np.ndarray]) -> list[torch.Tensor]:
         """Logprob of every token given its prefix under softmax(logits / T); position 0 gets 0."""
         ids, mask = self._pad(seqs)  # right padding: positions stay 0..L-1, no position_ids needed
-        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / self.temperature
+        logits = self._fwd(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / self.temperature
         lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
         return [lp[i, : len(s)] for i, s in enumerate(seqs)]
@@ -82,7 +94,13 @@ class TorchTrainEngine:
     @torch.no_grad()
     def compute_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
         out: list[np.ndarray | None] = [None] * len(sequences)
-        for mb in pack_microbatches([len(s) for s in sequences], self.max_tokens_per_mb):
+        mbs: list = pack_microbatches([len(s) for s in sequences], self.max_tokens_per_mb) if sequences else []
+        if self.lockstep:  # every rank runs as many forwards as the busiest one (agreed before any forward)
+            mbs += [None] * (self._allreduce_max(len(mbs)) - len(mbs))
+        for mb in mbs:
+            if mb is None:
+                self._zero_loss()
+                continue
             for i, lp in zip(mb, self._token_logprobs([sequences[i] for i in mb])):
                 out[i] = lp.numpy().astype(np.float32)
         return out  # type: ignore[return-value]
@@ -94,6 +112,21 @@ class TorchTrainEngine:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, group=self.pg)
         return float(t)
+
+    def _allreduce_max(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return int(t)
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Accumulate gradients; `last` marks the minibatch's final micro-batch on this rank."""
+        loss.backward()
+
+    def _zero_loss(self) -> torch.Tensor:
+        """A forward that contributes nothing, for a rank with fewer micro-batches under lockstep."""
+        return self._token_logprobs([np.array([self.pad_token_id, self.pad_token_id])])[0].sum() * 0.0
 
     def _allreduce_grads(self) -> None:
         if self.world == 1:
@@ -127,7 +160,7 @@ class TorchTrainEngine:
         Every rank must call this (possibly with an empty share) so the collectives line up.
         """
         seqs = [t.input_ids for t in trajectories]
-        if self.prox == "recompute" and seqs:
+        if self.prox == "recompute" and (seqs or self.lockstep):
             prox_all = [torch.as_tensor(x) for x in self.compute_logprobs(seqs)]
         else:
             prox_all = [None] * len(seqs)
@@ -141,7 +174,14 @@ class TorchTrainEngine:
             total_tokens = self._allreduce_sum(local_tokens)
             if total_tokens == 0:
                 continue  # nothing to learn from on any rank; all ranks skip together
-            for micro in pack_microbatches([lengths[i] for i in mb_idx], self.max_tokens_per_mb):
+            micros: list = pack_microbatches([lengths[i] for i in mb_idx], self.max_tokens_per_mb)
+            if self.lockstep:
+                micros += [None] * (self._allreduce_max(len(micros)) - len(micros))
+            for k, micro in enumerate(micros):
+                last = k == len(micros) - 1
+                if micro is None:
+                    self._backward(self._zero_loss(), last)
+                    continue
                 idx = [mb_idx[j] for j in micro]
                 logps = self._token_logprobs([seqs[i] for i in idx])
                 parts = {k: [] for k in ("logp", "prox", "behav", "adv", "mask")}
@@ -163,7 +203,7 @@ class TorchTrainEngine:
                     cat["logp"], cat["prox"], cat["behav"], cat["adv"], cat["mask"],
                     eps_clip=self.eps_clip, behav_imp_weight_cap=self.cap, total_loss_tokens=total_tokens,
                 )
-                loss.backward()
+                self._backward(loss, last)
                 w = stats["loss_tokens"]
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
                 for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac"):
@@ -187,7 +227,7 @@ class TorchTrainEngine:
         mask = torch.cat([torch.as_tensor(m, dtype=torch.float32) for m in loss_masks])
         total = self._allreduce_sum(float(mask.sum()))
         loss = -(torch.cat(lps) * mask).sum() / max(total, 1.0)
-        loss.backward()
+        self._backward(loss, True)
         self._optimizer_step()
         for g in self.optimizer.param_groups:
             g["lr"] = saved_lr

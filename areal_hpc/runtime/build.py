@@ -26,6 +26,7 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None):
         grad_clip=tc.grad_clip, max_tokens_per_mb=tc.max_tokens_per_mb, n_minibatches=pc.n_minibatches,
         eps_clip=pc.eps_clip, behav_imp_weight_cap=pc.behav_imp_weight_cap or None, prox=pc.prox,
         temperature=rc.temperature, dtype=cfg.model.dtype, seed=tc.seed, process_group=process_group,
+        **({"zero_stage": tc.zero_stage, "bf16": tc.bf16, "device": cfg.cluster.device} if tc.engine == "deepspeed" else {}),
     )
 
 

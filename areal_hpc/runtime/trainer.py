@@ -72,13 +72,14 @@ class Trainer:
             with self.timeline.span("train"):
                 warm_start(self.engine, load_tokenizer(self.model_dir), load_dataset(self.cfg.data), self.cfg, progress=False)
         body = {"version": self.engine.version}
+        # gathered once per publish (collective under ZeRO-3: every trainer calls weights() once here)
+        state = self.engine.weights() if (self.sender is not None or self.engine.collective_weights) else None
         if self.sender is not None and self.sync_group is not None:
             # both ends run this once, right after start-up: the ceiling the bucketed sync is measured against
-            nbytes = state_nbytes(self.engine.weights())
-            body["raw_gbps"] = self.sync_group.raw_bandwidth(nbytes, self.cfg.cluster.device)
-        self._announce_and_publish(Tag.READY, body)
+            body["raw_gbps"] = self.sync_group.raw_bandwidth(state_nbytes(state), self.cfg.cluster.device)
+        self._announce_and_publish(Tag.READY, body, state)
 
-    def _announce_and_publish(self, tag: Tag, body: dict) -> None:
+    def _announce_and_publish(self, tag: Tag, body: dict, state: dict | None = None) -> None:
         """Tell rank 0 (which tells the generators), and trainer 0 publishes the weights.
 
         A broadcast needs the generators to join, so the message goes first; files must exist
@@ -86,6 +87,8 @@ class Trainer:
         """
         if self.sender is None:
             self.mail.send(0, tag, body)
+            if self.engine.collective_weights and state is None:
+                self.engine.weights()  # ZeRO-3: every trainer takes part in gathering what trainer 0 sends
             return
         disk = self.sender.method == "disk"
         if not disk:
@@ -94,7 +97,7 @@ class Trainer:
             # below is not, so make sure the announcement has left before blocking in it
             self.mail.flush()
         with self.timeline.span("sync"):
-            info = self.sender.publish(self.engine.weights(), self.engine.version)
+            info = self.sender.publish(state if state is not None else self.engine.weights(), self.engine.version)
         if disk:
             self.mail.send(0, tag, body)
         self.mail.send(0, Tag.SYNC_DONE, info)
@@ -132,9 +135,11 @@ class Trainer:
 
     def _checkpoint(self, version: int) -> None:
         path = trainer_checkpoint_dir(self.run_dir, version)
-        if self.index == 0:  # data-parallel replicas are identical: one copy is the checkpoint
+        # torch: data-parallel replicas are identical, one copy is the checkpoint; DeepSpeed: every
+        # trainer writes its shard
+        if self.index == 0 or self.engine.collective_checkpoint:
             with self.timeline.span("checkpoint"):
-                if path.exists():  # left by a run that crashed before the checkpoint was complete
+                if self.index == 0 and path.exists():  # left by a run that crashed before the checkpoint was complete
                     shutil.rmtree(path)
                 self.engine.save_checkpoint(path)
         self.mail.send(0, Tag.CKPT_DONE, {"version": version, "path": str(path)})

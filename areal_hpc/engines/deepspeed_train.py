@@ -1,0 +1,114 @@
+"""Training engine on DeepSpeed ZeRO (stage 1/2/3): the same decoupled-PPO step as the torch engine."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from areal_hpc.engines.torch_train import TorchTrainEngine
+from areal_hpc.utils import atomic_publish_dir
+
+
+def _ensure_process_group() -> None:
+    """DeepSpeed needs a default group; a lone trainer gets a world of one (no MPI discovery)."""
+    if dist.is_initialized():
+        return
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+class DeepSpeedTrainEngine(TorchTrainEngine):
+    """ZeRO-sharded data parallelism over the trainers' default group (gloo on CPU, NCCL on GPUs).
+
+    The loss is normalised by the global token count, so gradients must be summed across trainers;
+    DeepSpeed averages them, hence the loss is scaled by the world size. Every trainer runs the same
+    number of micro-batches (ZeRO-3 gathers parameters inside each forward), and for ZeRO-3 gathering
+    the full weights and checkpointing are collective: every trainer calls them.
+    """
+
+    lockstep = True
+    collective_checkpoint = True
+
+    def __init__(self, model_path: str, zero_stage: int = 2, bf16: bool = False, device: str = "cpu", **kwargs):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if device == "cpu" else "cuda")
+        try:
+            import deepspeed
+        except ImportError:
+            raise ImportError("trainer.engine=deepspeed needs DeepSpeed: pip install deepspeed==0.19.8 "
+                              "(CPU: bash env/setup.sh installs it)") from None
+        _ensure_process_group()
+        if bf16:
+            kwargs["dtype"] = "float32"  # DeepSpeed keeps fp32 master weights and runs bf16 itself
+        super().__init__(model_path, **kwargs)
+        self.zero_stage = zero_stage
+        self.collective_weights = zero_stage == 3
+        config = {
+            "train_micro_batch_size_per_gpu": 1,  # micro-batches are packed by token budget here
+            "gradient_accumulation_steps": 1,  # accumulation boundaries are set explicitly per minibatch
+            "gradient_clipping": self.grad_clip if self.grad_clip > 0 else 0.0,
+            "zero_optimization": {"stage": zero_stage},
+            "bf16": {"enabled": bool(bf16)},
+            "zero_allow_untested_optimizer": True,  # a torch AdamW: no compiled optimizer op needed
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer, config=config)
+        self._deepspeed = deepspeed
+        self._fwd = self.ds
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+
+    # -- hooks of the torch engine ----------------------------------------------------------------
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        self.ds.set_gradient_accumulation_boundary(last)
+        self.ds.backward(loss * self.world)  # DeepSpeed averages over ranks; the loss wants a sum
+
+    def _optimizer_step(self) -> float:
+        self.ds.step()
+        gnorm = self.ds.get_global_grad_norm()
+        return float(gnorm) if gnorm is not None else float("nan")
+
+    # -- weights and checkpoints --------------------------------------------------------------------
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self.zero_stage == 3:  # collective: full tensors exist only inside the gather
+            with self._deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+                return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def export_hf(self, path: Path) -> Path:
+        raise NotImplementedError("export from a DeepSpeed run: load its checkpoint's weights with weights() and save_pretrained")
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Collective: every trainer writes its shard into one folder, published by an atomic rename."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".ds.tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        self.ds.save_checkpoint(str(tmp), tag="ds")
+        torch.save({"torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "python_rng": random.getstate()},
+                   tmp / f"rng_rank{self.rank}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            (tmp / "meta.json").write_text(json.dumps({"version": self.version, "zero_stage": self.zero_stage, "world": self.world}))
+            atomic_publish_dir(tmp, path)
+        dist.barrier()
+
+    def load_checkpoint(self, path: Path) -> None:
+        path = Path(path)
+        meta = json.loads((path / "meta.json").read_text())
+        self.ds.load_checkpoint(str(path), tag="ds")
+        rng = torch.load(path / f"rng_rank{self.rank}.pt", weights_only=False)
+        torch.set_rng_state(rng["torch_rng"])
+        np.random.set_state(rng["numpy_rng"])
+        random.setstate(rng["python_rng"])
+        self.version = meta["version"]

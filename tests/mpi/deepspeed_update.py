@@ -1,0 +1,53 @@
+"""Under mpirun -n 2: DeepSpeed ZeRO trainers take one PPO step on a shared batch; then checkpoint, step, restore, step."""
+
+import pickle
+import sys
+
+import torch
+from mpi4py import MPI
+
+from areal_hpc.algo.packing import balance_across_ranks
+from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
+from areal_hpc.runtime.worker import _trainer_group
+
+
+def main(model_dir: str, out: str, stage: int) -> None:
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    torch.set_num_threads(1)
+    _trainer_group(comm, 120)
+    with open(f"{out}/batch.pkl", "rb") as f:
+        trajs, adv = pickle.load(f)
+    lengths = [len(t.input_ids) for t in trajs]
+    mine, minibatches = [], []  # as the scheduler splits: minibatches first, then across trainers
+    for mb in balance_across_ranks(lengths, 2):
+        part = [mb[j] for j in balance_across_ranks([lengths[i] for i in mb], comm.Get_size())[rank]]
+        minibatches.append(list(range(len(mine), len(mine) + len(part))))
+        mine += part
+    share, share_adv = [trajs[i] for i in mine], adv[mine]
+
+    def engine(optimizer):
+        return DeepSpeedTrainEngine(model_dir, zero_stage=stage, lr=0.1 if optimizer == "sgd" else 1e-3,
+                                    optimizer=optimizer, weight_decay=0.0, grad_clip=0.0, n_minibatches=2, seed=0)
+
+    a = engine("sgd")
+    a.ppo_update(share, share_adv, minibatches)
+    w1 = a.weights()  # collective under ZeRO-3
+    # checkpoint round trip with Adam (its moments must come back too)
+    b = engine("adamw")
+    b.ppo_update(share, share_adv, minibatches)
+    b.save_checkpoint(f"{out}/ckpt")
+    b.ppo_update(share, share_adv, minibatches)
+    w_cont = b.weights()
+    c = engine("adamw")
+    c.load_checkpoint(f"{out}/ckpt")
+    c.ppo_update(share, share_adv, minibatches)
+    w_restored = c.weights()
+    if rank == 0:
+        torch.save({"sgd_step": w1, "continued": w_cont, "restored": w_restored, "version": c.version}, f"{out}/ds.pt")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
