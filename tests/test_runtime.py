@@ -93,11 +93,11 @@ def test_two_trainers_under_mpirun_match_one(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_async_run_learns_and_keeps_weights_in_sync(tmp_path):
     cfg = _cfg(tmp_path, "rollout.eta=2", "cluster.n_generators=2", "cluster.n_trainers=1",
-               "trainer.versions=200", "trainer.max_wall_s=200", "trainer.checkpoint_every=50", "logging.eval_every=50")
+               "trainer.versions=300", "trainer.max_wall_s=240", "trainer.checkpoint_every=50", "logging.eval_every=50")
     s = launch(cfg, progress=False)
     # RL itself, with data up to 2 versions stale, adds >= 20 points over the warm-started policy
     assert s["acc_init"] < 0.05
-    assert s["acc_final"] - s["acc_start"] >= 0.20, s
+    assert round(s["acc_final"] - s["acc_start"], 6) >= 0.20, s  # held-out accuracies are multiples of 1/100
     run = tmp_path / "run"
     eaten = _audit(run, eta=2)
     assert eaten["staleness"].max() >= 1  # generation really ran ahead of training
