@@ -197,17 +197,6 @@ def load_job(run_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def sbatch(script: Path, test_only: bool = False) -> str:
-    """Submit a script with plain sbatch; returns the job id (or sbatch's --test-only answer)."""
-    if test_only:
-        # --test-only answers on stderr and exits 0 when the job could run
-        out = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=30)
-        if out.returncode != 0:
-            raise SlurmError(f"sbatch --test-only: {' '.join(out.stderr.split())}")
-        return out.stderr.strip()
-    return _run(["sbatch", "--parsable", str(script)]).strip().split(";")[0]
-
-
 def job_state(job_id: str) -> str:
     """Slurm's state of a (het) job from sacct: PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ..."""
     out = _run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,State"])

@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 TIMELINE_SUBDIR = "timeline"
-EVENTS = ("generate", "reward", "write", "wait", "train", "sync", "idle", "eval", "checkpoint", "load", "start")
 
 
 class Timeline:
