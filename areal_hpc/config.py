@@ -60,6 +60,7 @@ class RolloutConfig:
     max_running: int = 0  # cap on prompts in flight per the scheduler (0 = no cap)
     interrupt: bool = True  # abort and resume in-flight requests on new weights
     prompts_per_generator: int = 16  # groups a generator rank holds at once (its request size)
+    kv_cache_gib: float = 1.0  # engine=vllm: KV cache per generator rank (host memory on CPU, GPU memory on cuda)
 
 
 @dataclass
@@ -182,7 +183,7 @@ _LOWER = {
     "reward.timeout_s": (0, False), "reward.num_workers": (1, True),
     "rollout.n_samples": (1, True), "rollout.temperature": (0, False), "rollout.top_p": (0, False),
     "rollout.max_new_tokens": (1, True), "rollout.batch_prompts": (1, True), "rollout.eta": (0, True),
-    "rollout.max_running": (0, True), "rollout.prompts_per_generator": (1, True),
+    "rollout.max_running": (0, True), "rollout.prompts_per_generator": (1, True), "rollout.kv_cache_gib": (0, False),
     "sync.bucket_mb": (1, True), "sync.keep_versions": (1, True), "sync.timeout_s": (0, False),
     "ppo.eps_clip": (0, False), "ppo.behav_imp_weight_cap": (0, True), "ppo.n_minibatches": (1, True),
     "trainer.lr": (0, False), "trainer.weight_decay": (0, True), "trainer.grad_clip": (0, True),
@@ -238,6 +239,10 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"config {key}={val!r} is out of range; it must be {op} {low}")
     if cfg.rollout.top_p > 1:
         raise ConfigError(f"config rollout.top_p={cfg.rollout.top_p!r} is out of range; it must be in (0, 1]")
+    if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
+        # vLLM's processed logprobs renormalise over the top-p set; the trainer recomputes softmax(logits / T)
+        raise ConfigError(f"config rollout.top_p={cfg.rollout.top_p!r} is not supported with rollout.engine=vllm "
+                          "(its logprobs would not match the trainer's); use top_p=1.0 or engine=torch")
     if cfg.data.kind in ("jsonl", "parquet") and not cfg.data.path:
         raise ConfigError(f"config data.path is empty; data.kind={cfg.data.kind} needs a dataset file")
     if cfg.model.hidden_size % cfg.model.num_heads:

@@ -6,6 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${AREAL_VENV:-$ROOT/.venv}"
 REQ="$ROOT/env/requirements-cpu.txt"
 ENGINES="$ROOT/env/requirements-cpu-engines.txt"
+VLLM="$ROOT/env/requirements-cpu-vllm.txt"
 
 # System packages: Open MPI (mpi4py builds/links against it), a C++ compiler.
 need_apt=()
@@ -21,7 +22,7 @@ fi
 
 # Python venv; the stamp holds a hash of the requirements + pyproject so edits trigger a reinstall.
 stamp="$VENV/.areal-hpc-stamp"
-want="$(cat "$REQ" "$ENGINES" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$REQ" "$ENGINES" "$VLLM" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "[env] $VENV is up to date"
   exit 0
@@ -33,5 +34,8 @@ fi
 "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
 # production training engine, CPU build: after torch, without build isolation (the sdist imports torch)
 "$VENV/bin/python" -m pip install -q --no-build-isolation -r "$ENGINES"
+# production generation engine, CPU build; then drop the CUDA vision/audio packages it drags in
+"$VENV/bin/python" -m pip install -q -r "$VLLM"
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 echo "$want" > "$stamp"
 echo "[env] ready: source $VENV/bin/activate"

@@ -1,4 +1,4 @@
-"""Engine contract tests: the torch generation and training engines against transformers itself."""
+"""Engine contract tests: the generation engines (torch, vLLM) and the torch training engine against transformers."""
 
 from __future__ import annotations
 
@@ -15,92 +15,148 @@ from areal_hpc.model import load_causal_lm, load_tokenizer
 from areal_hpc.types import GenRequest
 
 PROMPTS = ["07+35=", "1+2=", "99+99=", "50+5="]
+GEN_ENGINES = ["torch", "vllm"]  # vLLM: its CPU build, in-process (env/setup.sh installs it)
 
 
 def _requests(tok, max_new=12, prompts=PROMPTS):
     return [GenRequest(f"{i}:0", tok.encode(p), max_new) for i, p in enumerate(prompts)]
 
 
+@pytest.fixture
+def make_gen():
+    """Builds generation engines by name and closes them after the test (vLLM holds an engine core)."""
+    made = []
+
+    def make(kind, path, **kw):
+        if kind == "torch":
+            eng = TorchGenerationEngine(str(path), **kw)
+        else:
+            from areal_hpc.engines.vllm_gen import VLLMGenerationEngine
+
+            eng = VLLMGenerationEngine(str(path), **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
+def _reference_logprobs(model, o, temperature=1.0):
+    """log p(token) of each output token under softmax(logits / T) of a full transformers forward."""
+    seq = torch.tensor([o.prompt_ids + o.output_ids])
+    with torch.no_grad():
+        logits = model(seq).logits[0, :-1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, seq[0, 1:, None]).squeeze(-1)[len(o.prompt_ids) - 1 :].numpy()
+
+
+def _greedy_reference(model, tok, prompt, max_new=12):
+    ids = torch.tensor([tok.encode(prompt)])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return ref[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("kind", GEN_ENGINES)
 @pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_qwen_dir"])
-def test_greedy_matches_transformers(request, model_fixture):
+def test_greedy_matches_transformers(request, model_fixture, kind, make_gen):
     path = request.getfixturevalue(model_fixture)
     tok = load_tokenizer(path)
-    eng = TorchGenerationEngine(str(path))
-    outs = eng.generate(_requests(tok), greedy=True)
+    outs = make_gen(kind, path).generate(_requests(tok), greedy=True)
     ref_model = load_causal_lm(path).eval()
     for p, o in zip(PROMPTS, outs):
-        ids = torch.tensor([tok.encode(p)])
-        ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        assert o.output_ids == ref[0, ids.shape[1]:].tolist()[: len(o.output_ids)]
-        assert len(o.output_ids) == min(12, ref.shape[1] - ids.shape[1])
+        assert o.output_ids == _greedy_reference(ref_model, tok, p)
+        assert o.finish_reason == ("stop" if o.output_ids[-1] == tok.eos_token_id else "length")
 
 
-def test_logprobs_match_full_forward(tiny_model_dir):
+@pytest.mark.parametrize("kind", GEN_ENGINES)
+def test_logprobs_match_full_forward(tiny_model_dir, kind, make_gen):
     tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir).eval()
     for temperature in (1.0, 0.7):
-        eng = TorchGenerationEngine(str(tiny_model_dir), temperature=temperature, seed=3)
-        outs = eng.generate(_requests(tok))
-        model = load_causal_lm(tiny_model_dir).eval()
+        outs = make_gen(kind, tiny_model_dir, temperature=temperature, seed=3).generate(_requests(tok))
+        assert sum(len(o.output_ids) for o in outs) > 8
         for o in outs:
-            seq = torch.tensor([o.prompt_ids + o.output_ids])
-            with torch.no_grad():
-                logits = model(seq).logits[0, :-1] / temperature
-            lp = torch.log_softmax(logits, -1).gather(-1, seq[0, 1:, None]).squeeze(-1)
-            want = lp[len(o.prompt_ids) - 1 :].numpy()
-            np.testing.assert_allclose(o.output_logprobs, want, atol=1e-4)
+            np.testing.assert_allclose(o.output_logprobs, _reference_logprobs(model, o, temperature), atol=1e-4)
             assert o.output_versions == [0] * len(o.output_ids)
 
 
-def test_abort_then_resume_continues_with_new_version(tiny_model_dir):
-    tok = load_tokenizer(tiny_model_dir)
-    eng = TorchGenerationEngine(str(tiny_model_dir), seed=0)
-    eos = tok.eos_token_id
-    eng.eos_token_id = -1  # never stop early, so the abort lands mid-sequence
-    reqs = _requests(tok, max_new=300)
-    orig_forward = eng.model.forward
-    calls = {"n": 0}
+def _abort_after_steps(eng, n):
+    """Makes a running generate() see an abort after n engine steps, sent from another thread."""
+    obj, name = (eng.model, "forward") if isinstance(eng, TorchGenerationEngine) else (eng.engine, "step")
+    real, calls = getattr(obj, name), {"n": 0}
 
-    def slow_forward(*a, **k):  # abort after a few decode steps, from another thread
+    def step(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 5:
+        if calls["n"] == n:
             threading.Thread(target=eng.abort).start()
             time.sleep(0.05)
-        return orig_forward(*a, **k)
+        return real(*a, **k)
 
-    eng.model.forward = slow_forward
+    setattr(obj, name, step)
+    return lambda: setattr(obj, name, real)
+
+
+def _never_stop(eng, on=True):
+    """Sample to max_new_tokens, so an abort lands mid-sequence."""
+    if isinstance(eng, TorchGenerationEngine):
+        eng.eos_token_id = -1 if on else eng.model.config.eos_token_id
+    else:
+        eng.ignore_eos = on
+
+
+@pytest.mark.parametrize("kind", GEN_ENGINES)
+def test_abort_then_resume_continues_with_new_version(tiny_model_dir, kind, make_gen):
+    tok = load_tokenizer(tiny_model_dir)
+    eng = make_gen(kind, tiny_model_dir, seed=0)
+    _never_stop(eng)
+    reqs = _requests(tok, max_new=300)
+    restore = _abort_after_steps(eng, 5)
     partial = eng.generate(reqs)
-    eng.model.forward = orig_forward
+    restore()
     assert all(o.finish_reason == "abort" for o in partial)
     assert all(0 < len(o.output_ids) < 300 for o in partial)
 
-    eng.update_weights({k: v + 0.01 * torch.randn_like(v) for k, v in eng.state_dict().items()}, version=1)
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in eng.state_dict().items()}
+    eng.update_weights(new, version=1)
     resumed = eng.generate([
         GenRequest(r.request_id, r.prompt_ids, 300, o.output_ids, o.output_logprobs, o.output_versions)
         for r, o in zip(reqs, partial)
     ])
-    eng.eos_token_id = eos
+    _never_stop(eng, False)
+    ref = load_causal_lm(tiny_model_dir).eval()
+    ref.load_state_dict(new)
     for o, p in zip(resumed, partial):
         k = len(p.output_ids)
         assert o.output_ids[:k] == p.output_ids and len(o.output_ids) == 300
         assert o.output_versions == [0] * k + [1] * (300 - k)
+        assert o.output_logprobs[:k] == p.output_logprobs
         assert o.finish_reason == "length"
         # the resumed tokens' logprobs are those of the new weights on prompt + partial
-        seq = torch.tensor([o.prompt_ids + o.output_ids])
-        with torch.no_grad():
-            lp = torch.log_softmax(eng.model(seq).logits[0, :-1], -1).gather(-1, seq[0, 1:, None]).squeeze(-1)
-        np.testing.assert_allclose(o.output_logprobs[k:], lp[len(o.prompt_ids) - 1 + k :].numpy(), atol=1e-4)
+        np.testing.assert_allclose(o.output_logprobs[k:], _reference_logprobs(ref, o)[k:], atol=1e-4)
 
 
-def test_weight_update_changes_outputs(tiny_model_dir):
+@pytest.mark.parametrize("kind", GEN_ENGINES)
+def test_weight_update_changes_outputs_and_matches_the_trainers_export(tiny_model_dir, tmp_path, kind, make_gen):
     tok = load_tokenizer(tiny_model_dir)
-    eng = TorchGenerationEngine(str(tiny_model_dir))
+    eng = make_gen(kind, tiny_model_dir)
     before = eng.generate(_requests(tok), greedy=True)
+    tr = TorchTrainEngine(str(tiny_model_dir))
     g = torch.Generator().manual_seed(0)
-    eng.update_weights({k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in eng.state_dict().items()}, version=7)
+    with torch.no_grad():  # a large move, so greedy outputs surely change
+        for p in tr.model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    eng.update_weights(tr.weights(), version=7)
     after = eng.generate(_requests(tok), greedy=True)
     assert [o.output_ids for o in before] != [o.output_ids for o in after]
     assert all(v == 7 for o in after for v in o.output_versions)
+    # what the engine now computes is what transformers computes from the trainer's exported folder
+    exported = load_causal_lm(tr.export_hf(tmp_path / "export")).eval()
+    for p, o in zip(PROMPTS, after):
+        assert o.output_ids == _greedy_reference(exported, tok, p)
+    for o in eng.generate(_requests(tok)):
+        np.testing.assert_allclose(o.output_logprobs, _reference_logprobs(exported, o), atol=1e-4)
     with pytest.raises(RuntimeError):
         eng.update_weights({"not.a.weight": torch.zeros(1)}, version=8)
 

@@ -29,6 +29,12 @@ class GenerationEngine(Protocol):
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new weights in place; tokens sampled afterwards carry `version`."""
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights now loaded, in the trainer's names (receive buffers and checksums are built from it)."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside Python objects (vLLM's engine core)."""
+
 
 class TrainEngine(Protocol):
     version: int

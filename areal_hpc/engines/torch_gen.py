@@ -58,6 +58,9 @@ class TorchGenerationEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
+    def close(self) -> None:
+        pass  # nothing outside this process's memory
+
     # -- sampling --------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)

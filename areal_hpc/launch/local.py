@@ -14,6 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from areal_hpc.config import Config, save_config
+from areal_hpc.engines import require_installed
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.resume import latest_checkpoint
 from areal_hpc.runtime.scheduler import STOP_FILE
@@ -91,6 +92,7 @@ def _read_progress(run_dir: Path) -> dict | None:
 
 def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_s: float = 120.0) -> dict:
     """Run the whole job under mpirun and return summary.json's contents; raises RunFailed with one line."""
+    require_installed(cfg.rollout.engine, cfg.trainer.engine)
     run_dir = prepare_run_dir(cfg, resume)
     cmd = mpirun_command(cfg, run_dir, resume)
     (run_dir / "progress.json").unlink(missing_ok=True)

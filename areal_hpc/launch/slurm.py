@@ -17,6 +17,7 @@ from pathlib import Path
 import jinja2
 
 from areal_hpc.config import Config, to_yaml
+from areal_hpc.engines import EngineNotInstalled, require_installed
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
 HETJOB_TEMPLATE = "areal_hetjob.sbatch.j2"
@@ -142,6 +143,11 @@ def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
         if fs not in SHARED_FS:
             raise SlurmError(f"store.run_dir={str(run_dir)!r} is on a local filesystem ({fs}); with {nodes} nodes it must be "
                              f"on a shared one ({', '.join(sorted(SHARED_FS)[:6])}, ...)")
+    if not sc.venv or Path(sc.venv).resolve() == Path(sys.prefix).resolve():  # else the nodes' venv may differ
+        try:
+            require_installed(cfg.rollout.engine, cfg.trainer.engine)
+        except EngineNotInstalled as err:
+            raise SlurmError(str(err)) from None
     if not cfg.model.build_tiny:
         try:
             check_model_folder(cfg.model.path)

@@ -44,8 +44,8 @@ class AsyncRun(submitit.helpers.Checkpointable):
     waits for the ranks, and hands submitit the same run to requeue; it resumes from the checkpoint.
     """
 
-    def __init__(self, run_dir: str, cmd: list[str], grace_s: float = 60.0):
-        self.run_dir, self.cmd, self.grace_s = run_dir, cmd, grace_s
+    def __init__(self, run_dir: str, cmd: list[str], grace_s: float = 60.0, exit_grace_s: float = 60.0):
+        self.run_dir, self.cmd, self.grace_s, self.exit_grace_s = run_dir, cmd, grace_s, exit_grace_s
         self._proc: subprocess.Popen | None = None
 
     def __call__(self) -> dict:
@@ -54,9 +54,25 @@ class AsyncRun(submitit.helpers.Checkpointable):
         print(f"[areal] {prepare_run_dir(Path(self.run_dir))}", flush=True)
         env = {**os.environ, "OMPI_MCA_btl_vader_single_copy_mechanism": "none", "PYTHONUNBUFFERED": "1"}
         self._proc = subprocess.Popen(self.cmd, env=env)
+        summary = Path(self.run_dir) / "summary.json"
+        t_launch, finished_at = time.time(), None
         # poll, not wait(): a blocking wait() would keep checkpoint() (a signal handler) from reaping srun
         while (rc := self._proc.poll()) is None:
             time.sleep(0.5)
+            if finished_at is None and summary.exists() and summary.stat().st_mtime >= t_launch - 1:
+                finished_at = time.time()  # written by this launch (a requeued run has an older one)
+            elif finished_at is not None and time.time() - finished_at > self.exit_grace_s:
+                # Seen once in CI: both het components' steps ended, yet srun never returned. The run
+                # is complete (rank 0 writes summary.json last), so end srun rather than hang the job.
+                print(f"[areal] srun still running {self.exit_grace_s:.0f} s after the run finished; ending it",
+                      file=sys.stderr, flush=True)
+                self._proc.terminate()
+                try:
+                    self._proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                rc = 0
+                break
         if rc != 0:
             from areal_hpc.launch.local import failure_line
 
@@ -71,7 +87,7 @@ class AsyncRun(submitit.helpers.Checkpointable):
                 time.sleep(0.5)
             if self._proc.poll() is None:
                 self._proc.send_signal(signal.SIGTERM)
-        return submitit.helpers.DelayedSubmission(AsyncRun(self.run_dir, self.cmd, self.grace_s))
+        return submitit.helpers.DelayedSubmission(AsyncRun(self.run_dir, self.cmd, self.grace_s, self.exit_grace_s))
 
 
 def make_executor(cfg: Config, folder: Path, het: bool = True, array_parallelism: int | None = None) -> submitit.AutoExecutor:

@@ -15,8 +15,10 @@ from areal_hpc.engines import make_generation_engine, make_train_engine
 
 def build_generation_engine(cfg: Config, model_dir: Path, seed: int):
     rc = cfg.rollout
-    return make_generation_engine(rc.engine, model_path=str(model_dir), temperature=rc.temperature,
-                                  top_p=rc.top_p, dtype=cfg.model.dtype, seed=seed)
+    return make_generation_engine(
+        rc.engine, model_path=str(model_dir), temperature=rc.temperature, top_p=rc.top_p, dtype=cfg.model.dtype, seed=seed,
+        **({"kv_cache_gib": rc.kv_cache_gib, "device": cfg.cluster.device} if rc.engine == "vllm" else {}),
+    )
 
 
 def build_train_engine(cfg: Config, model_dir: Path, process_group=None):

@@ -242,5 +242,6 @@ class Generator:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+        self.engine.close()
         self.pool.close()
         self.timeline.close()

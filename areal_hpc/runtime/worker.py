@@ -45,6 +45,17 @@ def _redirect_output(path: Path) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
+def exit_rank() -> None:
+    """Flush, finalize MPI and leave at once: in interpreter teardown a torch/gloo thread can still
+    drop a tensor after the GIL is gone and abort a run that ended cleanly."""
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(0)
+
+
 def _trainer_group(trainer_comm, timeout_s: float) -> None:
     """The trainers' default torch process group (gloo), created before the engine, over a TCPStore."""
     import torch.distributed as dist
@@ -156,11 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             p.write_text(line + "\n")
         finally:
             comm.Abort(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    MPI.Finalize()
-    # skip interpreter teardown: torch/gloo threads can abort at exit after a clean run
-    os._exit(0)
+    exit_rank()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import torch
 from mpi4py import MPI
 
 from areal_hpc.runtime.weight_sync import SyncGroup, WeightReceiver, WeightSender, weights_checksum
+from areal_hpc.runtime.worker import exit_rank
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -44,3 +45,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_rank()

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from areal_hpc.algo.packing import balance_across_ranks
 from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
-from areal_hpc.runtime.worker import _trainer_group
+from areal_hpc.runtime.worker import _trainer_group, exit_rank
 
 
 def main(model_dir: str, out: str, stage: int) -> None:
@@ -51,3 +51,4 @@ def main(model_dir: str, out: str, stage: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    exit_rank()

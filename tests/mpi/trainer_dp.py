@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from areal_hpc.algo.packing import balance_across_ranks
 from areal_hpc.engines.torch_train import TorchTrainEngine
-from areal_hpc.runtime.worker import _trainer_group
+from areal_hpc.runtime.worker import _trainer_group, exit_rank
 
 
 def main(model_dir: str, out: str) -> None:
@@ -33,3 +33,4 @@ def main(model_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_rank()
