@@ -91,7 +91,8 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
     if s.get("sync_gbps_mean") is not None:
         click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s bucketed, raw single buffer {s['raw_broadcast_gbps'] or float('nan'):.2f} GB/s")
     click.echo(f"run dir:     {run_dir}  (metrics.csv, timeline/, logs/, checkpoints/)")
-    click.echo(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    if cfg.logging.tensorboard:
+        click.echo(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
 
 
 @main.command("render")

@@ -97,19 +97,11 @@ def _abort_after_steps(eng, n):
     return lambda: setattr(obj, name, real)
 
 
-def _never_stop(eng, on=True):
-    """Sample to max_new_tokens, so an abort lands mid-sequence."""
-    if isinstance(eng, TorchGenerationEngine):
-        eng.eos_token_id = -1 if on else eng.model.config.eos_token_id
-    else:
-        eng.ignore_eos = on
-
-
 @pytest.mark.parametrize("kind", GEN_ENGINES)
 def test_abort_then_resume_continues_with_new_version(tiny_model_dir, kind, make_gen):
     tok = load_tokenizer(tiny_model_dir)
     eng = make_gen(kind, tiny_model_dir, seed=0)
-    _never_stop(eng)
+    eng.ignore_eos = True  # sample to max_new_tokens, so the abort lands mid-sequence
     reqs = _requests(tok, max_new=300)
     restore = _abort_after_steps(eng, 5)
     partial = eng.generate(reqs)
@@ -124,7 +116,7 @@ def test_abort_then_resume_continues_with_new_version(tiny_model_dir, kind, make
         GenRequest(r.request_id, r.prompt_ids, 300, o.output_ids, o.output_logprobs, o.output_versions)
         for r, o in zip(reqs, partial)
     ])
-    _never_stop(eng, False)
+    eng.ignore_eos = False
     ref = load_causal_lm(tiny_model_dir).eval()
     ref.load_state_dict(new)
     for o, p in zip(resumed, partial):

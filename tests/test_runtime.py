@@ -257,3 +257,34 @@ def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path):
     m = pd.read_csv(run / "metrics.csv")
     assert (m["weights_match"] == 1).all()  # the generator holds exactly the gathered ZeRO-3 weights
     assert (run / "checkpoints" / "v00000006" / "meta.json").exists()
+
+
+@pytest.mark.slow
+def test_vllm_generator_and_deepspeed_zero2_trainers_learn(tmp_path):
+    # the production engines on CPU: vLLM's CPU build generates, two DeepSpeed ZeRO-2 trainers train
+    cfg = _cfg(tmp_path, "rollout.engine=vllm", "trainer.engine=deepspeed", "trainer.zero_stage=2",
+               "cluster.n_trainers=2", "cluster.n_generators=1", "rollout.eta=2", "trainer.versions=300",
+               "trainer.max_wall_s=300", "trainer.checkpoint_every=100", "logging.eval_every=100")
+    s = launch(cfg, progress=False)
+    assert s["acc_init"] < 0.05
+    assert round(s["acc_final"] - s["acc_start"], 6) >= 0.20, s
+    run = tmp_path / "run"
+    eaten = _audit(run, eta=2)
+    assert eaten["staleness"].max() >= 1
+    assert len(eaten) == s["versions"] * cfg.rollout.batch_prompts * cfg.rollout.n_samples
+    assert (pd.read_csv(run / "metrics.csv")["weights_match"] == 1).all()
+    (gen_log,) = (run / "logs").glob("rank*-generator.log")
+    assert "vllm" in gen_log.read_text()  # the generator really ran vLLM
+    assert len(list((run / "logs").glob("rank*-trainer.log"))) == 2
+
+
+def test_an_engine_that_is_not_installed_is_refused_in_one_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    from areal_hpc.engines import EngineNotInstalled
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(EngineNotInstalled, match=r"engine 'vllm' needs the vllm package.*env/setup.sh") as err:
+        launch(_cfg(tmp_path, "rollout.engine=vllm"), progress=False)
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()  # refused before any work

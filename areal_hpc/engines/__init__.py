@@ -26,7 +26,7 @@ def require_installed(*names: str) -> None:
 
 
 def make_generation_engine(name: str, **kwargs) -> GenerationEngine:
-    vllm_only = {k: kwargs.pop(k) for k in ("kv_cache_gib", "device") if k in kwargs}
+    vllm_only = {k: kwargs.pop(k) for k in ("kv_cache_gib",) if k in kwargs}
     if name == "torch":
         from areal_hpc.engines.torch_gen import TorchGenerationEngine
 
@@ -40,7 +40,7 @@ def make_generation_engine(name: str, **kwargs) -> GenerationEngine:
 
 
 def make_train_engine(name: str, **kwargs) -> TrainEngine:
-    deepspeed_only = {k: kwargs.pop(k) for k in ("zero_stage", "bf16", "device") if k in kwargs}
+    deepspeed_only = {k: kwargs.pop(k) for k in ("zero_stage", "bf16") if k in kwargs}
     if name == "torch":
         from areal_hpc.engines.torch_train import TorchTrainEngine
 

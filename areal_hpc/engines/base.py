@@ -13,6 +13,7 @@ from areal_hpc.types import GenOutput, GenRequest, Trajectory
 
 class GenerationEngine(Protocol):
     version: int
+    ignore_eos: bool  # True: every sequence runs to max_new_tokens (benchmarks, tests)
 
     def generate(self, requests: list[GenRequest], greedy: bool = False) -> list[GenOutput]:
         """Sample continuations. If abort() is called meanwhile, return partial outputs ('abort')."""

@@ -17,12 +17,14 @@ from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.utils import atomic_publish_dir
 
 
-def _ensure_process_group() -> None:
+def _ensure_process_group(backend: str) -> None:
     """DeepSpeed needs a default group; a lone trainer gets a world of one (no MPI discovery)."""
     if dist.is_initialized():
         return
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    # DeepSpeed asserts LOCAL_RANK is set, and equal to Open MPI's when under mpirun
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
 
 
 class DeepSpeedTrainEngine(TorchTrainEngine):
@@ -44,10 +46,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         except ImportError:
             raise ImportError("trainer.engine=deepspeed needs DeepSpeed: pip install deepspeed==0.19.8 "
                               "(CPU: bash env/setup.sh installs it)") from None
-        _ensure_process_group()
+        _ensure_process_group("gloo" if device == "cpu" else "nccl")
         if bf16:
             kwargs["dtype"] = "float32"  # DeepSpeed keeps fp32 master weights and runs bf16 itself
-        super().__init__(model_path, **kwargs)
+        super().__init__(model_path, device="cpu", **kwargs)  # deepspeed.initialize places the model
         self.zero_stage = zero_stage
         self.collective_weights = zero_stage == 3
         config = {
@@ -63,6 +65,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer, config=config)
         self._deepspeed = deepspeed
         self._fwd = self.ds
+        self.device = self.ds.device
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
 

@@ -28,14 +28,17 @@ class TorchGenerationEngine:
         seed: int = 0,
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
+        device: str = "cpu",
     ):
-        self.model = load_causal_lm(model_path, dtype).eval()
+        self.device = torch.device(device)
+        self.model = load_causal_lm(model_path, dtype).to(self.device).eval()
         self.temperature = temperature
         self.top_p = top_p
         cfg = self.model.config
         self.eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
         self.pad_token_id = (cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_id) if pad_token_id is None else pad_token_id
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.ignore_eos = False  # sample to max_new_tokens (benchmarks: equal lengths across engines)
         self.version = 0
         self._abort = threading.Event()
         # held around each decode step and each weight load: a step never sees half-loaded weights,
@@ -102,6 +105,7 @@ class TorchGenerationEngine:
         for i, p in enumerate(prefixes):
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
 
         past = None
@@ -117,20 +121,21 @@ class TorchGenerationEngine:
                                  past_key_values=past, use_cache=True)
             past = out.past_key_values
             tok, lp = self._sample(out.logits[:, -1, :], greedy)
+            toks, lps = tok.tolist(), lp.tolist()  # one device-to-host copy per step
             for i in range(n):
                 if reason[i] is not None:
                     continue
-                t = int(tok[i])
+                t = toks[i]
                 out_ids[i].append(t)
-                out_lp[i].append(float(lp[i]))
+                out_lp[i].append(lps[i])
                 out_ver[i].append(version)
-                if t == self.eos_token_id:
+                if t == self.eos_token_id and not self.ignore_eos:
                     reason[i] = "stop"
                 elif len(out_ids[i]) >= requests[i].max_new_tokens:
                     reason[i] = "length"
             step_ids = tok[:, None]
             step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
 
         return [
             GenOutput(

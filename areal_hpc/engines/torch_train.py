@@ -51,10 +51,12 @@ class TorchTrainEngine:
         seed: int = 1,
         process_group: dist.ProcessGroup | None = None,
         optimizer: str = "adamw",  # adamw | sgd (sgd: linear in the gradient, for exact comparisons)
+        device: str = "cpu",
     ):
         torch.manual_seed(seed)
         self.model_path = str(model_path)
-        self.model = load_causal_lm(model_path, dtype)
+        self.device = torch.device(device)
+        self.model = load_causal_lm(model_path, dtype).to(self.device)
         self.model.train()
         self.pad_token_id = self.model.config.pad_token_id or 0
         if optimizer == "sgd":
@@ -81,7 +83,7 @@ class TorchTrainEngine:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.as_tensor(np.asarray(s), dtype=torch.long)
             mask[i, : len(s)] = 1
-        return ids, mask
+        return ids.to(self.device), mask.to(self.device)
 
     def _token_logprobs(self, seqs: list[np.ndarray]) -> list[torch.Tensor]:
         """Logprob of every token given its prefix under softmax(logits / T); position 0 gets 0."""
@@ -102,21 +104,21 @@ class TorchTrainEngine:
                 self._zero_loss()
                 continue
             for i, lp in zip(mb, self._token_logprobs([sequences[i] for i in mb])):
-                out[i] = lp.numpy().astype(np.float32)
+                out[i] = lp.float().cpu().numpy()
         return out  # type: ignore[return-value]
 
     # -- distributed helpers ---------------------------------------------------------------------
     def _allreduce_sum(self, value: float) -> float:
         if self.world == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)  # NCCL groups take device tensors
         dist.all_reduce(t, group=self.pg)
         return float(t)
 
     def _allreduce_max(self, value: int) -> int:
         if self.world == 1:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         return int(t)
 
@@ -161,7 +163,7 @@ class TorchTrainEngine:
         """
         seqs = [t.input_ids for t in trajectories]
         if self.prox == "recompute" and (seqs or self.lockstep):
-            prox_all = [torch.as_tensor(x) for x in self.compute_logprobs(seqs)]
+            prox_all = [torch.as_tensor(x, device=self.device) for x in self.compute_logprobs(seqs)]
         else:
             prox_all = [None] * len(seqs)
 
@@ -187,17 +189,17 @@ class TorchTrainEngine:
                 parts = {k: [] for k in ("logp", "prox", "behav", "adv", "mask")}
                 for i, lp in zip(idx, logps):
                     t = trajectories[i]
-                    behav = torch.as_tensor(t.behav_logprobs, dtype=lp.dtype)
+                    behav = torch.as_tensor(t.behav_logprobs, dtype=lp.dtype, device=lp.device)
                     if prox_all[i] is not None:
                         prox = prox_all[i]
                     else:
                         # the weights being trained become version+1; pi_prox is the current version
-                        prox = loglinear_prox_logp(lp, behav, torch.as_tensor(t.versions), self.version + 1)
+                        prox = loglinear_prox_logp(lp, behav, torch.as_tensor(t.versions, device=lp.device), self.version + 1)
                     parts["logp"].append(lp)
                     parts["prox"].append(prox)
                     parts["behav"].append(behav)
                     parts["adv"].append(torch.full_like(lp, float(advantages[i])))
-                    parts["mask"].append(torch.as_tensor(t.loss_mask, dtype=lp.dtype))
+                    parts["mask"].append(torch.as_tensor(t.loss_mask, dtype=lp.dtype, device=lp.device))
                 cat = {k: torch.cat(v) for k, v in parts.items()}
                 loss, stats = decoupled_ppo_loss(
                     cat["logp"], cat["prox"], cat["behav"], cat["adv"], cat["mask"],
@@ -224,7 +226,7 @@ class TorchTrainEngine:
         for g in self.optimizer.param_groups:
             saved_lr, g["lr"] = g["lr"], lr
         lps = self._token_logprobs(sequences)
-        mask = torch.cat([torch.as_tensor(m, dtype=torch.float32) for m in loss_masks])
+        mask = torch.cat([torch.as_tensor(m, dtype=torch.float32, device=self.device) for m in loss_masks])
         total = self._allreduce_sum(float(mask.sum()))
         loss = -(torch.cat(lps) * mask).sum() / max(total, 1.0)
         self._backward(loss, True)
@@ -247,7 +249,7 @@ class TorchTrainEngine:
     def save_checkpoint(self, path: Path) -> None:
         """Model (safetensors), optimizer, RNG and version; written to a temp dir and renamed."""
         tmp = new_tmp_dir_beside(Path(path))
-        sd = {k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()}
+        sd = {k: v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()}
         save_file(sd, str(tmp / "model.safetensors"))  # clones: tied weights saved twice, re-tied on load
         torch.save(
             {
@@ -263,7 +265,7 @@ class TorchTrainEngine:
 
     def load_checkpoint(self, path: Path) -> None:
         path = Path(path)
-        self.model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+        self.model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(self.device)), strict=True)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])

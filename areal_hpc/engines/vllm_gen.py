@@ -65,6 +65,9 @@ class VLLMGenerationEngine:
             kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
         )
         self.engine = self.llm.llm_engine
+        # OpenMP thread counts are per thread: a generate() on another thread (the runtime's worker) must use
+        # the count vLLM set up here, or its CPU attention refuses ("thread_num ... 2 vs. 1")
+        self._threads = torch.get_num_threads()
         self.temperature = temperature
         self.top_p = top_p
         self.ignore_eos = False  # sample to max_new_tokens (benchmarks: equal lengths across engines)
@@ -115,6 +118,8 @@ class VLLMGenerationEngine:
             self._abort.clear()
 
     def _generate(self, requests: list[GenRequest], greedy: bool) -> list[GenOutput]:
+        if torch.get_num_threads() != self._threads:
+            self._set_num_threads(self._threads)
         out_ids = [list(r.partial_ids) for r in requests]
         out_lp = [list(r.partial_logprobs) for r in requests]
         out_ver = [list(r.partial_versions) for r in requests]

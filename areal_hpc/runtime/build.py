@@ -17,7 +17,7 @@ def build_generation_engine(cfg: Config, model_dir: Path, seed: int):
     rc = cfg.rollout
     return make_generation_engine(
         rc.engine, model_path=str(model_dir), temperature=rc.temperature, top_p=rc.top_p, dtype=cfg.model.dtype, seed=seed,
-        **({"kv_cache_gib": rc.kv_cache_gib, "device": cfg.cluster.device} if rc.engine == "vllm" else {}),
+        device=cfg.cluster.device, **({"kv_cache_gib": rc.kv_cache_gib} if rc.engine == "vllm" else {}),
     )
 
 
@@ -28,7 +28,7 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None):
         grad_clip=tc.grad_clip, max_tokens_per_mb=tc.max_tokens_per_mb, n_minibatches=pc.n_minibatches,
         eps_clip=pc.eps_clip, behav_imp_weight_cap=pc.behav_imp_weight_cap or None, prox=pc.prox,
         temperature=rc.temperature, dtype=cfg.model.dtype, seed=tc.seed, process_group=process_group,
-        **({"zero_stage": tc.zero_stage, "bf16": tc.bf16, "device": cfg.cluster.device} if tc.engine == "deepspeed" else {}),
+        device=cfg.cluster.device, **({"zero_stage": tc.zero_stage, "bf16": tc.bf16} if tc.engine == "deepspeed" else {}),
     )
 
 

@@ -56,8 +56,8 @@ def exit_rank() -> None:
     os._exit(0)
 
 
-def _trainer_group(trainer_comm, timeout_s: float) -> None:
-    """The trainers' default torch process group (gloo), created before the engine, over a TCPStore."""
+def _trainer_group(trainer_comm, timeout_s: float, backend: str = "gloo") -> None:
+    """The trainers' default torch process group (gloo; NCCL on GPUs), created before the engine, over a TCPStore."""
     import torch.distributed as dist
 
     t, n = trainer_comm.Get_rank(), trainer_comm.Get_size()
@@ -69,7 +69,7 @@ def _trainer_group(trainer_comm, timeout_s: float) -> None:
     else:
         host, port = trainer_comm.bcast(None, root=0)
         store = dist.TCPStore(host, port, n, False, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore("trainers", store), rank=t, world_size=n, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore("trainers", store), rank=t, world_size=n, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(cfg.cluster.threads_per_rank)
+        if cfg.cluster.device == "cuda" and role != SCHEDULER:
+            # one GPU per rank on a node, by the launcher's local rank (Open MPI's, else Slurm's)
+            local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+            torch.cuda.set_device(local % torch.cuda.device_count())
         in_sync = role == GENERATOR or rank == layout.trainer0
         sync_comm = comm.Split(0 if in_sync else MPI.UNDEFINED, 0 if rank == layout.trainer0 else rank)
         trainer_comm = comm.Split(1 if role == TRAINER else MPI.UNDEFINED, rank)
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 gen.close()
         else:
             if layout.n_trainers > 1:
-                _trainer_group(trainer_comm, cfg.sync.timeout_s)
+                _trainer_group(trainer_comm, cfg.sync.timeout_s, "nccl" if cfg.cluster.device == "cuda" else "gloo")
             from areal_hpc.runtime.trainer import Trainer
 
             tr = Trainer(cfg, run_dir, comm, layout, sync_group, model_dir, resume)
