@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -12,6 +13,21 @@ from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 # The arithmetic task's vocabulary: special tokens, digits, operators and the answer wrapper.
 ARITH_SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
 ARITH_SYMBOLS = [str(d) for d in range(10)] + ["+", "=", "\\boxed{", "}"]
+
+
+@contextlib.contextmanager
+def no_hf_progress_bars():
+    """transformers 5 draws progress bars on every save and load; tiny folders need none, and a command's
+    stderr stays one clear line on failure."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 class ModelFolderError(ValueError):
@@ -80,7 +96,8 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(config)
     # Save into a temp dir next to the target and rename: a half-built folder never looks usable.
     tmp = new_tmp_dir_beside(Path(out_dir))
-    model.save_pretrained(tmp, safe_serialization=True)
+    with no_hf_progress_bars():
+        model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     return atomic_publish_dir(tmp, Path(out_dir))
 
@@ -130,4 +147,5 @@ def load_causal_lm(path: str | Path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")
+    with no_hf_progress_bars():
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")

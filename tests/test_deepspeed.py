@@ -52,3 +52,9 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
     assert got["version"] == 2
     for k, v in got["continued"].items():
         torch.testing.assert_close(got["restored"][k], v, rtol=1e-5, atol=1e-6, msg=f"ZeRO-{stage} resume {k}")
+    # the Hugging Face export holds the trained weights (gathered under ZeRO-3)
+    from areal_hpc.model import load_causal_lm
+
+    exported = load_causal_lm(tmp_path / "export").state_dict()
+    for k, v in got["sgd_step"].items():
+        torch.testing.assert_close(exported[k], v, rtol=0, atol=0, msg=f"ZeRO-{stage} export {k}")

@@ -167,7 +167,7 @@ def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
     _wait_version(run, 6, job_id)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
     end = time.time() + 120
-    while "requeueing" not in "".join(p.read_text() for p in (run / "logs").glob("slurm-*.out")) and time.time() < end:
+    while "requeueing job" not in "".join(p.read_text() for p in (run / "logs").glob("slurm-*.out")) and time.time() < end:
         time.sleep(0.5)
     stopped_at = json.loads((run / "summary.json").read_text())["versions"]
     assert latest_checkpoint(run) == stopped_at >= 6  # a clean stop checkpoints where it stopped

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from areal_hpc.engines.torch_train import TorchTrainEngine
-from areal_hpc.utils import atomic_publish_dir
+from areal_hpc.model import load_tokenizer, no_hf_progress_bars
+from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
 
 def _ensure_process_group(backend: str) -> None:
@@ -87,7 +88,17 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def export_hf(self, path: Path) -> Path:
-        raise NotImplementedError("export from a DeepSpeed run: load its checkpoint's weights with weights() and save_pretrained")
+        """Collective under ZeRO-3 (the weights are gathered); trainer 0 writes the folder, atomically."""
+        sd = {k: v.cpu() for k, v in self.weights().items()}
+        path = Path(path)
+        if self.rank == 0:
+            tmp = new_tmp_dir_beside(path)
+            with no_hf_progress_bars():
+                self.model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+            load_tokenizer(self.model_path).save_pretrained(tmp)
+            atomic_publish_dir(tmp, path)
+        dist.barrier()
+        return path
 
     def save_checkpoint(self, path: Path) -> None:
         """Collective: every trainer writes its shard into one folder, published by an atomic rename."""

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
 from areal_hpc.algo.ppo import decoupled_ppo_loss, loglinear_prox_logp
-from areal_hpc.model import load_causal_lm, load_tokenizer
+from areal_hpc.model import load_causal_lm, load_tokenizer, no_hf_progress_bars
 from areal_hpc.types import Trajectory
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
@@ -242,7 +242,8 @@ class TorchTrainEngine:
     def export_hf(self, path: Path) -> Path:
         """Atomic HF export: save into a temp folder beside `path`, then rename."""
         tmp = new_tmp_dir_beside(Path(path))
-        self.model.save_pretrained(tmp, safe_serialization=True)
+        with no_hf_progress_bars():
+            self.model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(self.model_path).save_pretrained(tmp)
         return atomic_publish_dir(tmp, Path(path))
 

@@ -33,6 +33,7 @@ def main(model_dir: str, out: str, stage: int) -> None:
     a = engine("sgd")
     a.ppo_update(share, share_adv, minibatches)
     w1 = a.weights()  # collective under ZeRO-3
+    a.export_hf(f"{out}/export")  # collective too; trainer 0 writes a Hugging Face folder
     # checkpoint round trip with Adam (its moments must come back too)
     b = engine("adamw")
     b.ppo_update(share, share_adv, minibatches)
