@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -35,6 +36,42 @@ class GenerationEngine(Protocol):
 
     def close(self) -> None:
         """Release what the engine holds outside Python objects (vLLM's engine core)."""
+
+
+class GenerationBase:
+    """What the generation engines share: the abort flag, the version, and assembling the outputs."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.ignore_eos = False
+        self._abort = threading.Event()
+        # held around each engine step and each weight load: a step never sees half-loaded weights, and
+        # the version read inside it is the version of the weights that sampled the token
+        self._lock = threading.Lock()
+
+    def abort(self) -> None:
+        self._abort.set()
+
+    def clear_abort(self) -> None:
+        self._abort.clear()
+
+    def generate(self, requests: list[GenRequest], greedy: bool = False) -> list[GenOutput]:
+        try:
+            return self._generate(requests, greedy)
+        finally:
+            self._abort.clear()  # cleared on the way out, so an abort sent before the call still counts
+
+    def _generate(self, requests: list[GenRequest], greedy: bool) -> list[GenOutput]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _outputs(requests: list[GenRequest], ids: list, logprobs: list, versions: list, reasons: list) -> list[GenOutput]:
+        """One GenOutput per request; a request with no finish reason was aborted."""
+        return [
+            GenOutput(request_id=r.request_id, prompt_ids=list(r.prompt_ids), output_ids=ids[i],
+                      output_logprobs=logprobs[i], output_versions=versions[i], finish_reason=reasons[i] or "abort")
+            for i, r in enumerate(requests)
+        ]
 
 
 class TrainEngine(Protocol):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from areal_hpc.model import load_causal_lm
+from areal_hpc.engines.base import GenerationBase
 from areal_hpc.types import GenOutput, GenRequest
 
 
-class TorchGenerationEngine:
+class TorchGenerationEngine(GenerationBase):
     """Static-batch sampler for machines without vLLM.
 
     Logprobs are those of the sampled token under softmax(logits / temperature), the distribution the
@@ -30,6 +29,7 @@ class TorchGenerationEngine:
         pad_token_id: int | None = None,
         device: str = "cpu",
     ):
+        super().__init__()
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype).to(self.device).eval()
         self.temperature = temperature
@@ -38,20 +38,8 @@ class TorchGenerationEngine:
         self.eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
         self.pad_token_id = (cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_id) if pad_token_id is None else pad_token_id
         self.generator = torch.Generator(self.device).manual_seed(seed)
-        self.ignore_eos = False  # sample to max_new_tokens (benchmarks: equal lengths across engines)
-        self.version = 0
-        self._abort = threading.Event()
-        # held around each decode step and each weight load: a step never sees half-loaded weights,
-        # and the version read inside it is the version of the weights that sampled the token
-        self._lock = threading.Lock()
 
-    # -- control ---------------------------------------------------------------------------------
-    def abort(self) -> None:
-        self._abort.set()
-
-    def clear_abort(self) -> None:
-        self._abort.clear()
-
+    # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with self._lock:
@@ -81,12 +69,6 @@ class TorchGenerationEngine:
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
     @torch.no_grad()
-    def generate(self, requests: list[GenRequest], greedy: bool = False) -> list[GenOutput]:
-        try:
-            return self._generate(requests, greedy)
-        finally:
-            self._abort.clear()  # cleared on the way out, so an abort sent before the call still counts
-
     def _generate(self, requests: list[GenRequest], greedy: bool) -> list[GenOutput]:
         if not requests:
             return []
@@ -137,14 +119,4 @@ class TorchGenerationEngine:
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
 
-        return [
-            GenOutput(
-                request_id=r.request_id,
-                prompt_ids=list(r.prompt_ids),
-                output_ids=out_ids[i],
-                output_logprobs=out_lp[i],
-                output_versions=out_ver[i],
-                finish_reason=reason[i] or "abort",
-            )
-            for i, r in enumerate(requests)
-        ]
+        return self._outputs(requests, out_ids, out_lp, out_ver, reason)

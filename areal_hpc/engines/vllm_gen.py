@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 
 import torch
 
+from areal_hpc.engines.base import GenerationBase
 from areal_hpc.model import load_causal_lm
 from areal_hpc.types import GenOutput, GenRequest
 
@@ -21,7 +21,7 @@ def _vllm_env(device: str) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-class VLLMGenerationEngine:
+class VLLMGenerationEngine(GenerationBase):
     """vLLM behind the GenerationEngine interface.
 
     One generate() call adds every request to vLLM's scheduler, which batches them continuously (a
@@ -46,6 +46,7 @@ class VLLMGenerationEngine:
         kv_cache_gib: float = 1.0,
         device: str = "cpu",
     ):
+        super().__init__()
         _vllm_env(device)
         import vllm
         from vllm.sampling_params import RequestOutputKind
@@ -70,19 +71,9 @@ class VLLMGenerationEngine:
         self._threads = torch.get_num_threads()
         self.temperature = temperature
         self.top_p = top_p
-        self.ignore_eos = False  # sample to max_new_tokens (benchmarks: equal lengths across engines)
-        self.version = 0
-        self._abort = threading.Event()
-        self._lock = threading.Lock()  # around each engine step and each weight load
         self._ids = itertools.count()
 
-    # -- control ---------------------------------------------------------------------------------
-    def abort(self) -> None:
-        self._abort.set()
-
-    def clear_abort(self) -> None:
-        self._abort.clear()
-
+    # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         unknown = sorted(set(state_dict) - set(self.mirror))
@@ -110,12 +101,6 @@ class VLLMGenerationEngine:
             n=1, max_tokens=max_tokens, logprobs=0, detokenize=False, output_kind=self._delta, ignore_eos=self.ignore_eos,
             temperature=0.0 if greedy else self.temperature, top_p=1.0 if greedy else self.top_p,
         )
-
-    def generate(self, requests: list[GenRequest], greedy: bool = False) -> list[GenOutput]:
-        try:
-            return self._generate(requests, greedy)
-        finally:
-            self._abort.clear()
 
     def _generate(self, requests: list[GenRequest], greedy: bool) -> list[GenOutput]:
         if torch.get_num_threads() != self._threads:
@@ -148,21 +133,11 @@ class VLLMGenerationEngine:
                 if i is None:
                     continue
                 c = o.outputs[0]
-                for tok, lp in zip(c.token_ids, c.logprobs or [None] * len(c.token_ids)):
+                for tok, lp in zip(c.token_ids, c.logprobs, strict=True):  # logprobs=0: the sampled token's
                     out_ids[i].append(int(tok))
-                    out_lp[i].append(float(lp[tok].logprob) if lp is not None else 0.0)
+                    out_lp[i].append(float(lp[tok].logprob))
                     out_ver[i].append(version)
                 if o.finished:
                     reason[i] = "stop" if c.finish_reason == "stop" else "length"
                     del running[o.request_id]
-        return [
-            GenOutput(
-                request_id=r.request_id,
-                prompt_ids=list(r.prompt_ids),
-                output_ids=out_ids[i],
-                output_logprobs=out_lp[i],
-                output_versions=out_ver[i],
-                finish_reason=reason[i] or "abort",
-            )
-            for i, r in enumerate(requests)
-        ]
+        return self._outputs(requests, out_ids, out_lp, out_ver, reason)
