@@ -89,7 +89,10 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
     hist = staleness_histogram(run_dir)
     click.echo(f"staleness:   {hist} (versions behind -> trajectories); dropped too stale: {s['dropped_stale']} groups, {s['dropped_on_resume']} on resume")
     if s.get("sync_gbps_mean") is not None:
-        click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s bucketed, raw single buffer {s['raw_broadcast_gbps'] or float('nan'):.2f} GB/s")
+        if cfg.sync.method == "disk":
+            click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s through {run_dir / 'weights'}")
+        else:
+            click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s bucketed, raw single buffer {s['raw_broadcast_gbps'] or float('nan'):.2f} GB/s")
     click.echo(f"run dir:     {run_dir}  (metrics.csv, timeline/, logs/, checkpoints/)")
     if cfg.logging.tensorboard:
         click.echo(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
