@@ -67,6 +67,14 @@ def best_of(fns: dict, repeats: int) -> dict[str, float]:
     return best
 
 
+def write_json(path: Path, result: dict) -> None:
+    """Atomic; called after each phase, so a failure in training keeps the generation figures."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -137,6 +145,8 @@ def main() -> None:
             print(f"[bench] generation vllm / torch: {result['generation_vllm_over_torch']:.2f}x equal lengths, "
                   f"{result['generation_tail_vllm_over_torch']:.2f}x long-tailed")
 
+        write_json(args.out, result)
+
     if trains:
         if outs is None:  # no generation engine asked for: random tokens of the same shape
             rng = np.random.default_rng(0)
@@ -161,10 +171,7 @@ def main() -> None:
             result["train_deepspeed_over_torch"] = secs["torch"] / secs["deepspeed"]
             print(f"[bench] training deepspeed (ZeRO-{args.zero_stage}) / torch: {result['train_deepspeed_over_torch']:.2f}x")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
+    write_json(args.out, result)
     print(f"[bench] wrote {args.out}")
 
 

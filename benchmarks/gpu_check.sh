@@ -16,9 +16,10 @@ if [[ "${1:-}" == "--fetch" ]]; then
   # DeepSpeed is an sdist (built there against the local torch); the rest are wheels for CPython 3.12
   mkdir -p .whl
   "$PY" -m pip download --no-deps --no-binary deepspeed -d .whl deepspeed==0.19.8
-  "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-    hjson py-cpuinfo pydantic pydantic-core annotated-types typing-inspection
+  # the GPU machine's Python (3.12 on the lent H200s); pydantic and pydantic-core resolved together
+  "$PY" -m pip download --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+    hjson py-cpuinfo "pydantic>=2,<3" einops msgpack psutil ninja
   echo "[gpu_check] wheels in .whl/: carry it to the GPU machine"
   exit 0
 fi
@@ -30,6 +31,7 @@ if ! "$PY" -c "import deepspeed" 2>/dev/null; then
   if compgen -G ".whl/*" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/areal-site .whl/*
     export PYTHONPATH="/tmp/areal-site${PYTHONPATH:+:$PYTHONPATH}"
+    "$PY" -c "import deepspeed" || { echo "[gpu_check] DeepSpeed from .whl/ does not import (above)" >&2; exit 2; }
   else
     echo "[gpu_check] DeepSpeed is not installed here; run 'bash benchmarks/gpu_check.sh --fetch' where PyPI is reachable and carry .whl/" >&2
     exit 2

@@ -12,6 +12,10 @@ from areal_hpc.model import load_causal_lm
 from areal_hpc.types import GenOutput, GenRequest
 
 
+# vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; close() restores it
+_TORCH_SET_NUM_THREADS = torch.set_num_threads
+
+
 def _vllm_env(device: str) -> None:
     """Environment vLLM reads at import: set before the first `import vllm` in this process."""
     # The engine core stays in this process: start-up in seconds, and abort/reload are plain calls.
@@ -53,8 +57,6 @@ class VLLMGenerationEngine(GenerationBase):
 
         self._vllm = vllm
         self._delta = RequestOutputKind.DELTA
-        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; put it back on close
-        self._set_num_threads = torch.set_num_threads
         self.mirror = load_causal_lm(model_path, dtype).state_dict()
         self.llm = vllm.LLM(
             model=model_path,
@@ -84,7 +86,9 @@ class VLLMGenerationEngine(GenerationBase):
                 self.mirror[k].copy_(v)
             # tied weights appear under two names; vLLM loads each name it knows once
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
-            self.llm.reset_prefix_cache()
+            # blocks cached under the old weights must go; this fails only while requests still hold blocks
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache after a weight reload (requests still running)")
             self.version = version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -93,7 +97,7 @@ class VLLMGenerationEngine(GenerationBase):
     def close(self) -> None:
         # vLLM 0.32's LLM has no shutdown(); the engine core's is the one that ends cleanly
         self.engine.engine_core.shutdown()
-        torch.set_num_threads = self._set_num_threads
+        torch.set_num_threads = _TORCH_SET_NUM_THREADS
 
     # -- sampling --------------------------------------------------------------------------------
     def _params(self, max_tokens: int, greedy: bool):
@@ -104,7 +108,7 @@ class VLLMGenerationEngine(GenerationBase):
 
     def _generate(self, requests: list[GenRequest], greedy: bool) -> list[GenOutput]:
         if torch.get_num_threads() != self._threads:
-            self._set_num_threads(self._threads)
+            _TORCH_SET_NUM_THREADS(self._threads)
         out_ids = [list(r.partial_ids) for r in requests]
         out_lp = [list(r.partial_logprobs) for r in requests]
         out_ver = [list(r.partial_versions) for r in requests]
@@ -120,24 +124,25 @@ class VLLMGenerationEngine(GenerationBase):
             with self._lock:
                 self.engine.add_request(rid, prompt, self._params(budget, greedy))
             running[rid] = i
-        while running:
-            if self._abort.is_set():
+        try:
+            while running and not self._abort.is_set():
+                with self._lock:
+                    version = self.version
+                    step = self.engine.step()
+                for o in step:
+                    i = running.get(o.request_id)
+                    if i is None:
+                        continue
+                    c = o.outputs[0]
+                    for tok, lp in zip(c.token_ids, c.logprobs, strict=True):  # logprobs=0: the sampled token's
+                        out_ids[i].append(int(tok))
+                        out_lp[i].append(float(lp[tok].logprob))
+                        out_ver[i].append(version)
+                    if o.finished:
+                        reason[i] = "stop" if c.finish_reason == "stop" else "length"
+                        del running[o.request_id]
+        finally:
+            if running:  # aborted, or an error: nothing may stay in vLLM holding KV blocks
                 with self._lock:
                     self.engine.abort_request(list(running))
-                break
-            with self._lock:
-                version = self.version
-                step = self.engine.step()
-            for o in step:
-                i = running.get(o.request_id)
-                if i is None:
-                    continue
-                c = o.outputs[0]
-                for tok, lp in zip(c.token_ids, c.logprobs, strict=True):  # logprobs=0: the sampled token's
-                    out_ids[i].append(int(tok))
-                    out_lp[i].append(float(lp[tok].logprob))
-                    out_ver[i].append(version)
-                if o.finished:
-                    reason[i] = "stop" if c.finish_reason == "stop" else "length"
-                    del running[o.request_id]
         return self._outputs(requests, out_ids, out_lp, out_ver, reason)

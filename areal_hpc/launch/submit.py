@@ -37,6 +37,15 @@ def srun_command(cfg: Config, run_dir: Path, het: bool = True, python: str = sys
             "--het-group=1", f"--ntasks={cfg.cluster.n_generators}", cpus, *worker, "--group", "gen"]
 
 
+def _file_stamp(path: Path) -> tuple[int, int] | None:
+    """(inode, mtime in ns) of a file, None if absent: changes when the file is replaced (atomic write)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 class AsyncRun(submitit.helpers.Checkpointable):
     """What submitit runs: prepare the run dir, srun every rank, return summary.json.
 
@@ -55,12 +64,12 @@ class AsyncRun(submitit.helpers.Checkpointable):
         env = {**os.environ, "OMPI_MCA_btl_vader_single_copy_mechanism": "none", "PYTHONUNBUFFERED": "1"}
         self._proc = subprocess.Popen(self.cmd, env=env)
         summary = Path(self.run_dir) / "summary.json"
-        t_launch, finished_at = time.time(), None
+        before, finished_at = _file_stamp(summary), None  # a requeued run has an older summary
         # poll, not wait(): a blocking wait() would keep checkpoint() (a signal handler) from reaping srun
         while (rc := self._proc.poll()) is None:
             time.sleep(0.5)
-            if finished_at is None and summary.exists() and summary.stat().st_mtime >= t_launch - 1:
-                finished_at = time.time()  # written by this launch (a requeued run has an older one)
+            if finished_at is None and _file_stamp(summary) not in (None, before):
+                finished_at = time.time()  # rank 0 of this launch wrote it
             elif finished_at is not None and time.time() - finished_at > self.exit_grace_s:
                 # Seen once in CI: both het components' steps ended, yet srun never returned. The run
                 # is complete (rank 0 writes summary.json last), so end srun rather than hang the job.

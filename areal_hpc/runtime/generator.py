@@ -241,7 +241,10 @@ class Generator:
         self.mail.flush()
 
     def close(self) -> None:
+        self.engine.abort()  # on an error path a batch may still be running: end it at its next step
         self.executor.shutdown(wait=True, cancel_futures=True)
-        self.engine.close()
-        self.pool.close()
+        try:
+            self.engine.close()
+        finally:
+            self.pool.close()
         self.timeline.close()

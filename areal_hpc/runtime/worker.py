@@ -45,6 +45,24 @@ def _redirect_output(path: Path) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
+def _pin_one_gpu() -> None:
+    """This rank sees one GPU, chosen by its local rank on the node, as cuda:0 (before CUDA starts).
+
+    Every engine and thread then means the same device by "cuda" (vLLM and DeepSpeed pick cuda:0 /
+    cuda:LOCAL_RANK themselves; the current device is per thread). DeepSpeed insists LOCAL_RANK equals
+    Open MPI's local rank, so both read 0 in this process; MPI read its own copy at start-up.
+    """
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("SLURM_STEP_GPUS") or os.environ.get("SLURM_JOB_GPUS")
+    gpus = visible.split(",") if visible else sorted((p.name[len("nvidia"):] for p in Path("/dev").glob("nvidia[0-9]*")), key=int)
+    if not gpus:
+        raise RuntimeError("cluster.device=cuda but this node shows no GPU (no CUDA_VISIBLE_DEVICES, no /dev/nvidiaN)")
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[local % len(gpus)]
+    os.environ["LOCAL_RANK"] = "0"
+    if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
+        os.environ["OMPI_COMM_WORLD_LOCAL_RANK"] = "0"
+
+
 def exit_rank() -> None:
     """Flush, finalize MPI and leave at once: in interpreter teardown a torch/gloo thread can still
     drop a tensor after the GIL is gone and abort a run that ended cleanly."""
@@ -112,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(cfg.cluster.threads_per_rank)
         if cfg.cluster.device == "cuda" and role != SCHEDULER:
-            # one GPU per rank on a node, by the launcher's local rank (Open MPI's, else Slurm's)
-            local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
-            torch.cuda.set_device(local % torch.cuda.device_count())
+            _pin_one_gpu()
         in_sync = role == GENERATOR or rank == layout.trainer0
         sync_comm = comm.Split(0 if in_sync else MPI.UNDEFINED, 0 if rank == layout.trainer0 else rank)
         trainer_comm = comm.Split(1 if role == TRAINER else MPI.UNDEFINED, rank)
