@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
+from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside, publish_dir_if_absent
 
 # The arithmetic task's vocabulary: special tokens, digits, operators and the answer wrapper.
 ARITH_SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
@@ -67,8 +67,12 @@ def build_tiny_model(
     num_heads: int = 4,
     seed: int = 0,
     tokenizer=None,
+    if_absent: bool = False,
 ) -> Path:
-    """Build a randomly initialised causal LM + tokenizer and save both as a HF folder (atomic)."""
+    """Build a randomly initialised causal LM + tokenizer and save both as a HF folder (atomic).
+
+    if_absent: keep a folder another process published meanwhile (array tasks sharing one model path).
+    """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     tokenizer = tokenizer or build_arith_tokenizer()
@@ -99,6 +103,9 @@ def build_tiny_model(
     with no_hf_progress_bars():
         model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    if if_absent:
+        publish_dir_if_absent(tmp, Path(out_dir))
+        return Path(out_dir)
     return atomic_publish_dir(tmp, Path(out_dir))
 
 
@@ -133,6 +140,7 @@ def ensure_model(model_cfg) -> Path:
             intermediate_size=model_cfg.intermediate_size,
             num_layers=model_cfg.num_layers,
             num_heads=model_cfg.num_heads,
+            if_absent=True,
         )
     return check_model_folder(p)
 

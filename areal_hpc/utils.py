@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -75,6 +76,22 @@ def atomic_publish_dir(tmp: Path, final: Path) -> Path:
     if old.exists():
         shutil.rmtree(old)
     return final
+
+
+def publish_dir_if_absent(tmp: Path, final: Path) -> bool:
+    """Move a fully written `tmp` to `final` unless another process published `final` first (first one
+    wins, nobody's readers see a folder swapped under them); False, and `tmp` removed, if it lost."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync_tree(tmp)
+    try:
+        os.rename(tmp, final)  # onto a missing or empty folder only; a non-empty one raises
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    fsync_dir(final.parent)
+    return True
 
 
 def new_tmp_dir_beside(final: Path) -> Path:

@@ -160,3 +160,15 @@ def test_cli_train_sync_bad_inputs_one_line(tmp_path):
     reused = subprocess.run(exe + [f"model.path={tmp_path / 'nope'}"], capture_output=True, text=True)
     assert reused.returncode != 0 and "already holds a run" in reused.stderr
     assert reused.stderr.strip().count("\n") == 0
+
+
+def test_a_model_folder_built_by_two_jobs_at_once_is_published_once(tmp_path):
+    # array tasks sharing model.path: the first folder published wins, the second build is discarded
+    from areal_hpc.model import build_tiny_model
+
+    first = build_tiny_model(tmp_path / "model", seed=0, if_absent=True)
+    weights = first / "model.safetensors"
+    stamp = (weights.stat().st_ino, weights.read_bytes())
+    again = build_tiny_model(tmp_path / "model", seed=1, if_absent=True)  # lost the race
+    assert again == first and (weights.stat().st_ino, weights.read_bytes()) == stamp
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # its temp folder is gone
