@@ -59,8 +59,6 @@ def train_sync_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
 def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_progress: bool) -> None:
     """Run the asynchronous runtime under mpirun: CONFIG_PATH [KEY=VALUE ...], or --resume RUN_DIR [KEY=VALUE ...]."""
-    from pathlib import Path
-
     from areal_hpc.launch.local import RunFailed, launch, staleness_histogram
     from areal_hpc.model import ModelFolderError
 

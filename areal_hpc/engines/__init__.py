@@ -26,7 +26,6 @@ def require_installed(*names: str) -> None:
 
 
 def make_generation_engine(name: str, **kwargs) -> GenerationEngine:
-    vllm_only = {k: kwargs.pop(k) for k in ("kv_cache_gib",) if k in kwargs}
     if name == "torch":
         from areal_hpc.engines.torch_gen import TorchGenerationEngine
 
@@ -35,12 +34,11 @@ def make_generation_engine(name: str, **kwargs) -> GenerationEngine:
         require_installed("vllm")
         from areal_hpc.engines.vllm_gen import VLLMGenerationEngine
 
-        return VLLMGenerationEngine(**kwargs, **vllm_only)
+        return VLLMGenerationEngine(**kwargs)
     raise ValueError(f"generation engine {name!r} is not available; choose 'torch' or 'vllm'")
 
 
 def make_train_engine(name: str, **kwargs) -> TrainEngine:
-    deepspeed_only = {k: kwargs.pop(k) for k in ("zero_stage", "bf16") if k in kwargs}
     if name == "torch":
         from areal_hpc.engines.torch_train import TorchTrainEngine
 
@@ -49,7 +47,7 @@ def make_train_engine(name: str, **kwargs) -> TrainEngine:
         require_installed("deepspeed")
         from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
 
-        return DeepSpeedTrainEngine(**kwargs, **deepspeed_only)
+        return DeepSpeedTrainEngine(**kwargs)
     raise ValueError(f"training engine {name!r} is not available; choose 'torch' or 'deepspeed'")
 
 

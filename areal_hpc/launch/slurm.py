@@ -41,8 +41,9 @@ def _run(cmd: list[str], timeout: float = 30) -> str:
     return out.stdout
 
 
-def _venv() -> str:
-    return sys.prefix if sys.prefix != sys.base_prefix else ""
+def job_venv(cfg: Config) -> str:
+    """The venv a job activates: slurm.venv, else the one this command runs in ('' outside a venv)."""
+    return cfg.slurm.venv or (sys.prefix if sys.prefix != sys.base_prefix else "")
 
 
 def render_sbatch(cfg: Config, source: str = "") -> str:
@@ -67,7 +68,7 @@ def render_sbatch(cfg: Config, source: str = "") -> str:
         n_trainers=cfg.cluster.n_trainers, n_generators=cfg.cluster.n_generators,
         train_nodes=sc.train_nodes, gen_nodes=sc.gen_nodes, time=sc.time, requeue=sc.requeue,
         signal_s=sc.signal_s, common=common, per_component=per_component, setup=list(sc.setup),
-        venv=sc.venv or _venv(), config_yaml=to_yaml(resolved),
+        venv=job_venv(cfg), config_yaml=to_yaml(resolved),
     )
 
 

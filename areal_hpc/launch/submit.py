@@ -15,7 +15,7 @@ from pathlib import Path
 import submitit
 
 from areal_hpc.config import Config, save_config, slurm_time_minutes
-from areal_hpc.launch.slurm import SlurmError, prepare_run_dir, save_job
+from areal_hpc.launch.slurm import SlurmError, job_venv, prepare_run_dir, save_job
 
 SUBMITIT_SUBDIR = "slurm/submitit"
 
@@ -86,7 +86,7 @@ class AsyncRun(submitit.helpers.Checkpointable):
             from areal_hpc.launch.local import failure_line
 
             raise RuntimeError(failure_line(Path(self.run_dir), rc))
-        return json.loads((Path(self.run_dir) / "summary.json").read_text())
+        return json.loads(summary.read_text())
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         (Path(self.run_dir) / "STOP").touch()
@@ -117,7 +117,7 @@ def make_executor(cfg: Config, folder: Path, het: bool = True, array_parallelism
         if sc.mem:
             comp1.append(f"#SBATCH --mem={sc.mem}")
         comp1 += [f"#SBATCH {opt}" for opt in sc.extra_sbatch]
-    venv = sc.venv or (sys.prefix if sys.prefix != sys.base_prefix else "")
+    venv = job_venv(cfg)
     setup = comp0_extra + comp1 + list(sc.setup) + ([f"source {shlex.quote(venv)}/bin/activate"] if venv else [])
     # a long run is cut into many time slices: keep requeueing it (submitit's default stops after 3)
     ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm", slurm_max_num_timeout=10_000)

@@ -105,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from areal_hpc.config import load_config
         from areal_hpc.runtime.layout import GENERATOR, SCHEDULER, TRAINER, Layout
-
         from areal_hpc.runtime.resume import latest_checkpoint
 
         cfg = load_config(run_dir / "config.yaml")
