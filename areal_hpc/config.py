@@ -58,8 +58,11 @@ class RolloutConfig:
     batch_prompts: int = 32  # B: prompts (groups) per training step
     eta: int = 4  # staleness bound in versions; 0 = synchronous
     max_running: int = 0  # cap on prompts in flight per the scheduler (0 = no cap)
-    interrupt: bool = True  # abort and resume in-flight requests on new weights
-    prompts_per_generator: int = 16  # groups a generator rank holds at once (its request size)
+    interrupt: bool = True  # new weights: interrupt running requests and resume them under the new weights
+    max_num_seqs: int = 256  # sequences one engine step holds (vLLM's max_num_seqs): the engine's slots
+    # groups a generator keeps in flight (AReaL's max_concurrent_rollouts); 0 = 2 * max_num_seqs / n_samples,
+    # twice the slots, so a slot freed by a short answer is taken by a queued sequence at the next step
+    max_concurrent_groups: int = 0
     kv_cache_gib: float = 1.0  # engine=vllm: KV cache per generator rank (host memory on CPU, GPU memory on cuda)
 
 
@@ -96,6 +99,11 @@ class TrainerConfig:
 @dataclass
 class StoreConfig:
     run_dir: str = "runs/${run_name}"
+    # a generator writes its scored groups as one shard when this many are waiting, or when the oldest has
+    # waited shard_max_wait_s, or when nothing else of its is in flight: few files on a shared filesystem,
+    # little delay for the trainers
+    shard_max_groups: int = 16
+    shard_max_wait_s: float = 0.5
 
 
 @dataclass
@@ -146,6 +154,11 @@ class LoggingConfig:
     progress: bool = True
 
 
+def concurrent_groups(rc: RolloutConfig) -> int:
+    """Groups one generator keeps in flight (rollout.max_concurrent_groups, or its default)."""
+    return rc.max_concurrent_groups or max(1, -(-2 * rc.max_num_seqs // rc.n_samples))
+
+
 @dataclass
 class Config:
     run_name: str = "demo"
@@ -183,7 +196,8 @@ _LOWER = {
     "reward.timeout_s": (0, False), "reward.num_workers": (1, True),
     "rollout.n_samples": (1, True), "rollout.temperature": (0, False), "rollout.top_p": (0, False),
     "rollout.max_new_tokens": (1, True), "rollout.batch_prompts": (1, True), "rollout.eta": (0, True),
-    "rollout.max_running": (0, True), "rollout.prompts_per_generator": (1, True), "rollout.kv_cache_gib": (0, False),
+    "rollout.max_running": (0, True), "rollout.max_num_seqs": (1, True), "rollout.max_concurrent_groups": (0, True),
+    "store.shard_max_groups": (1, True), "store.shard_max_wait_s": (0, True), "rollout.kv_cache_gib": (0, False),
     "sync.bucket_mb": (1, True), "sync.keep_versions": (1, True), "sync.timeout_s": (0, False),
     "ppo.eps_clip": (0, False), "ppo.behav_imp_weight_cap": (0, True), "ppo.n_minibatches": (1, True),
     "trainer.lr": (0, False), "trainer.weight_decay": (0, True), "trainer.grad_clip": (0, True),

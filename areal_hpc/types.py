@@ -49,7 +49,12 @@ class Trajectory:
 
 @dataclass
 class GenRequest:
-    """A request to the generation engine. A resumed request carries its earlier partial output."""
+    """A request to the generation engine. A resumed request carries its earlier partial output.
+
+    `max_new_tokens` counts the partial tokens too: a resumed request stops at the same length as one
+    that was never interrupted. `greedy` requests (held-out evaluation) take the argmax and share the
+    running batch with sampled ones.
+    """
 
     request_id: str
     prompt_ids: list[int]
@@ -57,6 +62,12 @@ class GenRequest:
     partial_ids: list[int] = field(default_factory=list)
     partial_logprobs: list[float] = field(default_factory=list)
     partial_versions: list[int] = field(default_factory=list)
+    greedy: bool = False
+
+    def resumed(self, out: "GenOutput") -> "GenRequest":
+        """This request again, continuing from an interrupted output (prompt + partial)."""
+        return GenRequest(self.request_id, list(self.prompt_ids), self.max_new_tokens, list(out.output_ids),
+                          list(out.output_logprobs), list(out.output_versions), self.greedy)
 
 
 @dataclass

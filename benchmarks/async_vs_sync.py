@@ -26,7 +26,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 WORKLOAD = [
     "cluster.n_generators=1", "cluster.n_trainers=1", "cluster.threads_per_rank=1",
     "rollout.max_new_tokens=128", "rollout.batch_prompts=16", "rollout.n_samples=8",
-    "rollout.prompts_per_generator=32",
+    "rollout.max_concurrent_groups=32",
     "trainer.warm_start_steps=0", "trainer.lr=1e-5", "ppo.drop_uniform_groups=false",
     "trainer.max_wall_s=0", "trainer.checkpoint_every=0",
     "logging.eval_prompts=20", "logging.eval_every=0", "logging.tensorboard=false", "logging.progress=false",

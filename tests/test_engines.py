@@ -1,14 +1,12 @@
-"""Engine contract tests: the generation engines (torch, vLLM) and the torch training engine against transformers."""
+"""Engine contract tests: the step-driven generation engines (torch, vLLM) and the torch training engine against transformers."""
 
 from __future__ import annotations
-
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
+from areal_hpc.engines.base import generate
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.model import load_causal_lm, load_tokenizer
@@ -18,8 +16,8 @@ PROMPTS = ["07+35=", "1+2=", "99+99=", "50+5="]
 GEN_ENGINES = ["torch", "vllm"]  # vLLM: its CPU build, in-process (env/setup.sh installs it)
 
 
-def _requests(tok, max_new=12, prompts=PROMPTS):
-    return [GenRequest(f"{i}:0", tok.encode(p), max_new) for i, p in enumerate(prompts)]
+def _requests(tok, max_new=12, prompts=PROMPTS, greedy=False):
+    return [GenRequest(f"{i}:0", tok.encode(p), max_new, greedy=greedy) for i, p in enumerate(prompts)]
 
 
 @pytest.fixture
@@ -62,7 +60,7 @@ def _greedy_reference(model, tok, prompt, max_new=12):
 def test_greedy_matches_transformers(request, model_fixture, kind, make_gen):
     path = request.getfixturevalue(model_fixture)
     tok = load_tokenizer(path)
-    outs = make_gen(kind, path).generate(_requests(tok), greedy=True)
+    outs = generate(make_gen(kind, path), _requests(tok, greedy=True))
     ref_model = load_causal_lm(path).eval()
     for p, o in zip(PROMPTS, outs):
         assert o.output_ids == _greedy_reference(ref_model, tok, p)
@@ -74,53 +72,76 @@ def test_logprobs_match_full_forward(tiny_model_dir, kind, make_gen):
     tok = load_tokenizer(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir).eval()
     for temperature in (1.0, 0.7):
-        outs = make_gen(kind, tiny_model_dir, temperature=temperature, seed=3).generate(_requests(tok))
+        outs = generate(make_gen(kind, tiny_model_dir, temperature=temperature, seed=3), _requests(tok))
         assert sum(len(o.output_ids) for o in outs) > 8
         for o in outs:
             np.testing.assert_allclose(o.output_logprobs, _reference_logprobs(model, o, temperature), atol=1e-4)
             assert o.output_versions == [0] * len(o.output_ids)
 
 
-def _abort_after_steps(eng, n):
-    """Makes a running generate() see an abort after n engine steps, sent from another thread."""
-    obj, name = (eng.model, "forward") if isinstance(eng, TorchGenerationEngine) else (eng.engine, "step")
-    real, calls = getattr(obj, name), {"n": 0}
-
-    def step(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == n:
-            threading.Thread(target=eng.abort).start()
-            time.sleep(0.05)
-        return real(*a, **k)
-
-    setattr(obj, name, step)
-    return lambda: setattr(obj, name, real)
+def _step_until(eng, ids, limit=1000):
+    """Step until every id is back; returns id -> (output, the step it came back in, counted from 1)."""
+    got, k = {}, 0
+    while not set(ids) <= set(got):
+        k += 1
+        assert k <= limit, "requests never finished"
+        for o in eng.step():
+            got[o.request_id] = (o, k)
+    return got
 
 
 @pytest.mark.parametrize("kind", GEN_ENGINES)
-def test_abort_then_resume_continues_with_new_version(tiny_model_dir, kind, make_gen):
+def test_requests_join_mid_flight_and_leave_in_the_step_they_finish(tiny_model_dir, kind, make_gen):
     tok = load_tokenizer(tiny_model_dir)
     eng = make_gen(kind, tiny_model_dir, seed=0)
-    eng.ignore_eos = True  # sample to max_new_tokens, so the abort lands mid-sequence
+    eng.ignore_eos = True  # lengths are exactly max_new_tokens, so the finishing step is known
+    running = [GenRequest(f"long{i}", tok.encode(p), 40) for i, p in enumerate(PROMPTS[:3])]
+    eng.add(running)
+    for _ in range(5):
+        assert eng.step() == []
+    assert eng.num_running == 3
+    # a request added now is prefilled and gets its first (here: only) token in the very next step
+    eng.add([GenRequest("one", tok.encode("1+2="), 1)])
+    assert [o.request_id for o in eng.step()] == ["one"]
+    joined = GenRequest("joined", tok.encode("50+5="), 20, greedy=True)
+    eng.add([joined])
+    got = _step_until(eng, ["joined"] + [r.request_id for r in running])
+    assert got["joined"][1] == 20  # back in the step that sampled its 20th token
+    assert all(got[r.request_id][1] == 40 - 6 for r in running)  # 40 tokens: 6 steps above, 34 here
+    assert all(len(got[r.request_id][0].output_ids) == 40 for r in running)
+    assert eng.num_running == 0 and eng.num_waiting == 0
+    # a greedy request that joined a running batch answers exactly as it does alone
+    (solo,) = generate(eng, [GenRequest("solo", joined.prompt_ids, 20, greedy=True)])
+    assert got["joined"][0].output_ids == solo.output_ids
+
+
+@pytest.mark.parametrize("kind", GEN_ENGINES)
+def test_interrupt_then_resume_continues_with_new_version(tiny_model_dir, kind, make_gen):
+    tok = load_tokenizer(tiny_model_dir)
+    eng = make_gen(kind, tiny_model_dir, seed=0)
+    eng.ignore_eos = True  # sample to max_new_tokens, so the interrupt lands mid-sequence
     reqs = _requests(tok, max_new=300)
-    restore = _abort_after_steps(eng, 5)
-    partial = eng.generate(reqs)
-    restore()
-    assert all(o.finish_reason == "abort" for o in partial)
-    assert all(0 < len(o.output_ids) < 300 for o in partial)
+    eng.add(reqs)
+    for _ in range(5):
+        eng.step()
+    with pytest.raises(RuntimeError, match="in flight"):
+        eng.update_weights(eng.state_dict(), version=1)  # weights never change under running requests
+    partial = {o.request_id: o for o in eng.interrupt()}
+    assert eng.num_running == 0 and sorted(partial) == sorted(r.request_id for r in reqs)
+    assert all(o.finish_reason == "abort" and len(o.output_ids) == 5 for o in partial.values())
 
     ref = load_causal_lm(tiny_model_dir).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # through the model's parameters, so tied weights stay tied
         for p in ref.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=g))
+    eng.pause()
     eng.update_weights(ref.state_dict(), version=1)
-    resumed = eng.generate([
-        GenRequest(r.request_id, r.prompt_ids, 300, o.output_ids, o.output_logprobs, o.output_versions)
-        for r, o in zip(reqs, partial)
-    ])
+    eng.resume()
+    resumed = generate(eng, [r.resumed(partial[r.request_id]) for r in reqs])
     eng.ignore_eos = False
-    for o, p in zip(resumed, partial):
+    for o in resumed:
+        p = partial[o.request_id]
         k = len(p.output_ids)
         assert o.output_ids[:k] == p.output_ids and len(o.output_ids) == 300
         assert o.output_versions == [0] * k + [1] * (300 - k)
@@ -131,24 +152,47 @@ def test_abort_then_resume_continues_with_new_version(tiny_model_dir, kind, make
 
 
 @pytest.mark.parametrize("kind", GEN_ENGINES)
+def test_finished_requests_stop_costing_compute(tiny_model_dir, kind, make_gen):
+    tok = load_tokenizer(tiny_model_dir)
+    eng = make_gen(kind, tiny_model_dir, max_num_seqs=3)
+    eng.ignore_eos = True
+    widths = []
+    if kind == "torch":  # the batch width of every forward pass
+        real = eng.model.forward
+        eng.model.forward = lambda *a, **k: (widths.append(k["input_ids"].shape[0]), real(*a, **k))[1]
+    eng.add([GenRequest(f"r{i}", tok.encode(PROMPTS[i % 4]), n) for i, n in enumerate([2, 4, 8, 3])])
+    running = []
+    while eng.num_running or eng.num_waiting:
+        eng.step()
+        running.append(eng.num_running)
+    # capacity 3: the 4th request waits for the first free slot; finished rows leave the batch at once
+    assert max(running) == 3 and running[-4:] == [1, 1, 1, 0], running
+    if kind == "torch":
+        # step 1 prefills r0-r2; step 2 decodes 3 (r0 done) and prefills r3 into the freed slot; steps 3-4
+        # decode 3 (r1, r3 done at step 4); steps 5-8 decode r2 alone
+        assert running == [3, 3, 3, 1, 1, 1, 1, 0], running
+        assert widths == [3, 3, 1, 3, 3, 1, 1, 1, 1], widths
+
+
+@pytest.mark.parametrize("kind", GEN_ENGINES)
 def test_weight_update_changes_outputs_and_matches_the_trainers_export(tiny_model_dir, tmp_path, kind, make_gen):
     tok = load_tokenizer(tiny_model_dir)
     eng = make_gen(kind, tiny_model_dir)
-    before = eng.generate(_requests(tok), greedy=True)
+    before = generate(eng, _requests(tok, greedy=True))
     tr = TorchTrainEngine(str(tiny_model_dir))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # a large move, so greedy outputs surely change
         for p in tr.model.parameters():
             p.add_(0.5 * torch.randn(p.shape, generator=g))
     eng.update_weights(tr.weights(), version=7)
-    after = eng.generate(_requests(tok), greedy=True)
+    after = generate(eng, _requests(tok, greedy=True))
     assert [o.output_ids for o in before] != [o.output_ids for o in after]
     assert all(v == 7 for o in after for v in o.output_versions)
     # what the engine now computes is what transformers computes from the trainer's exported folder
     exported = load_causal_lm(tr.export_hf(tmp_path / "export")).eval()
     for p, o in zip(PROMPTS, after):
         assert o.output_ids == _greedy_reference(exported, tok, p)
-    for o in eng.generate(_requests(tok)):
+    for o in generate(eng, _requests(tok)):
         np.testing.assert_allclose(o.output_logprobs, _reference_logprobs(exported, o), atol=1e-4)
     with pytest.raises(RuntimeError):
         eng.update_weights({"not.a.weight": torch.zeros(1)}, version=8)
@@ -156,7 +200,7 @@ def test_weight_update_changes_outputs_and_matches_the_trainers_export(tiny_mode
 
 def _trajs(tok, gen, n=16):
     reqs = [GenRequest(f"{i // 4}:{i % 4}", tok.encode(PROMPTS[i % 4]), 6) for i in range(n)]
-    outs = gen.generate(reqs)
+    outs = generate(gen, reqs)
     from areal_hpc.rollout import to_trajectory
 
     return [to_trajectory(o, int(o.request_id.split(":")[0]), float(i % 2), 0, 0.0, 0.0) for i, o in enumerate(outs)]

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from areal_hpc.config import load_config
 from areal_hpc.launch.local import launch, mpi_env
+from areal_hpc.runtime.timeline import load_timeline
 from areal_hpc.runtime.weight_sync import weights_checksum
 from areal_hpc.store import Ledger, list_shards, load_trajectories, read_shard_summary
 
@@ -65,6 +66,7 @@ def test_bucketed_broadcast_delivers_exact_weights(tmp_path):
 
 
 def test_two_trainers_under_mpirun_match_one(tiny_model_dir, tmp_path):
+    from areal_hpc.engines.base import generate
     from areal_hpc.engines.torch_gen import TorchGenerationEngine
     from areal_hpc.engines.torch_train import TorchTrainEngine
     from areal_hpc.model import load_tokenizer
@@ -73,7 +75,7 @@ def test_two_trainers_under_mpirun_match_one(tiny_model_dir, tmp_path):
     tok = load_tokenizer(tiny_model_dir)
     gen = TorchGenerationEngine(str(tiny_model_dir), seed=3)
     reqs = [r for g, q in enumerate(["03+04=", "11+09=", "05+05=", "19+01="]) for r in group_requests(tok.encode(q), g, 4, 6)]
-    trajs = [to_trajectory(o, 0, float(i % 3 == 0), 1, 0, 0) for i, o in enumerate(gen.generate(reqs))]
+    trajs = [to_trajectory(o, 0, float(i % 3 == 0), 1, 0, 0) for i, o in enumerate(generate(gen, reqs))]
     adv = np.linspace(-1, 1, len(trajs)).astype(np.float32)
     with open(tmp_path / "batch.pkl", "wb") as f:
         pickle.dump((trajs, adv), f)
@@ -102,8 +104,15 @@ def test_async_run_learns_and_keeps_weights_in_sync(tmp_path):
     eaten = _audit(run, eta=2)
     assert eaten["staleness"].max() >= 1  # generation really ran ahead of training
     assert len(eaten) == s["versions"] * cfg.rollout.batch_prompts * cfg.rollout.n_samples
+    # dynamic sampling at rollout time: uniform groups were rejected by rank 0 and refilled, so every
+    # batch holds B groups that all carry signal, and no rejected group reached a trainer
+    assert s["rejected_uniform"] > 0
+    per_version = eaten.groupby("consumed_version")["group_id"].nunique()
+    assert (per_version == cfg.rollout.batch_prompts).all()
+    assert (eaten.groupby("group_id")["reward"].nunique() > 1).all()
 
     m = pd.read_csv(run / "metrics.csv")
+    assert (m["groups_kept"].dropna() == cfg.rollout.batch_prompts).all()
     assert list(m["version"]) == list(range(s["versions"] + 1))  # one row per version, in order
     assert (m["weights_match"] == 1).all()  # both generators hold exactly the trainer's weights, every version
     assert (m["checksum_gen0"] == m["checksum_trainer"]).all() and (m["checksum_gen1"] == m["checksum_trainer"]).all()
@@ -117,17 +126,42 @@ def test_async_run_learns_and_keeps_weights_in_sync(tmp_path):
     assert len(list((run / "logs").glob("rank*-*.log"))) == 4
 
 
-def test_staleness_audit_and_interrupted_generation(tmp_path):
-    # long generations from an untrained model: new weights arrive while requests are in flight
+def _overlapping_groups(tl: pd.DataFrame) -> int:
+    """Pairs of groups on one generator where the later was granted and started while the earlier ran."""
+    n = 0
+    for _, g in tl[tl.event == "group"].groupby("rank"):
+        starts, ends = g["t_start"].to_numpy(), g["t_end"].to_numpy()
+        for i in range(len(g)):
+            n += int(((starts > starts[i]) & (starts < ends[i])).sum())
+    return n
+
+
+def test_streaming_generation_interrupts_and_evaluates_off_the_critical_path(tmp_path):
+    # long generations from an untrained model: new weights arrive while requests are in flight; a long
+    # held-out evaluation (100 prompts x 48 greedy tokens) is asked every version
     cfg = _cfg(tmp_path, "rollout.eta=2", "rollout.max_new_tokens=48", "rollout.batch_prompts=8",
-               "rollout.prompts_per_generator=8", "trainer.warm_start_steps=0", "trainer.versions=10",
-               "trainer.max_wall_s=0", "logging.eval_prompts=20")
+               "rollout.max_concurrent_groups=8", "ppo.drop_uniform_groups=false", "ppo.n_minibatches=1", "ppo.prox=loglinear",
+               "cluster.n_generators=1", "trainer.warm_start_steps=0",
+               "trainer.versions=10", "trainer.max_wall_s=0", "logging.eval_prompts=100", "logging.eval_every=1")
     s = launch(cfg, progress=False)
     eaten = _audit(tmp_path / "run", eta=2)
     mixed = eaten[eaten["version_start"] != eaten["version_end"]]
     assert len(mixed) > 0, "no trajectory was interrupted and resumed under new weights"
     assert (mixed["finish_reason"] != "abort").all()  # resumed to a real end, never stored half-done
     assert s["versions"] == 10 and s["aborted_requests"] > 0
+    assert len(eaten) == 10 * 8 * cfg.rollout.n_samples  # every batch B full groups
+
+    tl = load_timeline(tmp_path / "run")
+    # continuous batching: groups join a generator's engine while its other groups are still generating
+    assert _overlapping_groups(tl) > 0
+    # evaluation runs in the stream: trainer 0 broadcasts new weights while generator 0 evaluates
+    evals = tl[(tl.role == "generator") & (tl.event == "eval")]
+    syncs = tl[(tl.role == "trainer") & (tl.event == "sync")]
+    inside = [any((e.t_start < x.t_start) and (x.t_end < e.t_end) for e in evals.itertuples()) for x in syncs.itertuples()]
+    assert sum(inside) >= 2, (evals[["t_start", "t_end"]], syncs[["t_start", "t_end"]])
+    assert syncs["duration"].max() < 0.5 * evals["duration"].max()  # no broadcast waited for an evaluation
+    m = pd.read_csv(tmp_path / "run" / "metrics.csv")
+    assert m["heldout_acc"].notna().sum() >= 2 and s["acc_final"] is not None
 
     # the analysis notebook runs on this run directory
     import matplotlib

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from areal_hpc.runtime.scheduler_core import ReadyGroup, SchedulerCore
+from areal_hpc.runtime.scheduler_core import ReadyGroup, SchedulerCore, fair_shares
 
 
 def _group(i, version_start, n_tokens=10):
@@ -40,7 +40,7 @@ def test_too_stale_groups_are_dropped_and_their_slots_returned():
     core.group_done(_group(1, version_start=2))
     core.group_done(_group(2, version_start=1))
     plan = core.next_batch()
-    assert [g.prompt_id for g in plan.groups] == [1, 2]
+    assert [g.prompt_id for g in plan.groups] == [2, 1]  # ordered by oldest version, not by arrival
     assert core.dropped_stale == 1
     for g in plan.groups:
         assert plan.version - g.version_start <= core.eta
@@ -111,3 +111,44 @@ def test_random_run_respects_bound_and_consumes_each_group_once():
 def test_empty_dataset_is_refused():
     with pytest.raises(ValueError, match="at least one training prompt"):
         SchedulerCore(n_prompts=0, batch_prompts=1, eta=0)
+
+
+def test_a_late_old_group_is_not_overtaken():
+    core = SchedulerCore(n_prompts=100, batch_prompts=2, eta=2)
+    core.grant(6)
+    core.version_trained(1)
+    for i, v in enumerate([1, 1, 0]):  # the version-0 group finishes last
+        core.group_done(_group(i, v))
+    plan = core.next_batch()
+    assert [g.prompt_id for g in plan.groups] == [2, 0]  # it goes first, then arrival order within a version
+    assert [g.prompt_id for g in core.ready] == [1]
+
+
+def test_uniform_groups_are_rejected_and_refilled():
+    core = SchedulerCore(n_prompts=100, batch_prompts=2, eta=0, reject_uniform=True)
+    assert len(core.grant(10)) == 2
+    assert core.group_done(_group(0, 0), uniform=True) is False
+    assert core.gate.running == 1 and core.gate.accepted == 0 and core.rejected == 1
+    assert len(core.grant(10)) == 1  # the rejected group's slot is granted again
+    core.group_done(_group(1, 0))
+    assert core.next_batch() is None  # one informative group is not a batch
+    core.group_done(_group(2, 0))
+    plan = core.next_batch()
+    assert [g.prompt_id for g in plan.groups] == [1, 2]
+    state = json.loads(json.dumps(core.state_dict()))
+    again = SchedulerCore(n_prompts=100, batch_prompts=2, eta=0, reject_uniform=True)
+    again.load_state_dict(state)
+    assert again.rejected == 1
+    # without rejection a uniform group is an ordinary ready group
+    keep = SchedulerCore(n_prompts=100, batch_prompts=1, eta=0)
+    keep.grant(1)
+    assert keep.group_done(_group(0, 0), uniform=True) and keep.next_batch() is not None
+
+
+def test_fair_shares_follow_free_capacity_not_rank_order():
+    assert fair_shares({1: 3, 2: 5}, 100) == {1: 3, 2: 5}  # enough for everyone
+    assert fair_shares({1: 10, 2: 30}, 8) == {1: 2, 2: 6}  # proportional to what each asked for
+    assert fair_shares({1: 4, 2: 4}, 1) == {1: 1, 2: 0}
+    assert fair_shares({1: 3, 2: 4}, 1) == {1: 0, 2: 1}  # the one with more free room first
+    shares = fair_shares({1: 7, 2: 0, 3: 7, 4: 7}, 10)
+    assert sum(shares.values()) == 10 and max(shares.values()) - min(shares.values()) <= 1 and 2 not in shares

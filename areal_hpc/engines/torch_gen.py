@@ -1,21 +1,37 @@
-"""Generation engine in plain torch/transformers: batched KV-cache sampling with per-token logprobs."""
+"""Generation engine in plain torch/transformers: continuous batching over one left-padded KV cache."""
 
 from __future__ import annotations
 
-import torch
+from collections import deque
 
+import torch
+import torch.nn.functional as F
+
+from areal_hpc.engines.base import GenerationBase, InFlight
 from areal_hpc.model import load_causal_lm
-from areal_hpc.engines.base import GenerationBase
 from areal_hpc.types import GenOutput, GenRequest
 
 
+def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zero-pad x on the left along `dim` up to `width` (padding is masked out of attention)."""
+    extra = width - x.shape[dim]
+    if extra <= 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [extra, 0]
+    return F.pad(x, pad)
+
+
 class TorchGenerationEngine(GenerationBase):
-    """Static-batch sampler for machines without vLLM.
+    """Continuous batching for machines without vLLM.
+
+    The running batch is one transformers KV cache, left-padded so every row's next token sits in the
+    last column. Each step decodes the running rows, prefills the requests that take free slots (so a
+    request added now gets its first token in this step), then merges the joiners' cache into the
+    batch and drops the rows that finished: a finished row costs no more compute, and columns that
+    are padding for every row are trimmed away.
 
     Logprobs are those of the sampled token under softmax(logits / temperature), the distribution the
-    trainer recomputes (top-p only restricts which tokens can be drawn). abort() may be called from
-    another thread; generate() then returns at the next token with finish_reason 'abort' and the
-    partial tokens, which a later request can resume from (prompt + partial).
+    trainer recomputes (top-p only restricts which tokens can be drawn).
     """
 
     def __init__(
@@ -28,23 +44,42 @@ class TorchGenerationEngine(GenerationBase):
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
         device: str = "cpu",
+        max_num_seqs: int = 256,
     ):
-        super().__init__()
+        super().__init__(max_num_seqs)
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype).to(self.device).eval()
         self.temperature = temperature
         self.top_p = top_p
         cfg = self.model.config
         self.eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
-        self.pad_token_id = (cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_id) if pad_token_id is None else pad_token_id
+        self.stop_ids = set(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else {self.eos_token_id}
+        if pad_token_id is None:
+            pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else min(self.stop_ids)
+        self.pad_token_id = pad_token_id
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.waiting: deque[InFlight] = deque()
+        self.rows: list[InFlight] = []  # the running batch, in cache row order
+        self._cache = None  # transformers DynamicCache over self.rows
+        self._mask: torch.Tensor | None = None  # [rows, cache length] 1 = real token
+        self._pos: torch.Tensor | None = None  # [rows] position id of the next token fed
+        self._next: torch.Tensor | None = None  # [rows] sampled token, fed at the next step
+
+    @property
+    def num_running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        with self._lock:
-            self.model.load_state_dict(state_dict, strict=True)
-            self.version = version
+        if self.rows or self.waiting:
+            raise RuntimeError("update_weights with requests in flight; interrupt them or let them finish first")
+        self.model.load_state_dict(state_dict, strict=True)
+        self.version = version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
@@ -52,71 +87,130 @@ class TorchGenerationEngine(GenerationBase):
     def close(self) -> None:
         pass  # nothing outside this process's memory
 
-    # -- sampling --------------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        if greedy:
-            tok = logp.argmax(dim=-1)
-        else:
-            probs = logp.exp()
-            if self.top_p < 1.0:
-                sorted_p, idx = probs.sort(dim=-1, descending=True)
-                # keep the smallest prefix whose mass reaches top_p (always at least one token)
-                drop = sorted_p.cumsum(-1) - sorted_p >= self.top_p
-                sorted_p = sorted_p.masked_fill(drop, 0.0)
-                probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-            tok = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    # -- requests --------------------------------------------------------------------------------
+    def add(self, requests: list[GenRequest]) -> None:
+        for r in requests:
+            seq = self._admit(r)
+            if seq is not None:
+                self.waiting.append(seq)
 
+    def interrupt(self, ids: list[str] | None = None) -> list[GenOutput]:
+        hit = None if ids is None else set(ids)
+        out = [s.output("abort") for s in self.waiting if hit is None or s.request.request_id in hit]
+        self.waiting = deque(s for s in self.waiting if hit is not None and s.request.request_id not in hit)
+        gone = [i for i, s in enumerate(self.rows) if hit is None or s.request.request_id in hit]
+        out += [self.rows[i].output("abort") for i in gone]
+        self._drop_rows(set(gone))
+        return out
+
+    # -- stepping --------------------------------------------------------------------------------
     @torch.no_grad()
-    def _generate(self, requests: list[GenRequest], greedy: bool) -> list[GenOutput]:
-        if not requests:
-            return []
-        n = len(requests)
-        prefixes = [list(r.prompt_ids) + list(r.partial_ids) for r in requests]
-        budget = [max(0, r.max_new_tokens - len(r.partial_ids)) for r in requests]
-        out_ids = [list(r.partial_ids) for r in requests]
-        out_lp = [list(r.partial_logprobs) for r in requests]
-        out_ver = [list(r.partial_versions) for r in requests]
-        reason = ["length" if b == 0 else None for b in budget]
+    def step(self) -> list[GenOutput]:
+        done = self._take_ready()
+        if self.paused or not (self.rows or self.waiting):
+            return done
+        self._reasons: dict[int, str] = {}  # row -> finish reason, for rows that finished in this step
+        if self.rows:
+            done += self._retire(self._decode())
+        joiners = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.capacity - len(self.rows)))]
+        if joiners:  # slots freed by this step's finished rows are taken at once
+            done += self._retire(self._prefill(joiners))
+        return done
 
-        # Left-pad the prefixes so every row's next token is at the same column.
+    def _retire(self, finished: set[int]) -> list[GenOutput]:
+        out = [self.rows[i].output(self._reasons[i]) for i in sorted(finished)]
+        self._drop_rows(finished)
+        return out
+
+    def _decode(self) -> set[int]:
+        """One token for every running row; returns the rows that finished."""
+        n = len(self.rows)
+        mask = torch.cat([self._mask, self._mask.new_ones((n, 1))], dim=1)
+        out = self.model(input_ids=self._next[:, None], attention_mask=mask, position_ids=self._pos[:, None],
+                         past_key_values=self._cache, use_cache=True)
+        self._cache, self._mask, self._pos = out.past_key_values, mask, self._pos + 1
+        return self._record(0, self.rows, out.logits[:, -1, :])
+
+    def _prefill(self, joiners: list[InFlight]) -> set[int]:
+        """Prefill the joiners (left-padded among themselves), merge them into the batch, sample their first token."""
+        prefixes = [list(s.request.prompt_ids) + s.ids for s in joiners]
         width = max(len(p) for p in prefixes)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
+        ids = torch.full((len(joiners), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(joiners), width), dtype=torch.long)
         for i, p in enumerate(prefixes):
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        first = len(self.rows)
+        self._merge(joiners, out.past_key_values, mask, pos[:, -1] + 1)
+        return self._record(first, joiners, out.logits[:, -1, :])
 
-        past = None
-        step_ids, step_pos = ids, pos
-        for step in range(max(budget) if budget else 0):
-            if all(r is not None for r in reason):
-                break
-            if self._abort.is_set():
-                break
-            with self._lock:
-                version = self.version
-                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                                 past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tok, lp = self._sample(out.logits[:, -1, :], greedy)
-            toks, lps = tok.tolist(), lp.tolist()  # one device-to-host copy per step
-            for i in range(n):
-                if reason[i] is not None:
-                    continue
-                t = toks[i]
-                out_ids[i].append(t)
-                out_lp[i].append(lps[i])
-                out_ver[i].append(version)
-                if t == self.eos_token_id and not self.ignore_eos:
-                    reason[i] = "stop"
-                elif len(out_ids[i]) >= requests[i].max_new_tokens:
-                    reason[i] = "length"
-            step_ids = tok[:, None]
-            step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
+    def _record(self, first_row: int, seqs: list[InFlight], logits: torch.Tensor) -> set[int]:
+        """Sample one token per sequence (rows first_row...), append it, note which finished."""
+        greedy = torch.tensor([s.request.greedy for s in seqs], device=self.device)
+        tok, lp = self._sample(logits, greedy)
+        toks, lps = tok.tolist(), lp.tolist()  # one device-to-host copy per step
+        self._next = tok if first_row == 0 else torch.cat([self._next[:first_row], tok])
+        finished = set()
+        for j, s in enumerate(seqs):
+            s.ids.append(toks[j])
+            s.logprobs.append(lps[j])
+            s.versions.append(self.version)
+            reason = self._finish_reason(s, toks[j], self.stop_ids)
+            if reason is not None:
+                self._reasons[first_row + j] = reason
+                finished.add(first_row + j)
+        return finished
 
-        return self._outputs(requests, out_ids, out_lp, out_ver, reason)
+    def _sample(self, logits: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        tok = logp.argmax(dim=-1)
+        if not bool(greedy.all()):
+            probs = logp.exp()
+            if self.top_p < 1.0:
+                sorted_p, idx = probs.sort(dim=-1, descending=True)
+                # keep the smallest prefix whose mass reaches top_p (always at least one token)
+                drop = sorted_p.cumsum(-1) - sorted_p >= self.top_p
+                probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
+            sampled = torch.multinomial(probs[~greedy], 1, generator=self.generator).squeeze(-1)
+            tok = tok.masked_scatter(~greedy, sampled)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+    # -- the batch's cache -------------------------------------------------------------------------
+    def _layers(self, cache):
+        layers = cache.layers
+        if any(getattr(layer, "is_sliding", False) for layer in layers):
+            raise RuntimeError("the torch generation engine does not support sliding-window attention; use rollout.engine=vllm")
+        return layers
+
+    def _merge(self, joiners: list[InFlight], cache, mask: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append the joiners' rows to the running batch, left-padding both caches to one length."""
+        if not self.rows:
+            self.rows, self._cache, self._mask, self._pos = list(joiners), cache, mask, pos
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self._layers(self._cache), self._layers(cache), strict=True):
+            mine.keys = torch.cat([_pad_left(mine.keys, width, 2), _pad_left(theirs.keys, width, 2)])
+            mine.values = torch.cat([_pad_left(mine.values, width, 2), _pad_left(theirs.values, width, 2)])
+        self._mask = torch.cat([_pad_left(self._mask, width, 1), _pad_left(mask, width, 1)])
+        self._pos = torch.cat([self._pos, pos])
+        self.rows += joiners
+
+    def _drop_rows(self, gone: set[int]) -> None:
+        """Remove finished or interrupted rows from the batch, and columns no remaining row uses."""
+        if not gone:
+            return
+        keep = [i for i in range(len(self.rows)) if i not in gone]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self._cache = self._mask = self._pos = self._next = None
+            return
+        idx = torch.tensor(keep, device=self.device)
+        mask = self._mask[idx]
+        start = int(mask.any(0).to(torch.int8).argmax())  # first column some row still attends to
+        for layer in self._layers(self._cache):
+            layer.keys = layer.keys[idx, :, start:]
+            layer.values = layer.values[idx, :, start:]
+        self._mask, self._pos, self._next = mask[:, start:], self._pos[idx], self._next[idx]

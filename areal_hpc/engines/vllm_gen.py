@@ -1,4 +1,4 @@
-"""Generation engine on vLLM, in-process: continuous batching, processed logprobs, in-place weight reload."""
+"""Generation engine on vLLM, in-process and step-driven: continuous batching, processed logprobs, in-place weight reload."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from areal_hpc.engines.base import GenerationBase
+from areal_hpc.engines.base import GenerationBase, InFlight
 from areal_hpc.model import load_causal_lm
 from areal_hpc.types import GenOutput, GenRequest
 
@@ -26,14 +26,14 @@ def _vllm_env(device: str) -> None:
 
 
 class VLLMGenerationEngine(GenerationBase):
-    """vLLM behind the GenerationEngine interface.
+    """vLLM behind the step-driven GenerationEngine interface: add -> add_request, step -> step,
+    interrupt -> abort_request.
 
-    One generate() call adds every request to vLLM's scheduler, which batches them continuously (a
-    finished sequence frees its slot at once) and shares the KV blocks of a prompt's n samples through
-    the prefix cache. Logprobs are vLLM's "processed" ones, after temperature: the distribution the
-    trainer recomputes. Weights are reloaded in place from the received tensors (vLLM copies them, so
-    the caller's buffers can be reused) and the prefix cache is reset, since cached blocks were
-    computed by the old weights.
+    vLLM batches continuously (a finished sequence frees its slot at once, up to `max_num_seqs`
+    running) and shares the KV blocks of a prompt's n samples through the prefix cache. Logprobs are
+    vLLM's "processed" ones, after temperature: the distribution the trainer recomputes. Weights are
+    reloaded in place from the received tensors (vLLM copies them, so the caller's buffers can be
+    reused) and the prefix cache is reset, since cached blocks were computed by the old weights.
 
     `state_dict()` is a host mirror of the last weights loaded, in the trainer's (Hugging Face) names:
     vLLM fuses q/k/v and gate/up, so its own parameters do not line up with the trainer's export. The
@@ -49,8 +49,9 @@ class VLLMGenerationEngine(GenerationBase):
         seed: int = 0,
         kv_cache_gib: float = 1.0,
         device: str = "cpu",
+        max_num_seqs: int = 256,
     ):
-        super().__init__()
+        super().__init__(max_num_seqs)
         _vllm_env(device)
         import vllm
         from vllm.sampling_params import RequestOutputKind
@@ -66,14 +67,28 @@ class VLLMGenerationEngine(GenerationBase):
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
+            max_num_seqs=max_num_seqs,
         )
         self.engine = self.llm.llm_engine
-        # OpenMP thread counts are per thread: a generate() on another thread (the runtime's worker) must use
-        # the count vLLM set up here, or its CPU attention refuses ("thread_num ... 2 vs. 1")
+        # OpenMP thread counts are per thread: stepping from another thread than this one must use the
+        # count vLLM set up here, or its CPU attention refuses ("thread_num ... 2 vs. 1")
         self._threads = torch.get_num_threads()
         self.temperature = temperature
         self.top_p = top_p
         self._ids = itertools.count()
+        self._seqs: dict[str, InFlight] = {}  # vLLM's request id -> our record, for every request in vLLM
+        self._core = getattr(getattr(self.engine, "engine_core", None), "engine_core", None)  # in-process EngineCore
+
+    @property
+    def num_running(self) -> int:
+        sched = getattr(self._core, "scheduler", None)
+        if sched is not None and hasattr(sched, "running"):
+            return len(sched.running)
+        return min(len(self._seqs), self.capacity)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._seqs) - self.num_running
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -81,68 +96,66 @@ class VLLMGenerationEngine(GenerationBase):
         unknown = sorted(set(state_dict) - set(self.mirror))
         if unknown:
             raise RuntimeError(f"update_weights: unexpected weight names {unknown[:3]}; the model has {len(self.mirror)} others")
-        with self._lock:
-            for k, v in state_dict.items():
-                self.mirror[k].copy_(v)
-            # tied weights appear under two names; vLLM loads each name it knows once
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
-            # blocks cached under the old weights must go; this fails only while requests still hold blocks
-            if not self.llm.reset_prefix_cache():
-                raise RuntimeError("vLLM could not reset its prefix cache after a weight reload (requests still running)")
-            self.version = version
+        if self._seqs:
+            raise RuntimeError("update_weights with requests in flight; interrupt them or let them finish first")
+        for k, v in state_dict.items():
+            self.mirror[k].copy_(v)
+        # tied weights appear under two names; vLLM loads each name it knows once
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+        # blocks cached under the old weights must go; this fails only while requests still hold blocks
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight reload (requests still running)")
+        self.version = version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.mirror
 
     def close(self) -> None:
+        if self._seqs:  # nothing may stay in vLLM holding KV blocks
+            self.engine.abort_request(list(self._seqs))
+            self._seqs.clear()
         # vLLM 0.32's LLM has no shutdown(); the engine core's is the one that ends cleanly
         self.engine.engine_core.shutdown()
         torch.set_num_threads = _TORCH_SET_NUM_THREADS
 
-    # -- sampling --------------------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------------
     def _params(self, max_tokens: int, greedy: bool):
         return self._vllm.SamplingParams(
             n=1, max_tokens=max_tokens, logprobs=0, detokenize=False, output_kind=self._delta, ignore_eos=self.ignore_eos,
             temperature=0.0 if greedy else self.temperature, top_p=1.0 if greedy else self.top_p,
         )
 
-    def _generate(self, requests: list[GenRequest], greedy: bool) -> list[GenOutput]:
+    def add(self, requests: list[GenRequest]) -> None:
+        for r in requests:
+            seq = self._admit(r)
+            if seq is None:
+                continue
+            rid = f"areal-{next(self._ids)}"  # vLLM's own id: a resumed request may reuse ours
+            self.engine.add_request(rid, {"prompt_token_ids": list(r.prompt_ids) + seq.ids}, self._params(seq.budget, r.greedy))
+            self._seqs[rid] = seq
+
+    def interrupt(self, ids: list[str] | None = None) -> list[GenOutput]:
+        hit = None if ids is None else set(ids)
+        gone = [rid for rid, s in self._seqs.items() if hit is None or s.request.request_id in hit]
+        if gone:
+            self.engine.abort_request(gone)
+        return [self._seqs.pop(rid).output("abort") for rid in gone]
+
+    def step(self) -> list[GenOutput]:
+        done = self._take_ready()
+        if self.paused or not self._seqs:
+            return done
         if torch.get_num_threads() != self._threads:
             _TORCH_SET_NUM_THREADS(self._threads)
-        out_ids = [list(r.partial_ids) for r in requests]
-        out_lp = [list(r.partial_logprobs) for r in requests]
-        out_ver = [list(r.partial_versions) for r in requests]
-        reason: list[str | None] = [None] * len(requests)
-        running: dict[str, int] = {}
-        for i, r in enumerate(requests):
-            budget = r.max_new_tokens - len(r.partial_ids)
-            if budget <= 0:
-                reason[i] = "length"
+        for o in self.engine.step():
+            seq = self._seqs.get(o.request_id)
+            if seq is None:
                 continue
-            rid = f"areal-{next(self._ids)}"
-            prompt = {"prompt_token_ids": list(r.prompt_ids) + list(r.partial_ids)}
-            with self._lock:
-                self.engine.add_request(rid, prompt, self._params(budget, greedy))
-            running[rid] = i
-        try:
-            while running and not self._abort.is_set():
-                with self._lock:
-                    version = self.version
-                    step = self.engine.step()
-                for o in step:
-                    i = running.get(o.request_id)
-                    if i is None:
-                        continue
-                    c = o.outputs[0]
-                    for tok, lp in zip(c.token_ids, c.logprobs, strict=True):  # logprobs=0: the sampled token's
-                        out_ids[i].append(int(tok))
-                        out_lp[i].append(float(lp[tok].logprob))
-                        out_ver[i].append(version)
-                    if o.finished:
-                        reason[i] = "stop" if c.finish_reason == "stop" else "length"
-                        del running[o.request_id]
-        finally:
-            if running:  # aborted, or an error: nothing may stay in vLLM holding KV blocks
-                with self._lock:
-                    self.engine.abort_request(list(running))
-        return self._outputs(requests, out_ids, out_lp, out_ver, reason)
+            c = o.outputs[0]
+            for tok, lp in zip(c.token_ids, c.logprobs, strict=True):  # logprobs=0: the sampled token's
+                seq.ids.append(int(tok))
+                seq.logprobs.append(float(lp[tok].logprob))
+                seq.versions.append(self.version)
+            if o.finished:
+                done.append(self._seqs.pop(o.request_id).output("stop" if c.finish_reason == "stop" else "length"))
+        return done

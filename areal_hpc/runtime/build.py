@@ -17,7 +17,7 @@ def build_generation_engine(cfg: Config, model_dir: Path, seed: int):
     rc = cfg.rollout
     return make_generation_engine(
         rc.engine, model_path=str(model_dir), temperature=rc.temperature, top_p=rc.top_p, dtype=cfg.model.dtype, seed=seed,
-        device=cfg.cluster.device, **({"kv_cache_gib": rc.kv_cache_gib} if rc.engine == "vllm" else {}),
+        device=cfg.cluster.device, max_num_seqs=rc.max_num_seqs, **({"kv_cache_gib": rc.kv_cache_gib} if rc.engine == "vllm" else {}),
     )
 
 

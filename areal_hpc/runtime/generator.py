@@ -1,51 +1,72 @@
-"""A generator rank: sample groups for granted prompts, reward them, write shards, take new weights mid-flight."""
+"""A generator rank: keep the engine full of granted groups, score each as it finishes, write shards, take new weights."""
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from areal_hpc.config import Config
+from areal_hpc.config import Config, concurrent_groups
 from areal_hpc.data import Problem, load_dataset
-from areal_hpc.evaluation import heldout_accuracy
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import RewardPool
 from areal_hpc.rollout import completion_texts, final_rewards, group_requests, to_trajectory
 from areal_hpc.runtime.build import build_generation_engine
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Mailbox, Tag
-from areal_hpc.runtime.timeline import Timeline
+from areal_hpc.runtime.timeline import EngineMeter, Timeline
 from areal_hpc.runtime.weight_sync import WeightReceiver, state_nbytes, weights_checksum
 from areal_hpc.store import ROLLOUTS_SUBDIR, next_seq, write_shard
-from areal_hpc.types import GenOutput, GenRequest
+from areal_hpc.types import GenOutput, GenRequest, Trajectory
 
 log = logging.getLogger("areal_hpc.generator")
+
+EVAL_PREFIX = "eval:"  # request ids of held-out evaluation requests; training requests are "group:sample"
 
 
 @dataclass
 class _Group:
     problem: Problem
-    t_start: float
+    t_start: float  # granted (its requests join the engine at the next step)
     outputs: dict[int, GenOutput] = field(default_factory=dict)
+    t_end: dict[int, float] = field(default_factory=dict)  # sample -> when it finished
+
+
+@dataclass
+class _Eval:
+    tag: str
+    version: int  # the weights it started on; a weight load meanwhile resumes it under the newer ones
+    t_start: float
+    outputs: dict[str, GenOutput] = field(default_factory=dict)
+    ordered: list[GenOutput] = field(default_factory=list)  # every output, in held-out order, once all are in
+    score: Future | None = None
 
 
 @dataclass
 class _Scoring:
     future: Future
-    group_ids: list[int]
+    group_id: int
+    group: _Group
     outputs: list[GenOutput]
     t_submit: float
 
 
 class Generator:
-    """Holds up to `prompts_per_generator` groups; generation runs on a worker thread so this loop keeps
-    answering MPI. New weights abort the running batch (interrupt on: partial tokens are kept and
-    resumed as prompt + partial under the new weights) or wait until it ends (interrupt off).
+    """Streams groups through a step-driven engine on this rank's main thread, which polls MPI between steps.
+
+    Up to `rollout.max_concurrent_groups` groups are in flight; whenever fewer are, the generator asks
+    rank 0 for more, and granted prompts join the engine at the next step. A group is scored in the
+    reward pool as soon as its n samples are done; scored groups are written as a shard by count or age
+    (`store.shard_max_groups`, `store.shard_max_wait_s`) and announced. New weights are received at
+    once (the broadcast never waits for this rank's work) and loaded: with `rollout.interrupt` running
+    requests are interrupted and resumed as prompt + partial under the new weights; without it
+    admission stops until the running requests finish. A held-out evaluation runs as greedy requests
+    in the same stream and is treated like any other request, so it never holds up a weight load or
+    the trainers; its result names the versions its tokens came from.
     """
 
     def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
@@ -55,6 +76,7 @@ class Generator:
         self.mail = Mailbox(comm)
         self.timeline = Timeline(self.run_dir, self.rank, "generator")
         self.engine = build_generation_engine(cfg, model_dir, seed=cfg.trainer.seed + 1000 * self.rank)
+        self.meter = EngineMeter(self.run_dir, self.rank, self.engine.capacity)
         self.tokenizer = load_tokenizer(model_dir)
         dataset = load_dataset(cfg.data)
         self.train, self.heldout = dataset.train, dataset.heldout[: cfg.logging.eval_prompts]
@@ -66,23 +88,35 @@ class Generator:
             sync_group.raw_bandwidth(state_nbytes(self.engine.state_dict()), cfg.cluster.device)
         self.rollout_dir = self.run_dir / ROLLOUTS_SUBDIR
         self.seq = next_seq(self.rollout_dir, self.rank)
+        self.max_groups = concurrent_groups(cfg.rollout)
 
-        self.groups: dict[int, _Group] = {}
-        self.queue: list[GenRequest] = []  # new requests and interrupted partials, generated next
+        self.groups: dict[int, _Group] = {}  # granted and generating
+        self.requests: dict[str, GenRequest] = {}  # every request in the engine or held back, by id
+        self.held: list[GenRequest] = []  # granted while admission is stopped for a weight load
         self.asked = 0  # prompts asked for and not granted yet
-        self.staged: tuple[int, dict] | None = None  # received weights not applied yet
+        self.staged: tuple[int, dict] | None = None  # received weights not loaded yet
         self.have_weights = False
         self.scoring: list[_Scoring] = []
-        self.eval_tags: list[str] = []
+        self.scored: list[tuple[list[Trajectory], dict]] = []  # scored groups waiting for a shard
+        self.scored_since = 0.0
+        self.eval_tags: list[str] = []  # asked for, not started
+        self.eval: _Eval | None = None
         self.stopping = False
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
-        self.running: Future | None = None
-        self.t_gen = 0.0
-        self.idle_since = time.time()
         self.interrupted = 0
+        self.gen_since: float | None = None  # start of the current run of engine steps (a "generate" span)
+        self.idle_since = time.time()
+
+    # -- the timeline ---------------------------------------------------------------------------
+    def _end_generate_span(self) -> None:
+        """Close the run of engine steps, before work that is not generation (sync, load, write) is logged."""
+        if self.gen_since is not None:
+            now = time.time()
+            self.timeline.add("generate", self.gen_since, now)
+            self.gen_since, self.idle_since = None, now
 
     # -- weights --------------------------------------------------------------------------------
     def _receive(self, version: int) -> None:
+        self._end_generate_span()
         crc = None
         if self.staged is not None:
             # computed before the receive overwrites the shared buffers
@@ -95,156 +129,232 @@ class Generator:
                 # disk path: pruned because newer versions exist, whose NEW_VERSION messages follow
                 self.mail.send(0, Tag.WEIGHTS_OK, {"version": version, "checksum": None, "skipped": True})
                 return
-        if self.staged is not None:  # never applied: a newer version is here first
+        if self.staged is not None:  # never loaded: a newer version is here first
             self.mail.send(0, Tag.WEIGHTS_OK, {"version": self.staged[0], "checksum": crc, "skipped": True})
         self.staged = (version, sd)
-        if self.cfg.rollout.interrupt and self.running is not None and not self.running.done():
-            self.engine.abort()
 
-    def _apply_staged(self) -> None:
+    def _admitting(self) -> bool:
+        """New requests may join the engine now (without interruption, not while a weight load waits)."""
+        return self.cfg.rollout.interrupt or self.staged is None
+
+    def _load_staged(self) -> None:
+        """Load received weights as soon as the engine allows: at once with interruption, else once the
+        running requests are done."""
         if self.staged is None:
             return
+        if self.cfg.rollout.interrupt:
+            partials = self.engine.interrupt()
+            self.interrupted += len(partials)
+        elif self.engine.num_running or self.engine.num_waiting:
+            return
+        else:
+            partials = []
+        self._end_generate_span()
         version, sd = self.staged
         self.staged = None
         t0 = time.time()
         with self.timeline.span("load"):
+            self.engine.pause()
             self.engine.update_weights(sd, version)
+            self.engine.resume()
         load_s = time.time() - t0
+        # resumed as prompt + partial: their next tokens carry the new version
+        self.engine.add([self.requests[o.request_id].resumed(o) for o in partials] + self.held)
+        self.held = []
         crc = weights_checksum(self.engine.state_dict()) if self.cfg.sync.checksum else None
         self.have_weights = True
         self.mail.send(0, Tag.WEIGHTS_OK, {"version": version, "checksum": crc, "load_s": load_s})
 
-    # -- generation -----------------------------------------------------------------------------
-    def _start_batch(self) -> None:
-        reqs, self.queue = self.queue, []
-        self.t_gen = time.time()
-        if self.t_gen - self.idle_since > 1e-3:
-            self.timeline.add("idle", self.idle_since, self.t_gen)  # no work or no weights
-        self.running = self.executor.submit(self.engine.generate, reqs)
-
-    def _collect_batch(self) -> None:
-        outs = self.running.result()  # re-raises an engine error here, on the main thread
-        self.running = None
-        self.engine.clear_abort()  # an abort that came as the batch ended must not hit the next call
-        self.idle_since = time.time()
-        self.timeline.add("generate", self.t_gen, self.idle_since)
-        finished: list[int] = []
-        for o in outs:
-            gid, sample = (int(x) for x in o.request_id.split(":"))
-            if o.finish_reason == "abort":
-                self.interrupted += 1
-                self.queue.append(GenRequest(o.request_id, o.prompt_ids, self.cfg.rollout.max_new_tokens,
-                                             list(o.output_ids), list(o.output_logprobs), list(o.output_versions)))
-                continue
-            g = self.groups[gid]
-            g.outputs[sample] = o
-            if len(g.outputs) == self.cfg.rollout.n_samples:
-                finished.append(gid)
-        if finished:
-            outputs = [self.groups[gid].outputs[s] for gid in finished for s in range(self.cfg.rollout.n_samples)]
-            texts = completion_texts(self.tokenizer, outputs)
-            answers = [self.groups[gid].problem.answer for gid in finished for _ in range(self.cfg.rollout.n_samples)]
-            # rewards are computed by worker processes while the next batch generates
-            self.scoring.append(_Scoring(self.pool.submit(texts, answers), finished, outputs, time.time()))
-
-    def _write_scored(self) -> None:
-        """Shards for every group whose rewards are in, then the announcement to rank 0."""
-        done = [s for s in self.scoring if s.future.done()]
-        if not done:
-            return
-        self.scoring = [s for s in self.scoring if not s.future.done()]
-        trajs, summaries = [], []
-        now = time.time()
-        for s in done:
-            self.timeline.add("reward", s.t_submit, now)
-            rewards = final_rewards(s.future.result(), s.outputs)
-            n = self.cfg.rollout.n_samples
-            for k, gid in enumerate(s.group_ids):
-                g = self.groups.pop(gid)
-                first = len(trajs)
-                for o, r in zip(s.outputs[k * n : (k + 1) * n], rewards[k * n : (k + 1) * n]):
-                    trajs.append(to_trajectory(o, g.problem.prompt_id, r, self.rank, g.t_start, now))
-                members = trajs[first:]
-                summaries.append({
-                    "indices": list(range(first, len(trajs))),
-                    "prompt_id": g.problem.prompt_id,
-                    "group_id": gid,
-                    "n_tokens": int(sum(len(t.input_ids) for t in members)),
-                    "gen_tokens": int(sum(t.gen_len for t in members)),
-                    "version_start": int(min(t.version_start for t in members)),
-                })
-        with self.timeline.span("write"):
-            shard = write_shard(self.rollout_dir, trajs, gen_rank=self.rank, seq=self.seq, run_id=self.cfg.run_name)
-        self.seq += 1
-        self.mail.send(0, Tag.GROUPS_DONE, {"shard": shard.name, "groups": summaries})
-
+    # -- prompts in, groups out -----------------------------------------------------------------
     def _ask(self) -> None:
-        free = self.cfg.rollout.prompts_per_generator - len(self.groups) - self.asked
-        if free > 0 and self.have_weights and not self.stopping:
+        free = self.max_groups - len(self.groups) - self.asked
+        if free > 0 and self.have_weights and not self.stopping and self._admitting():
             self.mail.send(0, Tag.WANT, {"k": free})
             self.asked += free
 
     def _grant(self, prompts: list) -> None:
         self.asked -= len(prompts)
         now = time.time()
+        reqs = []
         for idx, gid in prompts:
             p = self.train[idx]
             self.groups[gid] = _Group(p, now)
-            self.queue += group_requests(self.tokenizer.encode(p.prompt), gid, self.cfg.rollout.n_samples,
-                                         self.cfg.rollout.max_new_tokens)
+            reqs += group_requests(self.tokenizer.encode(p.prompt), gid, self.cfg.rollout.n_samples,
+                                   self.cfg.rollout.max_new_tokens)
+        self.requests.update((r.request_id, r) for r in reqs)
+        if self._admitting():
+            self.engine.add(reqs)
+        else:
+            self.held += reqs
 
-    def _evaluate(self, tag: str) -> None:
-        with self.timeline.span("eval"):
-            acc = heldout_accuracy(self.engine, self.tokenizer, self.pool, self.heldout, self.cfg.rollout.max_new_tokens)
-        self.mail.send(0, Tag.EVAL_RESULT, {"tag": tag, "version": self.engine.version, "acc": acc})
+    def _step(self) -> None:
+        if self.gen_since is None:
+            self.gen_since = time.time()
+            if self.gen_since - self.idle_since > 1e-3:
+                self.timeline.add("idle", self.idle_since, self.gen_since)
+        t0 = time.time()
+        outs = self.engine.step()
+        t1 = time.time()
+        self.meter.step(t0, t1, self.engine.num_running + len(outs))
+        for o in outs:
+            self.requests.pop(o.request_id)
+            if o.request_id.startswith(EVAL_PREFIX):
+                self.eval.outputs[o.request_id] = o
+                if len(self.eval.outputs) == len(self.heldout):
+                    self._score_eval()
+                continue
+            gid, sample = (int(x) for x in o.request_id.split(":"))
+            g = self.groups[gid]
+            g.outputs[sample], g.t_end[sample] = o, t1
+            if len(g.outputs) == self.cfg.rollout.n_samples:
+                # scored by worker processes while the engine keeps stepping; its slot is free from now
+                del self.groups[gid]
+                self.timeline.add("group", g.t_start, t1)
+                outputs = [g.outputs[s] for s in range(self.cfg.rollout.n_samples)]
+                texts = completion_texts(self.tokenizer, outputs)
+                future = self.pool.submit(texts, [g.problem.answer] * len(outputs))
+                self.scoring.append(_Scoring(future, gid, g, outputs, t1))
+
+    def _collect_scored(self) -> bool:
+        done = [s for s in self.scoring if s.future.done()]
+        if not done:
+            return False
+        self.scoring = [s for s in self.scoring if not s.future.done()]
+        now = time.time()
+        for s in done:
+            self.timeline.add("reward", s.t_submit, now)
+            rewards = final_rewards(s.future.result(), s.outputs)
+            trajs = [to_trajectory(o, s.group.problem.prompt_id, r, self.rank, s.group.t_start, s.group.t_end[k])
+                     for k, (o, r) in enumerate(zip(s.outputs, rewards))]
+            if not self.scored:
+                self.scored_since = now
+            self.scored.append((trajs, {
+                "prompt_id": s.group.problem.prompt_id,
+                "group_id": s.group_id,
+                "n_tokens": int(sum(len(t.input_ids) for t in trajs)),
+                "gen_tokens": int(sum(t.gen_len for t in trajs)),
+                "version_start": int(min(t.version_start for t in trajs)),
+                "uniform": len(set(rewards)) == 1,  # no learning signal; rank 0 may reject it
+            }))
+        return True
+
+    def _write_scored(self) -> None:
+        """One shard for the scored groups once enough wait, the oldest has waited long enough, or nothing
+        else of this generator is coming soon (waiting would only delay the trainers)."""
+        if not self.scored:
+            return
+        st = self.cfg.store
+        due = (len(self.scored) >= st.shard_max_groups or time.time() - self.scored_since >= st.shard_max_wait_s
+               or not (self.groups or self.scoring) or self.stopping)
+        if not due:
+            return
+        self._end_generate_span()
+        trajs, summaries = [], []
+        for group, summary in self.scored:
+            summary["indices"] = list(range(len(trajs), len(trajs) + len(group)))
+            trajs += group
+            summaries.append(summary)
+        self.scored = []
+        with self.timeline.span("write"):
+            shard = write_shard(self.rollout_dir, trajs, gen_rank=self.rank, seq=self.seq, run_id=self.cfg.run_name)
+        self.seq += 1
+        self.mail.send(0, Tag.GROUPS_DONE, {"shard": shard.name, "groups": summaries})
+
+    # -- held-out evaluation --------------------------------------------------------------------
+    def _start_eval(self) -> None:
+        """The next evaluation asked for, as greedy requests in the stream (on the newest weights received
+        when interruption is on: they are loaded just before)."""
+        if self.eval is not None or not self.eval_tags:
+            return
+        tag = self.eval_tags.pop(0)
+        while tag.startswith("v") and self.eval_tags:
+            # asked faster than they run: a later evaluation supersedes a periodic one
+            self.mail.send(0, Tag.EVAL_RESULT, {"tag": tag, "version": None, "version_end": None, "acc": None})
+            tag = self.eval_tags.pop(0)
+        if not self.heldout:
+            v = self.engine.version
+            self.mail.send(0, Tag.EVAL_RESULT, {"tag": tag, "version": v, "version_end": v, "acc": float("nan")})
+            return
+        self.eval = _Eval(tag, self.engine.version, time.time())
+        mnt = self.cfg.rollout.max_new_tokens
+        reqs = [GenRequest(f"{EVAL_PREFIX}{i}", self.tokenizer.encode(p.prompt), mnt, greedy=True)
+                for i, p in enumerate(self.heldout)]
+        self.requests.update((r.request_id, r) for r in reqs)
+        if self._admitting():
+            self.engine.add(reqs)
+        else:
+            self.held += reqs
+
+    def _score_eval(self) -> None:
+        ev = self.eval
+        ev.ordered = [ev.outputs[f"{EVAL_PREFIX}{i}"] for i in range(len(self.heldout))]
+        ev.score = self.pool.submit(completion_texts(self.tokenizer, ev.ordered), [p.answer for p in self.heldout])
+
+    def _finish_eval(self) -> None:
+        ev = self.eval
+        if ev is None or ev.score is None or not ev.score.done():
+            return
+        rewards = final_rewards(ev.score.result(), ev.ordered)
+        self.eval = None
+        self.timeline.add("eval", ev.t_start, time.time())
+        newest = max((v for o in ev.ordered for v in o.output_versions), default=ev.version)
+        self.mail.send(0, Tag.EVAL_RESULT, {"tag": ev.tag, "version": ev.version, "version_end": newest,
+                                            "acc": sum(rewards) / len(rewards)})
 
     # -- loop -----------------------------------------------------------------------------------
+    def _handle(self, tag: Tag, body: dict) -> None:
+        if tag == Tag.GRANT:
+            self._grant(body["prompts"])
+        elif tag == Tag.NEW_VERSION:
+            self._receive(body["version"])
+        elif tag == Tag.EVAL:
+            self.eval_tags.append(body["tag"])
+        elif tag == Tag.STOP:
+            # groups still generating are dropped (a resume grants their prompts again); evaluations asked
+            # for and groups already scored are finished and written
+            self.stopping = True
+            dropped = [rid for rid in self.requests if not rid.startswith(EVAL_PREFIX)]
+            self.engine.interrupt(dropped)
+            for rid in dropped:
+                del self.requests[rid]
+            self.groups.clear()
+            self.held = [r for r in self.held if r.request_id.startswith(EVAL_PREFIX)]
+        else:
+            raise RuntimeError(f"generator got unexpected message {tag.name}")
+
     def run(self) -> None:
         torch.set_num_threads(self.cfg.cluster.threads_per_rank)
         if self.index == 0 and not self.resume and self.cfg.logging.eval_prompts:
-            self._evaluate("init")  # the model folder as it is, before any training
+            self.eval_tags.append("init")  # the model folder as it is, before any training
         while True:
             busy = False
             while (msg := self.mail.poll(0)) is not None:
                 busy = True
-                _, tag, body = msg
-                if tag == Tag.GRANT:
-                    self._grant(body["prompts"])
-                elif tag == Tag.NEW_VERSION:
-                    self._receive(body["version"])
-                elif tag == Tag.EVAL:
-                    self.eval_tags.append(body["tag"])
-                elif tag == Tag.STOP:
-                    self.stopping = True
-                    if self.running is not None:
-                        self.engine.abort()
-                else:
-                    raise RuntimeError(f"generator got unexpected message {tag.name}")
-            if self.running is not None and self.running.done():
-                self._collect_batch()
+                self._handle(msg[1], msg[2])
+            self._load_staged()
+            self._start_eval()
+            if self.engine.num_running or self.engine.num_waiting:
+                self._step()
                 busy = True
-            if self.running is None:
-                self._apply_staged()  # new requests always start on the newest weights
-                for tag in self.eval_tags:
-                    self._evaluate(tag)
-                self.eval_tags = []
-                if self.stopping:
-                    break
-                if self.queue and self.have_weights:
-                    self._start_batch()
-                    busy = True
+            else:
+                self._end_generate_span()
+            busy |= self._collect_scored()
+            self._finish_eval()
             self._write_scored()
             self._ask()
+            if self.stopping and not (self.eval or self.eval_tags or self.scoring or self.scored):
+                break
             if not busy:
                 time.sleep(self.mail.idle_sleep_s)
+        self._end_generate_span()
         self.mail.send(0, Tag.BYE, {"interrupted": self.interrupted})
         self.mail.flush()
 
     def close(self) -> None:
-        self.engine.abort()  # on an error path a batch may still be running: end it at its next step
-        self.executor.shutdown(wait=True, cancel_futures=True)
         try:
+            self.engine.interrupt()  # on an error path requests may still be in the engine
             self.engine.close()
         finally:
             self.pool.close()
+        self.meter.close()
         self.timeline.close()

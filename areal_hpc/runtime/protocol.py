@@ -4,22 +4,29 @@ Every control message goes to or from rank 0 over MPI as a small pickled dict; b
 (rollouts go through the shard store, weights through the weight-sync group or files).
 
 generator -> scheduler
-  WANT        {"k": n}                         n more prompts wanted (free capacity not yet asked for)
-  GROUPS_DONE {"shard": name, "groups": [...]} finished, rewarded groups now in a shard file
-  EVAL_RESULT {"tag": str, "version": v, "acc": float}
+  WANT        {"k": n}                         n more prompts wanted (free group slots not yet asked for)
+  GROUPS_DONE {"shard": name, "groups": [{"indices": [...], "prompt_id", "group_id", "n_tokens",
+               "gen_tokens", "version_start", "uniform": bool}, ...]}
+                                               finished, rewarded groups now in a shard file; "uniform":
+                                               all n rewards equal (rank 0 may reject the group)
+  EVAL_RESULT {"tag": str, "version": v|None, "version_end": w, "acc": float|None}   held-out accuracy,
+                                               started on weights v, its last tokens from w >= v; acc None:
+                                               superseded by a later evaluation, never run
   WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s}   weights applied (or, with "skipped":
                                                True, received but replaced by a newer version first)
 scheduler -> generator
-  GRANT       {"prompts": [(dataset index, group id), ...]}
+  GRANT       {"prompts": [(dataset index, group id), ...]}   join the engine at the next step
   NEW_VERSION {"version": v}                   join the weight transfer of version v now
-  EVAL        {"tag": str}                     greedy held-out accuracy at the current weights
+  EVAL        {"tag": str}                     greedy held-out accuracy, run in the generation stream
 trainer -> scheduler
-  READY       {"version": v, "checksum": ...}  start-up done (warm start or checkpoint loaded), weights v published next
+  READY       {"version": v, "raw_gbps": f}    start-up done (warm start or checkpoint loaded), weights v published
+                                               next; raw_gbps: one-buffer broadcast bandwidth (broadcast sync)
   TRAIN_DONE  {"version": v+1, "stats": {...}} one policy version trained (every trainer sends it)
   SYNC_DONE   {"version": v, "sync_s": s, "bytes": n, "checksum": int|None}  trainer 0: weights sent
   CKPT_DONE   {"version": v, "path": str}
 scheduler -> trainer
-  BATCH       {"version": v, "share": [(shard, [indices]), ...]}  this trainer's token-balanced share
+  BATCH       {"version": v, "share": [[(shard, [indices]), ...], ...]}  this trainer's token-balanced
+                                               share, one list per PPO minibatch
   CHECKPOINT  {"version": v}
 any -> scheduler
   BYE         {"interrupted": n}               answer to STOP: this rank sends nothing more (generators:

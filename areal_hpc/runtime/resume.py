@@ -46,9 +46,10 @@ def load_scheduler_state(run_dir: Path, version: int) -> dict:
     return json.loads(scheduler_state_path(run_dir, version).read_text())
 
 
-def unconsumed_groups(run_dir: Path, consumed: dict) -> tuple[list[tuple[ReadyGroup, int]], int]:
+def unconsumed_groups(run_dir: Path, consumed: dict, skip_uniform: bool = False) -> tuple[list[tuple[ReadyGroup, int]], int]:
     """Every group in the store none of whose trajectories the ledger lists, oldest first, each with the
     newest version among its tokens (a resume must not reuse tokens of versions it rolled back).
+    `skip_uniform` leaves out groups whose rewards are all equal (the scheduler rejected those).
 
     Also returns the largest group id seen (-1 if none), so new group ids never repeat old ones.
     A corrupt shard (torn by a crash mid-write cannot happen: writes are atomic, but a damaged
@@ -68,6 +69,8 @@ def unconsumed_groups(run_dir: Path, consumed: dict) -> tuple[list[tuple[ReadyGr
         lengths = s.n_tokens
         for gid, idx in members.items():
             if any((path.name, i) in consumed for i in idx):
+                continue
+            if skip_uniform and len({float(s.reward[i]) for i in idx}) == 1:
                 continue
             group = ReadyGroup(
                 shard=path.name, indices=idx, prompt_id=int(s.prompt_id[idx[0]]), group_id=int(gid),

@@ -20,7 +20,7 @@ from areal_hpc.runtime.resume import (
     save_scheduler_state,
     unconsumed_groups,
 )
-from areal_hpc.runtime.scheduler_core import BatchPlan, ReadyGroup, SchedulerCore
+from areal_hpc.runtime.scheduler_core import BatchPlan, ReadyGroup, SchedulerCore, fair_shares
 from areal_hpc.runtime.timeline import Timeline
 from areal_hpc.store import Ledger
 from areal_hpc.utils import atomic_write_text
@@ -42,7 +42,7 @@ class Scheduler:
         self.core = SchedulerCore(n_prompts=n_prompts, batch_prompts=rc.batch_prompts, eta=rc.eta,
                                   n_trainers=layout.n_trainers, n_minibatches=cfg.ppo.n_minibatches,
                                   max_running=rc.max_running or None,
-                                  seed=cfg.data.seed)
+                                  seed=cfg.data.seed, reject_uniform=cfg.ppo.drop_uniform_groups)
         self.ledger = Ledger(self.run_dir)
         self.timeline = Timeline(self.run_dir, 0, "scheduler")
         self.want = {g: 0 for g in layout.generator_ranks}
@@ -83,7 +83,7 @@ class Scheduler:
         state = load_scheduler_state(self.run_dir, n)
         removed = self.ledger.truncate_after(n - 1)  # batches recorded after the checkpoint were not kept
         self.core.load_state_dict(state["core"])
-        found, max_gid = unconsumed_groups(self.run_dir, self.ledger.consumed())
+        found, max_gid = unconsumed_groups(self.run_dir, self.ledger.consumed(), skip_uniform=self.core.reject_uniform)
         already = set(self.core.dropped_ids)
         ready = [(g, end) for g, end in found if g.group_id not in already]
         # reusable: fresh enough for version n, and sampled only by versions that still exist (<= n)
@@ -91,8 +91,7 @@ class Scheduler:
         stale = [g for g, end in ready if not (n - g.version_start <= self.cfg.rollout.eta and end <= n)]
         self.core.dropped_ids += [g.group_id for g in stale]
         self.dropped_on_resume = state.get("dropped_on_resume", 0) + len(stale)
-        self.core.ready.clear()
-        self.core.ready.extend(fresh)
+        self.core.ready = sorted(fresh, key=lambda g: g.version_start)
         self.core.gate.version = n
         self.core.gate.accepted = n * self.cfg.rollout.batch_prompts + len(fresh)
         self.next_group_id = max(state["next_group_id"], max_gid + 1)
@@ -110,7 +109,8 @@ class Scheduler:
         elif tag == Tag.GROUPS_DONE:
             for g in body["groups"]:
                 self.tokens_generated += g.pop("gen_tokens")
-                self.core.group_done(ReadyGroup(shard=body["shard"], **g))
+                uniform = g.pop("uniform", False)
+                self.core.group_done(ReadyGroup(shard=body["shard"], **g), uniform)
         elif tag == Tag.READY:
             self._on_ready(src, body)
         elif tag == Tag.TRAIN_DONE:
@@ -136,13 +136,17 @@ class Scheduler:
                 row[f"load_s_gen{g}"] = body["load_s"]
             self._row_got(v, f"weights{src}")
         elif tag == Tag.EVAL_RESULT:
-            self.evals[body["tag"]] = body["acc"]
             self.eval_waiting.discard(body["tag"])
+            if body["acc"] is not None:  # None: superseded by a later evaluation before it started
+                self.evals[body["tag"]] = body["acc"]
+                log.info("held-out accuracy %s (weights v%s): %.3f", body["tag"], body["version"], body["acc"])
             if body["tag"].startswith("v"):
                 v = int(body["tag"][1:])
-                self.rows.setdefault(v, {})["heldout_acc"] = body["acc"]
+                if body["acc"] is not None:
+                    # the weights its tokens came from: an evaluation that spans a weight load ends on the newer
+                    self.rows.setdefault(v, {}).update(heldout_acc=body["acc"], heldout_version=body["version"],
+                                                       heldout_version_end=body["version_end"])
                 self._row_got(v, "eval")
-            log.info("held-out accuracy %s: %.3f", body["tag"], body["acc"])
         elif tag == Tag.CKPT_DONE:
             self.ckpt_acks += 1
             if self.ckpt_acks == self.layout.n_trainers:
@@ -246,6 +250,7 @@ class Scheduler:
             "interrupted": sum(x["interrupted"] for x in s),
             "groups_kept": sum(x["groups_kept"] for x in s),
             "dropped_stale": self.core.dropped_stale,
+            "rejected_uniform": self.core.rejected,
             "t_train": max(x["t_train"] for x in s),
             "loss": sum(x.get("loss", 0.0) for x in s),
             "grad_norm": s[0].get("grad_norm", math.nan),
@@ -288,12 +293,13 @@ class Scheduler:
     def _grant(self) -> None:
         if self.stopping or self.t_rl is None:
             return
-        for g, k in self.want.items():
-            if k <= 0:
-                continue
+        room = self.core.gate.capacity()
+        if room <= 0:
+            return
+        for g, k in fair_shares(self.want, room).items():  # by free capacity when there is not enough for all
             idx = self.core.grant(k)
             if not idx:
-                break  # no capacity left for anyone
+                continue
             prompts = [(i, self.next_group_id + j) for j, i in enumerate(idx)]
             self.next_group_id += len(idx)
             self.want[g] -= len(idx)
@@ -343,7 +349,7 @@ class Scheduler:
             "reward_mean": last.get("reward_mean"), "heldout_acc": self.evals.get(self._last_eval_tag()),
             "consumed_tokens_per_s": self.tokens_consumed / max(elapsed, 1e-9),
             "elapsed_s": time.time() - self.t0, "dropped_stale": self.core.dropped_stale,
-            "time": time.time(),
+            "rejected_uniform": self.core.rejected, "time": time.time(),
         }
         atomic_write_text(self.run_dir / "progress.json", json.dumps(doc))
 
@@ -406,6 +412,7 @@ class Scheduler:
             "samples_consumed": self.samples_consumed,
             "consumed_tokens_per_s": self.tokens_consumed / max(rl, 1e-9),
             "dropped_stale": self.core.dropped_stale,
+            "rejected_uniform": self.core.rejected,
             "dropped_on_resume": self.dropped_on_resume,
             "sync_gbps_mean": sum(self.sync_gbps) / len(self.sync_gbps) if self.sync_gbps else None,
             "raw_broadcast_gbps": None if math.isnan(self.raw_gbps) else self.raw_gbps,

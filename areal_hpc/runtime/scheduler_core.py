@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
 import random
-from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from areal_hpc.algo.packing import balance_across_ranks
@@ -38,14 +38,34 @@ class BatchPlan:
         return [(g.shard, i) for g in self.groups for i in g.indices]
 
 
+def fair_shares(wants: dict[int, int], capacity: int) -> dict[int, int]:
+    """Split `capacity` prompts among generators in proportion to what each asked for (its free capacity).
+
+    Largest remainder; ties go to the larger want, then the lower rank. When there is enough for
+    everyone, everyone gets what it asked for.
+    """
+    wants = {g: w for g, w in wants.items() if w > 0}
+    total = sum(wants.values())
+    if total <= capacity:
+        return dict(wants)
+    shares = {g: capacity * w // total for g, w in wants.items()}
+    left = capacity - sum(shares.values())
+    for g in sorted(wants, key=lambda g: (-(capacity * wants[g] % total), -wants[g], g))[:left]:
+        shares[g] += 1
+    return shares
+
+
 @dataclass
 class SchedulerCore:
     """Pure state machine the MPI scheduler drives; its state_dict is the scheduler's checkpoint.
 
-    Prompts are granted in a seeded shuffled order, epoch after epoch. Ready groups are consumed
-    oldest first; a group whose oldest token is more than eta versions behind the version it would
-    train is dropped (counted) and its slot returned, so the staleness bound holds even for a group
-    that outlived it (a slow generator under eta >= 1).
+    Prompts are granted in a seeded shuffled order, epoch after epoch. A finished group with no
+    learning signal (all rewards equal) is rejected when `reject_uniform`: its slot returns and it is
+    never accepted, so every batch holds B informative groups (dynamic sampling with refill). Ready
+    groups are queued by the oldest version among their tokens and consumed oldest first, so a late
+    group is not overtaken until it turns stale; a group whose oldest token is more than eta versions
+    behind the version it would train is dropped (counted) and its slot returned, so the staleness
+    bound holds even for a group that outlived it (a slow generator under eta >= 1).
     """
 
     n_prompts: int
@@ -55,10 +75,12 @@ class SchedulerCore:
     n_minibatches: int = 1
     max_running: int | None = None
     seed: int = 0
+    reject_uniform: bool = False
     cursor: int = 0
     dropped_stale: int = 0
     dropped_ids: list = field(default_factory=list)  # group ids dropped as too stale
-    ready: deque = field(default_factory=deque)
+    rejected: int = 0  # groups rejected for carrying no learning signal
+    ready: list = field(default_factory=list)  # ReadyGroups ordered by version_start, then arrival
     gate: StalenessGate | None = None
 
     def __post_init__(self):
@@ -88,9 +110,15 @@ class SchedulerCore:
         self.cursor += n
         return out
 
-    def group_done(self, group: ReadyGroup) -> None:
+    def group_done(self, group: ReadyGroup, uniform: bool = False) -> bool:
+        """A granted group finished; False if it was rejected (uniform rewards under reject_uniform)."""
+        if uniform and self.reject_uniform:
+            self.gate.drop(1)  # its slot is free for a new prompt, and it never counts as accepted
+            self.rejected += 1
+            return False
         self.gate.finish(1)
-        self.ready.append(group)
+        bisect.insort(self.ready, group, key=lambda g: g.version_start)  # after groups of the same version
+        return True
 
     def group_lost(self) -> None:
         """A granted prompt will never finish (its generator died): free its slot."""
@@ -98,7 +126,7 @@ class SchedulerCore:
 
     def next_batch(self) -> BatchPlan | None:
         """The next training batch if B fresh-enough groups are ready, else None."""
-        fresh = deque()
+        fresh = []
         for g in self.ready:
             if self.version - g.version_start > self.eta:
                 # too old already; it only gets older, so drop it now and return its slot
@@ -110,7 +138,7 @@ class SchedulerCore:
         self.ready = fresh
         if len(self.ready) < self.batch_prompts:
             return None
-        groups = [self.ready.popleft() for _ in range(self.batch_prompts)]
+        groups, self.ready = self.ready[: self.batch_prompts], self.ready[self.batch_prompts :]
         tokens = [g.n_tokens for g in groups]
         shares: list[list[list[int]]] = [[] for _ in range(self.n_trainers)]
         for mb in balance_across_ranks(tokens, self.n_minibatches):
@@ -126,6 +154,7 @@ class SchedulerCore:
             "cursor": self.cursor,
             "dropped_stale": self.dropped_stale,
             "dropped_ids": list(self.dropped_ids),
+            "rejected": self.rejected,
             "ready": [asdict(g) for g in self.ready],
             "gate": asdict(self.gate),
         }
@@ -135,5 +164,6 @@ class SchedulerCore:
         self.cursor = state["cursor"]
         self.dropped_stale = state["dropped_stale"]
         self.dropped_ids = list(state.get("dropped_ids", []))
-        self.ready = deque(ReadyGroup(**g) for g in state["ready"])
+        self.rejected = state.get("rejected", 0)
+        self.ready = sorted((ReadyGroup(**g) for g in state["ready"]), key=lambda g: g.version_start)
         self.gate = StalenessGate(**{**state["gate"], "running": 0})

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from areal_hpc.algo.advantages import group_advantages, informative_groups
 from areal_hpc.config import Config, save_config
 from areal_hpc.data import load_dataset
+from areal_hpc.engines.base import generate
 from areal_hpc.evaluation import heldout_accuracy
 from areal_hpc.metrics import MetricsLogger
 from areal_hpc.model import ensure_model, load_tokenizer
@@ -90,7 +91,7 @@ def run_sync(cfg: Config) -> RunSummary:
                 prompt_of += [p.prompt_id] * rc.n_samples
 
             t_gen = time.time()
-            outs = gen.generate(reqs)
+            outs = generate(gen, reqs)
             t_rew = time.time()
             rewards = score_outputs(pool, tokenizer, outs, answers)
             t_write = time.time()

@@ -60,3 +60,60 @@ def load_timeline(run_dir: Path):
     df = pd.concat(frames, ignore_index=True)
     df["duration"] = df["t_end"] - df["t_start"]
     return df
+
+
+class EngineMeter:
+    """How full a generator's engine was: one row per window in RUN_DIR/timeline/engine-rank{r}.csv.
+
+    A row holds the window's start and end, the engine steps taken, the sequence-steps (running
+    sequences summed over steps), the sequence-seconds (running sequences times step time) and the
+    capacity. Time-weighted occupancy over any span is sum(seq_s) / (capacity * span): time between
+    steps, when the engine is idle, counts as empty.
+    """
+
+    FIELDS = ["rank", "t_start", "t_end", "steps", "seq_steps", "seq_s", "capacity"]
+
+    def __init__(self, run_dir: Path, rank: int, capacity: int, window_s: float = 0.25):
+        self.rank, self.capacity, self.window_s = rank, capacity, window_s
+        path = Path(run_dir) / TIMELINE_SUBDIR / f"engine-rank{rank:03d}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        self._f = open(path, "a", newline="")
+        self._w = csv.writer(self._f)
+        if new:
+            self._w.writerow(self.FIELDS)
+        self._reset(time.time())
+
+    def _reset(self, t: float) -> None:
+        self.t0, self.steps, self.seq_steps, self.seq_s = t, 0, 0, 0.0
+
+    def step(self, t_start: float, t_end: float, running: int) -> None:
+        """One engine step that held `running` sequences."""
+        self.steps += 1
+        self.seq_steps += running
+        self.seq_s += running * (t_end - t_start)
+        if t_end - self.t0 >= self.window_s:
+            self.flush(t_end)
+
+    def flush(self, t: float | None = None) -> None:
+        t = time.time() if t is None else t
+        if self.steps:
+            self._w.writerow([self.rank, f"{self.t0:.6f}", f"{t:.6f}", self.steps, self.seq_steps, f"{self.seq_s:.6f}",
+                              self.capacity])
+            self._f.flush()
+        self._reset(t)
+
+    def close(self) -> None:
+        self.flush()
+        self._f.close()
+
+
+def load_engine_samples(run_dir: Path):
+    """Every generator's EngineMeter rows as one DataFrame."""
+    import pandas as pd
+
+    frames = [pd.read_csv(p, on_bad_lines="skip").dropna()
+              for p in sorted((Path(run_dir) / TIMELINE_SUBDIR).glob("engine-rank*.csv"))]
+    if not frames:
+        return pd.DataFrame(columns=EngineMeter.FIELDS)
+    return pd.concat(frames, ignore_index=True)
