@@ -86,6 +86,8 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
     click.echo(f"throughput:  {s['consumed_tokens_per_s']:.0f} consumed tokens/s ({s['tokens_consumed']} tokens, {s['samples_consumed']} samples)")
     hist = staleness_histogram(run_dir)
     click.echo(f"staleness:   {hist} (versions behind -> trajectories); dropped too stale: {s['dropped_stale']} groups, {s['dropped_on_resume']} on resume")
+    click.echo(f"sampling:    {s.get('rejected_uniform', 0)} groups rejected as uniform (all rewards equal) and refilled; "
+               f"{s.get('aborted_requests', 0)} requests interrupted for new weights and resumed")
     if s.get("sync_gbps_mean") is not None:
         if cfg.sync.method == "disk":
             click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s through {run_dir / 'weights'}")

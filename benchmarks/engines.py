@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a bare checkout too (the GPU machine has no install of this package)
 
+from areal_hpc.engines.base import generate  # noqa: E402
 from areal_hpc.model import build_tiny_model, load_tokenizer  # noqa: E402
 from areal_hpc.types import GenRequest  # noqa: E402
 
@@ -34,11 +35,12 @@ def make_gen(kind: str, model: Path, args):
     if kind == "torch":
         from areal_hpc.engines.torch_gen import TorchGenerationEngine
 
-        eng = TorchGenerationEngine(str(model), dtype=args.dtype, seed=0, device=args.device)
+        eng = TorchGenerationEngine(str(model), dtype=args.dtype, seed=0, device=args.device, max_num_seqs=args.max_num_seqs)
     else:
         from areal_hpc.engines.vllm_gen import VLLMGenerationEngine
 
-        eng = VLLMGenerationEngine(str(model), dtype=args.dtype, seed=0, device=args.device, kv_cache_gib=args.kv_cache_gib)
+        eng = VLLMGenerationEngine(str(model), dtype=args.dtype, seed=0, device=args.device, kv_cache_gib=args.kv_cache_gib,
+                                   max_num_seqs=args.max_num_seqs)
     eng.ignore_eos = True
     return eng
 
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--minibatches", type=int, default=2)
     ap.add_argument("--tokens-per-mb", type=int, default=4096)
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="engine slots (both engines)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads for every engine")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "engines.json")
@@ -116,21 +119,21 @@ def main() -> None:
     if gens:
         engines = {k: make_gen(k, model, args) for k in gens}
         for e in engines.values():
-            outs = e.generate(reqs[:4])  # warm-up
+            outs = generate(e, reqs[:4])  # warm-up
         gen_tokens = len(reqs) * args.max_new
         last = {}
-        secs = best_of({k: (lambda k=k: last.__setitem__(k, engines[k].generate(reqs))) for k in engines}, args.repeats)
+        secs = best_of({k: (lambda k=k: last.__setitem__(k, generate(engines[k], reqs))) for k in engines}, args.repeats)
         outs = last[gens[0]]
         assert all(len(o.output_ids) == args.max_new for o in outs)
         result["generation_tokens_per_s"] = {k: gen_tokens / s for k, s in secs.items()}
         for k in engines:
             print(f"[bench] generation {k:>9}: {gen_tokens / secs[k]:9.0f} tokens/s ({gen_tokens} tokens in {secs[k]:.2f} s)")
-        # long-tailed lengths, as in reasoning: the untrained model stops at EOS at random; a static batch
-        # keeps computing for its finished rows, continuous batching does not
+        # long-tailed lengths, as in reasoning: the untrained model stops at EOS at random; with continuous
+        # batching a finished row costs nothing more
         for e in engines.values():
             e.ignore_eos = False
         tail: dict = {}
-        tail_secs = best_of({k: (lambda k=k: tail.__setitem__(k, engines[k].generate(reqs))) for k in engines}, args.repeats)
+        tail_secs = best_of({k: (lambda k=k: tail.__setitem__(k, generate(engines[k], reqs))) for k in engines}, args.repeats)
         tail_tokens = {k: sum(len(o.output_ids) for o in v) for k, v in tail.items()}
         result["generation_tail_tokens_per_s"] = {k: tail_tokens[k] / s for k, s in tail_secs.items()}
         for k, e in engines.items():

@@ -1,0 +1,175 @@
+"""Streaming generation on the real asynchronous runtime, for the torch and the vLLM engine: consumed
+tokens/s, how busy each role is, how full the engine stays, and the generator's tokens/s against its
+engine's own offline throughput on the same requests.
+
+Workload: long-tailed lengths as in reasoning. An untrained tiny model samples up to --max-new tokens
+(EOS is one token in 18, so lengths are roughly geometric with a long tail); 1 generator + 1 trainer,
+every group trained on (no dynamic sampling). Variants: eta=0 (the synchronous baseline, same code),
+eta=4 with interruption, eta=4 without.
+
+The ceiling: after each run, the same engine (same slots, same thread count) generates the run's own
+stored requests (each prompt with exactly its stored answer length, EOS ignored), all added at once and
+stepped to completion with no runtime around it.
+
+    .venv/bin/python benchmarks/streaming.py                    # both engines, about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/streaming.py --engines torch --versions 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+
+WORKLOAD = [
+    "cluster.n_generators=1", "cluster.n_trainers=1", "cluster.threads_per_rank=1",
+    "rollout.batch_prompts=16", "rollout.n_samples=8",
+    "trainer.warm_start_steps=0", "trainer.lr=1e-5", "ppo.drop_uniform_groups=false",
+    "trainer.max_wall_s=0", "trainer.checkpoint_every=0",
+    "logging.eval_prompts=20", "logging.eval_every=0", "logging.tensorboard=false", "logging.progress=false",
+]
+VARIANTS = {
+    "eta0": ["rollout.eta=0", "rollout.interrupt=true"],
+    "eta4": ["rollout.eta=4", "rollout.interrupt=true"],
+    "eta4_no_interrupt": ["rollout.eta=4", "rollout.interrupt=false"],
+}
+
+
+def _overlap(starts, ends, lo: float, hi: float) -> float:
+    """Total length of the spans [start, end] inside [lo, hi]."""
+    import numpy as np
+
+    return float(np.clip(np.minimum(ends, hi) - np.maximum(starts, lo), 0, None).sum())
+
+
+def figures(run_dir: Path, summary: dict) -> dict:
+    """Busy shares over the RL wall time, occupancy outside the first and last version, tokens per busy second."""
+    import pandas as pd
+
+    from areal_hpc.runtime.timeline import load_engine_samples, load_timeline
+    from areal_hpc.store import load_trajectories
+
+    tl = load_timeline(run_dir)
+    t0 = tl[(tl.role == "scheduler") & (tl.event == "start")]["t_start"].min()  # the scheduler's clock origin
+    m = pd.read_csv(run_dir / "metrics.csv").set_index("version")
+    rl_lo, rl_hi = t0 + m.loc[0, "wall_s"], t0 + m["wall_s"].iloc[-1]  # first weights published -> last version trained
+    out = {}
+    for role, event in (("generator", "generate"), ("trainer", "train")):
+        spans = tl[(tl.role == role) & (tl.event == event)]
+        out[f"{role}_busy"] = _overlap(spans.t_start.to_numpy(), spans.t_end.to_numpy(), rl_lo, rl_hi) / (rl_hi - rl_lo)
+    versions = m.index.max()
+    lo, hi = t0 + m.loc[1, "wall_s"], t0 + m.loc[versions - 1, "wall_s"]  # outside the first and last version
+    eng = load_engine_samples(run_dir)
+    inside = _overlap(eng.t_start.to_numpy(), eng.t_end.to_numpy(), lo, hi)
+    frac = ((eng.t_end.clip(upper=hi) - eng.t_start.clip(lower=lo)).clip(lower=0) / (eng.t_end - eng.t_start)).fillna(0)
+    out["occupancy"] = float((eng.seq_s * frac).sum() / (eng.capacity.iloc[0] * (hi - lo)))
+    out["occupancy_window_covered"] = inside / (hi - lo)
+    gen = tl[(tl.role == "generator") & (tl.event == "generate")]["duration"].sum()
+    trajs = load_trajectories(run_dir)
+    out["generated_tokens"] = int(trajs["gen_len"].sum())
+    out["stream_gen_tokens_per_busy_s"] = out["generated_tokens"] / gen
+    out["stream_gen_tokens_per_rl_s"] = out["generated_tokens"] / summary["rl_wall_s"]
+    return out
+
+
+def offline_ceiling(engine: str, run_dir: Path, model: Path, cfg) -> float:
+    """The engine's own tokens/s on the run's stored requests: all added at once, stepped to completion."""
+    import torch
+
+    from areal_hpc.engines import make_generation_engine
+    from areal_hpc.store import list_shards, read_shard
+    from areal_hpc.types import GenRequest
+
+    torch.set_num_threads(cfg.cluster.threads_per_rank)  # as the generator rank runs
+    rc = cfg.rollout
+    kw = {"kv_cache_gib": rc.kv_cache_gib} if engine == "vllm" else {}
+    eng = make_generation_engine(engine, model_path=str(model), temperature=rc.temperature, seed=0,
+                                 max_num_seqs=rc.max_num_seqs, **kw)
+    eng.ignore_eos = True  # every request produces exactly its stored length
+    reqs = []
+    for shard in list_shards(run_dir / "rollouts"):
+        for t in read_shard(shard):
+            reqs.append(GenRequest(f"{len(reqs)}", t.input_ids[: t.prompt_len].tolist(), t.gen_len))
+    try:
+        from areal_hpc.engines.base import generate
+
+        generate(eng, reqs[:8])  # warm-up
+        t = time.perf_counter()
+        outs = generate(eng, reqs)
+        secs = time.perf_counter() - t
+    finally:
+        eng.close()
+    return sum(len(o.output_ids) for o in outs) / secs
+
+
+def run_variant(engine: str, name: str, args, out_root: Path) -> dict:
+    from areal_hpc.config import load_config
+    from areal_hpc.launch.local import launch
+
+    run_dir = out_root / f"{engine}-{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = load_config(ROOT / "jobs" / "demo.yaml", [
+        *WORKLOAD, *VARIANTS[name], f"rollout.engine={engine}", f"rollout.max_new_tokens={args.max_new}",
+        f"trainer.versions={args.versions}", f"store.run_dir={run_dir}", f"model.path={out_root / 'model'}",
+        f"run_name=stream_{engine}_{name}",
+    ])
+    s = launch(cfg, progress=False)
+    r = {**{k: s[k] for k in ("consumed_tokens_per_s", "rl_wall_s", "dropped_stale", "rejected_uniform", "aborted_requests")},
+         **figures(run_dir, s)}
+    r["offline_gen_tokens_per_s"] = offline_ceiling(engine, run_dir, out_root / "model", cfg)
+    r["stream_over_offline"] = r["stream_gen_tokens_per_busy_s"] / r["offline_gen_tokens_per_s"]
+    r["bottleneck"] = "generator" if r["generator_busy"] >= r["trainer_busy"] else "trainer"
+    r["bottleneck_busy"] = max(r["generator_busy"], r["trainer_busy"])
+    return r
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="torch,vllm")
+    ap.add_argument("--versions", type=int, default=25, help="policy versions per variant")
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--out", type=Path, default=RESULTS / "streaming")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": "streaming", "host": platform.node(), "time": time.time(), "workload": WORKLOAD,
+              "max_new_tokens": args.max_new, "versions": args.versions, "runs": {}}
+    t0 = time.time()
+    keys = ("consumed_tokens_per_s", "generator_busy", "trainer_busy", "occupancy", "dropped_stale", "rejected_uniform",
+            "stream_over_offline")
+    for engine in [e for e in args.engines.split(",") if e]:
+        runs = result["runs"].setdefault(engine, {})
+        for name in VARIANTS:
+            print(f"[bench] {engine} {name}: {args.versions} versions ...", flush=True)
+            runs[name] = run_variant(engine, name, args, args.out)
+            write_json(RESULTS / "streaming.json", result)  # after each run: a later failure keeps the figures
+        runs["async_over_sync"] = runs["eta4"]["consumed_tokens_per_s"] / runs["eta0"]["consumed_tokens_per_s"]
+        print(f"\n{engine:<8}{'variant':<19}" + "".join(f"{k:>22}" for k in keys))
+        for name in VARIANTS:
+            r = runs[name]
+            print(f"{'':<8}{name:<19}" + "".join(f"{r[k]:>22.3f}" for k in keys))
+        e4 = runs["eta4"]
+        print(f"  async (eta=4) / sync (eta=0): {runs['async_over_sync']:.2f}x; eta=4 bottleneck: {e4['bottleneck']} "
+              f"busy {e4['bottleneck_busy']:.1%}; streaming generator {e4['stream_gen_tokens_per_busy_s']:.0f} tokens/s "
+              f"per busy second = {e4['stream_over_offline']:.1%} of offline {e4['offline_gen_tokens_per_s']:.0f}\n")
+    result["wall_s"] = time.time() - t0
+    write_json(RESULTS / "streaming.json", result)
+    print(f"wrote {RESULTS / 'streaming.json'}")
+
+
+if __name__ == "__main__":
+    main()
