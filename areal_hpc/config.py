@@ -60,8 +60,9 @@ class RolloutConfig:
     max_running: int = 0  # cap on prompts in flight per the scheduler (0 = no cap)
     interrupt: bool = True  # new weights: interrupt running requests and resume them under the new weights
     max_num_seqs: int = 256  # sequences one engine step holds (vLLM's max_num_seqs): the engine's slots
-    # groups a generator keeps in flight (AReaL's max_concurrent_rollouts); 0 = 2 * max_num_seqs / n_samples,
-    # twice the slots, so a slot freed by a short answer is taken by a queued sequence at the next step
+    # most groups a generator has in flight (AReaL's max_concurrent_rollouts); it asks for a group whenever a
+    # slot is free. 0 = max_num_seqs: even if every slot holds the last, long answer of a different group,
+    # there is room to keep the engine full
     max_concurrent_groups: int = 0
     kv_cache_gib: float = 1.0  # engine=vllm: KV cache per generator rank (host memory on CPU, GPU memory on cuda)
 
@@ -156,7 +157,7 @@ class LoggingConfig:
 
 def concurrent_groups(rc: RolloutConfig) -> int:
     """Groups one generator keeps in flight (rollout.max_concurrent_groups, or its default)."""
-    return rc.max_concurrent_groups or max(1, -(-2 * rc.max_num_seqs // rc.n_samples))
+    return rc.max_concurrent_groups or rc.max_num_seqs
 
 
 @dataclass

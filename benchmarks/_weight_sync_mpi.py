@@ -35,10 +35,12 @@ def main(out: str, repeats: int = 5) -> None:
     if comm.Get_rank() == 0:
         sender = WeightSender("broadcast", group, out, 64, False, 2)
         sender.publish(sd, 0)  # allocates the buckets once
+        sender.wait()
         comm.Barrier()
         t0 = time.perf_counter()
         for v in range(repeats):
             sender.publish(sd, v + 1)
+        sender.wait()
         res["bucketed_gbps"] = nbytes * repeats / (time.perf_counter() - t0) / 1e9
         res["buckets"] = len(sender.plan.buffers)
         comm.Barrier()

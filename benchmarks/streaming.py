@@ -34,7 +34,7 @@ WORKLOAD = [
     "rollout.batch_prompts=16", "rollout.n_samples=8",
     "trainer.warm_start_steps=0", "trainer.lr=1e-5", "ppo.drop_uniform_groups=false",
     "trainer.max_wall_s=0", "trainer.checkpoint_every=0",
-    "logging.eval_prompts=20", "logging.eval_every=0", "logging.tensorboard=false", "logging.progress=false",
+    "logging.eval_prompts=4", "logging.eval_every=0", "logging.tensorboard=false", "logging.progress=false",
 ]
 VARIANTS = {
     "eta0": ["rollout.eta=0", "rollout.interrupt=true"],
@@ -118,6 +118,7 @@ def run_variant(engine: str, name: str, args, out_root: Path) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = load_config(ROOT / "jobs" / "demo.yaml", [
         *WORKLOAD, *VARIANTS[name], f"rollout.engine={engine}", f"rollout.max_new_tokens={args.max_new}",
+        f"rollout.max_num_seqs={args.slots}", f"rollout.max_concurrent_groups={args.groups}",
         f"trainer.versions={args.versions}", f"store.run_dir={run_dir}", f"model.path={out_root / 'model'}",
         f"run_name=stream_{engine}_{name}",
     ])
@@ -143,6 +144,8 @@ def main() -> None:
     ap.add_argument("--engines", default="torch,vllm")
     ap.add_argument("--versions", type=int, default=25, help="policy versions per variant")
     ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--slots", type=int, default=16, help="rollout.max_num_seqs: the engine's running-batch size")
+    ap.add_argument("--groups", type=int, default=0, help="rollout.max_concurrent_groups (0: the default, 2 x slots / n)")
     ap.add_argument("--out", type=Path, default=RESULTS / "streaming")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

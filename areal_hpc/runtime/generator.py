@@ -58,8 +58,9 @@ class _Scoring:
 class Generator:
     """Streams groups through a step-driven engine on this rank's main thread, which polls MPI between steps.
 
-    Up to `rollout.max_concurrent_groups` groups are in flight; whenever fewer are, the generator asks
-    rank 0 for more, and granted prompts join the engine at the next step. A group is scored in the
+    Whenever the engine has a free slot (counting one group queued beyond its slots) the generator asks
+    rank 0 for more prompts, up to `rollout.max_concurrent_groups` groups in flight, and granted prompts
+    join the engine at the next step. A group is scored in the
     reward pool as soon as its n samples are done; scored groups are written as a shard by count or age
     (`store.shard_max_groups`, `store.shard_max_wait_s`) and announced. New weights are received at
     once (the broadcast never waits for this rank's work) and loaded: with `rollout.interrupt` running
@@ -167,10 +168,20 @@ class Generator:
 
     # -- prompts in, groups out -----------------------------------------------------------------
     def _ask(self) -> None:
-        free = self.max_groups - len(self.groups) - self.asked
-        if free > 0 and self.have_weights and not self.stopping and self._admitting():
-            self.mail.send(0, Tag.WANT, {"k": free})
-            self.asked += free
+        """Ask for as many groups as keep the engine full with one group queued beyond its slots.
+
+        Counting sequences, not groups: a group holds no slot for its finished samples, and one long
+        answer must not keep its group's other slots empty. `max_groups` bounds what is in flight.
+        """
+        if not self.have_weights or self.stopping or not self._admitting():
+            return
+        n = self.cfg.rollout.n_samples
+        load = self.engine.num_running + self.engine.num_waiting + len(self.held) + self.asked * n
+        want = -(-(self.engine.capacity + n - load) // n)
+        k = min(want, self.max_groups - len(self.groups) - self.asked)
+        if k > 0:
+            self.mail.send(0, Tag.WANT, {"k": k})
+            self.asked += k
 
     def _grant(self, prompts: list) -> None:
         self.asked -= len(prompts)

@@ -72,6 +72,7 @@ class Scheduler:
         self.tokens_generated = 0
         self.raw_gbps = math.nan
         self.sync_gbps: list[float] = []
+        self._stop_file_checked = 0.0
 
     # -- start-up -------------------------------------------------------------------------------
     def _restore(self) -> int:
@@ -327,7 +328,12 @@ class Scheduler:
     def _check_stop(self) -> None:
         if self.stopping:
             return
-        if self.stop_flag() or (self.run_dir / STOP_FILE).exists():
+        now = time.time()
+        stop_file = False
+        if now - self._stop_file_checked >= 0.25:  # a stat per loop would cost rank 0 a few % of a core
+            self._stop_file_checked = now
+            stop_file = (self.run_dir / STOP_FILE).exists()
+        if self.stop_flag() or stop_file:
             self._begin_stop("stop requested")
         elif self.t_rl and self.cfg.trainer.max_wall_s and time.time() - self.t_rl >= self.cfg.trainer.max_wall_s:
             self._begin_stop(f"wall-time limit of {self.cfg.trainer.max_wall_s:g} s")

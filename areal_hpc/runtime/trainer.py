@@ -82,8 +82,9 @@ class Trainer:
     def _announce_and_publish(self, tag: Tag, body: dict, state: dict | None = None) -> None:
         """Tell rank 0 (which tells the generators), and trainer 0 publishes the weights.
 
-        A broadcast needs the generators to join, so the message goes first; files must exist
-        before anyone is told to read them, so the disk path publishes first.
+        A broadcast needs the generators to join, so the message goes first, and the broadcast is only
+        posted: training goes on while the generators join. Files must exist before anyone is told to
+        read them, so the disk path publishes first.
         """
         if self.sender is None:
             self.mail.send(0, tag, body)
@@ -93,14 +94,32 @@ class Trainer:
         disk = self.sender.method == "disk"
         if not disk:
             self.mail.send(0, tag, body)
-            # MPI moves a message between nodes only while the sender is inside MPI; the broadcast
-            # below is not, so make sure the announcement has left before blocking in it
+            # MPI moves a message between nodes only while the sender is inside MPI: make sure the
+            # announcement has left before the weights are posted
             self.mail.flush()
-        with self.timeline.span("sync"):
-            info = self.sender.publish(state if state is not None else self.engine.weights(), self.engine.version)
+        previous = self.sender.publish(state if state is not None else self.engine.weights(), self.engine.version)
+        if previous is not None:
+            self._sync_done(previous)
         if disk:
             self.mail.send(0, tag, body)
+        self._poll_sync()
+
+    def _sync_done(self, info: dict) -> None:
+        self.timeline.add("sync", info.pop("t_start"), info.pop("t_end"))
         self.mail.send(0, Tag.SYNC_DONE, info)
+
+    def _poll_sync(self) -> None:
+        if self.sender is not None and (info := self.sender.poll()) is not None:
+            self._sync_done(info)
+
+    def _next_message(self) -> tuple[int, Tag, dict]:
+        """Wait for rank 0's next message, reporting a finished weight publish meanwhile."""
+        while True:
+            msg = self.mail.poll(0)
+            self._poll_sync()
+            if msg is not None:
+                return msg
+            time.sleep(self.mail.idle_sleep_s)
 
     def _train(self, version: int, share: list) -> None:
         if version != self.engine.version:
@@ -149,7 +168,7 @@ class Trainer:
         self._start()
         while True:
             t0 = time.time()
-            _, tag, body = self.mail.wait(0)
+            _, tag, body = self._next_message()
             self.timeline.add("wait", t0, time.time())
             if tag == Tag.BATCH:
                 self._train(body["version"], body["share"])
@@ -159,6 +178,8 @@ class Trainer:
                 break
             else:
                 raise RuntimeError(f"trainer got unexpected message {tag.name}")
+        if self.sender is not None and (info := self.sender.wait()) is not None:
+            self._sync_done(info)
         self.mail.send(0, Tag.BYE)
         self.mail.flush()
 

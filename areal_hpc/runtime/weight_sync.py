@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import shutil
 import socket
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -109,6 +110,10 @@ class SyncGroup:
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.pg.broadcast(tensor, 0).wait()
 
+    def broadcast_async(self, tensor: torch.Tensor):
+        """Post the broadcast and return its Work; the backend's own threads (gloo) or stream (NCCL) move it."""
+        return self.pg.broadcast(tensor, 0)
+
     def raw_bandwidth(self, nbytes: int, device: str = "cpu", repeats: int = 3) -> float:
         """GB/s of one flat buffer of `nbytes` broadcast as is: the ceiling bucketing is measured against."""
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
@@ -134,7 +139,13 @@ def backend_for(sync_backend: str, device: str) -> str:
 
 
 class WeightSender:
-    """Trainer rank 0's side: publish a state dict as version v (collective or disk)."""
+    """Trainer rank 0's side: publish a state dict as version v (collective or disk).
+
+    A broadcast is posted and left to the backend: the trainer goes on training while the generators
+    join at their next engine step, so it never waits for them. The bucket buffers are reused, so the
+    next publish first waits for the previous one; `poll()` / `wait()` return the SYNC_DONE figures once
+    a publish has completed (the time from posting to the last bucket delivered).
+    """
 
     def __init__(self, method: str, group: SyncGroup | None, run_dir: Path, bucket_mb: int,
                  checksum: bool, keep_versions: int, device: str = "cpu"):
@@ -142,22 +153,52 @@ class WeightSender:
         self.bucket_bytes = bucket_mb << 20
         self.checksum, self.keep_versions, self.device = checksum, keep_versions, device
         self.plan: BucketPlan | None = None
+        self._pending: dict | None = None  # the publish in flight: its SYNC_DONE body, until delivered
+        self._done_at: list[float] = []  # set by the waiter thread when the last bucket is delivered
+        self._waiter: threading.Thread | None = None
 
-    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> dict:
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> dict | None:
+        """Start publishing; returns the previous publish's SYNC_DONE body if nobody collected it yet."""
+        previous = self.wait()  # the buffers are about to be refilled
         t0 = time.perf_counter()
+        crc = weights_checksum(state_dict) if self.checksum else None
         if self.method == "disk":
             nbytes = save_weights(self.run_dir, state_dict, version)
             prune_weights(self.run_dir, self.keep_versions)
-        else:
-            if self.plan is None:
-                self.plan = BucketPlan(state_dict, self.bucket_bytes, self.device)
-            self.plan.pack(state_dict)
-            for buf in self.plan.buffers:
-                self.group.broadcast(buf)
-            nbytes = self.plan.nbytes
-        sync_s = time.perf_counter() - t0
-        crc = weights_checksum(state_dict) if self.checksum else None
-        return {"version": version, "sync_s": sync_s, "bytes": nbytes, "checksum": crc}
+            self._pending = {"version": version, "sync_s": time.perf_counter() - t0, "bytes": nbytes, "checksum": crc,
+                             "t_start": time.time() - (time.perf_counter() - t0), "t_end": time.time()}
+            return previous
+        if self.plan is None:
+            self.plan = BucketPlan(state_dict, self.bucket_bytes, self.device)
+        self.plan.pack(state_dict)
+        works = [self.group.broadcast_async(buf) for buf in self.plan.buffers]
+        self._pending = {"version": version, "bytes": self.plan.nbytes, "checksum": crc, "t_start": time.time()}
+        self._done_at = []
+        # Work.wait() releases the GIL: this thread only notes when the transfer ended
+        self._waiter = threading.Thread(target=lambda: ([w.wait() for w in works], self._done_at.append(time.time())),
+                                        name="weight-send", daemon=True)
+        self._waiter.start()
+        return previous
+
+    def poll(self) -> dict | None:
+        """The SYNC_DONE body of a publish that has completed since the last call, else None."""
+        if self._pending is None or (self._waiter is not None and self._waiter.is_alive()):
+            return None
+        info, self._pending = self._pending, None
+        if self._waiter is not None:
+            self._waiter.join()
+            self._waiter = None
+            if not self._done_at:
+                raise RuntimeError(f"weight broadcast of version {info['version']} failed (see the log)")
+            info["t_end"] = self._done_at[0]
+            info["sync_s"] = info["t_end"] - info["t_start"]
+        return info
+
+    def wait(self) -> dict | None:
+        """Block until the publish in flight has completed; its SYNC_DONE body (None if none was in flight)."""
+        if self._waiter is not None:
+            self._waiter.join()
+        return self.poll()
 
 
 class WeightReceiver:

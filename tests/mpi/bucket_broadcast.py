@@ -30,7 +30,8 @@ def main(out: str) -> None:
     for version in (1, 2):  # the same pre-allocated buffers carry every version
         sd = state(version)
         if sender is not None:
-            info = sender.publish(sd, version)
+            sender.publish(sd, version)
+            info = sender.wait()  # the send is posted; this waits until every receiver has it
             mine = {"checksum": info["checksum"], "buckets": len(sender.plan.buffers), "bytes": info["bytes"]}
         else:
             got = recv.receive(version)
