@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--engines", default="torch,vllm")
     ap.add_argument("--versions", type=int, default=25, help="policy versions per variant")
     ap.add_argument("--max-new", type=int, default=256)
-    ap.add_argument("--slots", type=int, default=16, help="rollout.max_num_seqs: the engine's running-batch size")
+X
     ap.add_argument("--groups", type=int, default=0, help="rollout.max_concurrent_groups (0: the default, 2 x slots / n)")
     ap.add_argument("--out", type=Path, default=RESULTS / "streaming")
     args = ap.parse_args()

@@ -174,7 +174,8 @@ def test_streaming_generation_interrupts_and_evaluates_off_the_critical_path(tmp
             src = "".join(cell["source"]).replace("Path('../runs/demo')", f"Path({str(tmp_path / 'run')!r})")
             exec(compile(src, "async_runtime.ipynb", "exec"), scope)
     assert len(scope["consumed"]) == len(eaten) and scope["interrupted"] > 0
-    assert {"generate", "train"} <= set(scope["util"].columns)
+    assert {"generate", "train"} <= set(scope["util"].columns) and "group" not in scope["util"].columns
+    assert (scope["engine"]["occupancy"].between(0, 1.001)).all() and scope["engine"]["occupancy"].max() > 0.5
 
 
 def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):

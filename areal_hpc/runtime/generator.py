@@ -141,11 +141,11 @@ class Generator:
     def _load_staged(self) -> None:
         """Load received weights as soon as the engine allows: at once with interruption, else once the
         running requests are done."""
-        if self.staged is None:
-            return
+        if self.staged is None or (self.eval is not None and self.eval.tag == "init"):
+            return  # "init" measures the model folder itself: nothing trains on generator 0 before it ends
         if self.cfg.rollout.interrupt:
             partials = self.engine.interrupt()
-            self.interrupted += len(partials)
+            self.interrupted += sum(1 for o in partials if o.output_ids)  # queued ones had not started
         elif self.engine.num_running or self.engine.num_waiting:
             return
         else:
@@ -206,7 +206,7 @@ class Generator:
         t0 = time.time()
         outs = self.engine.step()
         t1 = time.time()
-        self.meter.step(t0, t1, self.engine.num_running + len(outs))
+        self.meter.step(t0, t1, min(self.engine.capacity, self.engine.num_running + len(outs)))
         for o in outs:
             self.requests.pop(o.request_id)
             if o.request_id.startswith(EVAL_PREFIX):
