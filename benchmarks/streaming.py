@@ -133,10 +133,9 @@ def run_variant(engine: str, name: str, args, out_root: Path) -> dict:
 
 
 def write_json(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    from areal_hpc.utils import atomic_write_text
+
+    atomic_write_text(path, json.dumps(result, indent=1))
 
 
 def main() -> None:

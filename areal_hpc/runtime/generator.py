@@ -192,6 +192,10 @@ class Generator:
             self.groups[gid] = _Group(p, now)
             reqs += group_requests(self.tokenizer.encode(p.prompt), gid, self.cfg.rollout.n_samples,
                                    self.cfg.rollout.max_new_tokens)
+        self._submit(reqs)
+
+    def _submit(self, reqs: list[GenRequest]) -> None:
+        """Into the engine now, or held back while admission waits for a weight load."""
         self.requests.update((r.request_id, r) for r in reqs)
         if self._admitting():
             self.engine.add(reqs)
@@ -288,13 +292,8 @@ class Generator:
             return
         self.eval = _Eval(tag, self.engine.version, time.time())
         mnt = self.cfg.rollout.max_new_tokens
-        reqs = [GenRequest(f"{EVAL_PREFIX}{i}", self.tokenizer.encode(p.prompt), mnt, greedy=True)
-                for i, p in enumerate(self.heldout)]
-        self.requests.update((r.request_id, r) for r in reqs)
-        if self._admitting():
-            self.engine.add(reqs)
-        else:
-            self.held += reqs
+        self._submit([GenRequest(f"{EVAL_PREFIX}{i}", self.tokenizer.encode(p.prompt), mnt, greedy=True)
+                      for i, p in enumerate(self.heldout)])
 
     def _score_eval(self) -> None:
         ev = self.eval

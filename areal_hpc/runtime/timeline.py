@@ -10,6 +10,17 @@ from pathlib import Path
 TIMELINE_SUBDIR = "timeline"
 
 
+def _open_log(path: Path, header: list[str]):
+    """An append-only CSV log (a resumed run appends to its earlier rows); the header once, when new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    f = open(path, "a", newline="")
+    w = csv.writer(f)
+    if new:
+        w.writerow(header)
+    return f, w
+
+
 class Timeline:
     """Appends rows to RUN_DIR/timeline/rank{r}.csv, flushed every `flush_s` (a log, read with pandas).
 
@@ -18,13 +29,8 @@ class Timeline:
 
     def __init__(self, run_dir: Path, rank: int, role: str, flush_s: float = 2.0):
         self.rank, self.role, self.flush_s = rank, role, flush_s
-        path = Path(run_dir) / TIMELINE_SUBDIR / f"rank{rank:03d}.csv"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        self._f = open(path, "a", newline="")
-        self._w = csv.writer(self._f)
-        if new:
-            self._w.writerow(["rank", "role", "event", "t_start", "t_end"])
+        self._f, self._w = _open_log(Path(run_dir) / TIMELINE_SUBDIR / f"rank{rank:03d}.csv",
+                                     ["rank", "role", "event", "t_start", "t_end"])
         self._last_flush = time.time()
         self.add("start", time.time(), time.time())
 
@@ -75,13 +81,7 @@ class EngineMeter:
 
     def __init__(self, run_dir: Path, rank: int, capacity: int, window_s: float = 0.25):
         self.rank, self.capacity, self.window_s = rank, capacity, window_s
-        path = Path(run_dir) / TIMELINE_SUBDIR / f"engine-rank{rank:03d}.csv"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        self._f = open(path, "a", newline="")
-        self._w = csv.writer(self._f)
-        if new:
-            self._w.writerow(self.FIELDS)
+        self._f, self._w = _open_log(Path(run_dir) / TIMELINE_SUBDIR / f"engine-rank{rank:03d}.csv", self.FIELDS)
         self._reset(time.time())
 
     def _reset(self, t: float) -> None:
