@@ -209,7 +209,8 @@ def _wait_progress(run: Path, version: int, proc, timeout: float = 180) -> None:
 def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
     run = tmp_path / "run"
     args = [str(DEMO), f"store.run_dir={run}", f"model.path={tmp_path / 'model'}", "rollout.eta=1",
-            "rollout.interrupt=false", "rollout.max_new_tokens=16", "trainer.versions=14", "trainer.max_wall_s=0",
+            "rollout.interrupt=false", "rollout.max_new_tokens=16", "rollout.batch_prompts=16", "trainer.versions=14",
+            "trainer.max_wall_s=0",
             "trainer.checkpoint_every=3", "logging.eval_prompts=20", "logging.tensorboard=false"]
     proc = subprocess.Popen([*CLI, "run", *args, "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_progress(run, 5, proc)
@@ -225,7 +226,7 @@ def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     assert s["start_version"] in (3, 6) and s["start_version"] <= crashed_at + 1 and s["versions"] == 14
     eaten = _audit(run, eta=1)
-    assert len(eaten) == 14 * 32 * 8  # every version consumed one full batch, none twice
+    assert len(eaten) == 14 * 16 * 8  # every version consumed one full batch, none twice
     assert (eaten["version_start"] == eaten["version_end"]).all()  # interrupt off: one version per trajectory
     m = pd.read_csv(run / "metrics.csv")
     assert list(m["version"]) == list(range(15))

@@ -28,9 +28,12 @@ def slurm_cluster():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+B = 16  # prompts per version: half the demo's, every batch B informative groups (the tests are about Slurm)
+
+
 def _args(tmp_path, *more):
     return [f"store.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "logging.eval_prompts=20",
-            "logging.tensorboard=false", "trainer.max_wall_s=0", *more]
+            "logging.tensorboard=false", "trainer.max_wall_s=0", f"rollout.batch_prompts={B}", *more]
 
 
 def _audit(run: Path, eta: int, versions: int) -> None:
@@ -38,7 +41,7 @@ def _audit(run: Path, eta: int, versions: int) -> None:
     df = load_trajectories(run)
     eaten = df[df["consumed_version"] >= 0]
     assert df.attrs["unmatched_ledger_entries"] == 0
-    assert len(eaten) == len(ledger.consumed()) == versions * 32 * 8
+    assert len(eaten) == len(ledger.consumed()) == versions * B * 8
     assert (eaten["staleness"] <= eta).all() and (eaten["version_end"] <= eaten["consumed_version"]).all()
 
 
@@ -120,20 +123,20 @@ def test_sweep_runs_as_a_job_array_and_collects(tmp_path):
 
 
 def test_requeue_mid_run_resumes_from_checkpoint(tmp_path):
-    job_id = _sbatch(tmp_path, "trainer.versions=24", "trainer.checkpoint_every=4")
+    job_id = _sbatch(tmp_path, "trainer.versions=16", "trainer.checkpoint_every=4")
     run = tmp_path / "run"
-    _wait_version(run, 9, job_id)
+    _wait_version(run, 6, job_id)
     subprocess.run(["scontrol", "requeue", job_id], check=True)
     time.sleep(2)
     # Slurm holds a requeued job for 2 minutes before it is eligible again; start it now
     subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)
     assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"
     s = json.loads((run / "summary.json").read_text())
-    assert s["start_version"] >= 4 and s["versions"] == 24  # the second start resumed, it did not start over
+    assert s["start_version"] >= 4 and s["versions"] == 16  # the second start resumed, it did not start over
     out = next((run / "logs").glob("slurm-*.out")).read_text()
     assert "restart count 1" in out and "resuming" in out
-    _audit(run, eta=2, versions=24)
-    assert latest_checkpoint(run) == 24
+    _audit(run, eta=2, versions=16)
+    assert latest_checkpoint(run) == 16
 
 
 def test_requests_the_cluster_cannot_serve_are_refused_in_one_line(tmp_path, monkeypatch):
@@ -162,7 +165,7 @@ def test_requests_the_cluster_cannot_serve_are_refused_in_one_line(tmp_path, mon
 
 def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
     # what Slurm sends slurm.signal_s before the time limit: USR1 to the batch shell
-    job_id = _sbatch(tmp_path, "trainer.versions=30", "trainer.checkpoint_every=100")
+    job_id = _sbatch(tmp_path, "trainer.versions=20", "trainer.checkpoint_every=100")
     run = tmp_path / "run"
     _wait_version(run, 6, job_id)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
@@ -175,8 +178,8 @@ def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
     subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)  # skip the requeue hold
     assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"
     s = json.loads((run / "summary.json").read_text())
-    assert s["start_version"] == stopped_at and s["versions"] == 30  # resumed exactly where it stopped
-    _audit(run, eta=2, versions=30)
+    assert s["start_version"] == stopped_at and s["versions"] == 20  # resumed exactly where it stopped
+    _audit(run, eta=2, versions=20)
 
 
 def test_cancel_stops_the_job_and_status_says_so(tmp_path):
