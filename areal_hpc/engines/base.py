@@ -64,10 +64,10 @@ def generate(engine: GenerationEngine, requests: list[GenRequest]) -> list[GenOu
 
     For an engine with nothing else in flight; outputs come back in request order.
     """
-    engine.add(requests)
     want = {r.request_id for r in requests}
     if len(want) != len(requests):
         raise ValueError("generate: request ids must be unique")
+    engine.add(requests)
     done: dict[str, GenOutput] = {}
     while len(done) < len(want):
         for o in engine.step():

@@ -160,13 +160,13 @@ class WeightSender:
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> dict | None:
         """Start publishing; returns the previous publish's SYNC_DONE body if nobody collected it yet."""
         previous = self.wait()  # the buffers are about to be refilled
-        t0 = time.perf_counter()
         crc = weights_checksum(state_dict) if self.checksum else None
         if self.method == "disk":
+            t0 = time.time()
             nbytes = save_weights(self.run_dir, state_dict, version)
             prune_weights(self.run_dir, self.keep_versions)
-            self._pending = {"version": version, "sync_s": time.perf_counter() - t0, "bytes": nbytes, "checksum": crc,
-                             "t_start": time.time() - (time.perf_counter() - t0), "t_end": time.time()}
+            t1 = time.time()
+            self._pending = {"version": version, "sync_s": t1 - t0, "bytes": nbytes, "checksum": crc, "t_start": t0, "t_end": t1}
             return previous
         if self.plan is None:
             self.plan = BucketPlan(state_dict, self.bucket_bytes, self.device)
