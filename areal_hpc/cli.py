@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from areal_hpc.config import ConfigError, load_config, to_yaml
+from areal_hpc.rundir import RunDir
 
 
 def _load(config_path: str, overrides: tuple[str, ...]):
@@ -48,7 +49,7 @@ def train_sync_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
         f"{s.acc_after:.1%} after {s.versions} RL versions ({s.rl_wall_s:.0f} s of RL, {s.wall_s:.0f} s total)"
     )
     click.echo(f"run dir:     {s.run_dir}")
-    click.echo(f"metrics:     {s.run_dir / 'metrics.csv'}")
+    click.echo(f"metrics:     {RunDir(s.run_dir).metrics}")
     click.echo(f"tensorboard: tensorboard --logdir {s.tensorboard_dir}")
 
 
@@ -65,9 +66,9 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
     if resume_dir:
         if config_path is not None:  # with --resume every argument is an override
             overrides = (config_path, *overrides)
-        saved = Path(resume_dir) / "config.yaml"
+        saved = RunDir(resume_dir).config
         if not saved.is_file():
-            raise click.ClickException(f"{resume_dir!r} is not a run dir (no config.yaml)")
+            raise click.ClickException(f"{resume_dir!r} is not a run dir (no {saved.name})")
         cfg = _load(str(saved), (*overrides, f"store.run_dir={Path(resume_dir).resolve()}"))
     elif config_path is None:
         raise click.ClickException("give a config file (e.g. jobs/demo.yaml) or --resume RUN_DIR")
@@ -79,23 +80,24 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
         s = launch(cfg, resume=bool(resume_dir), progress=cfg.logging.progress)
     except (RunFailed, ModelFolderError, OSError, ValueError) as err:
         raise click.ClickException(str(err).splitlines()[0]) from None
-    run_dir = Path(cfg.store.run_dir).resolve()
+    run_dir = RunDir(Path(cfg.store.run_dir).resolve())
     pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
     click.echo(f"versions:    {s['start_version']} -> {s['versions']} ({s['stop_reason']}) in {s['rl_wall_s']:.0f} s of RL, {s['wall_s']:.0f} s total")
     click.echo(f"held-out:    {pct(s['acc_init'])} at start, {pct(s['acc_start'])} after warm start, {pct(s['acc_final'])} at the end")
     click.echo(f"throughput:  {s['consumed_tokens_per_s']:.0f} consumed tokens/s ({s['tokens_consumed']} tokens, {s['samples_consumed']} samples)")
-    hist = staleness_histogram(run_dir)
+    hist = staleness_histogram(run_dir.root)
     click.echo(f"staleness:   {hist} (versions behind -> trajectories); dropped too stale: {s['dropped_stale']} groups, {s['dropped_on_resume']} on resume")
     click.echo(f"sampling:    {s.get('rejected_uniform', 0)} groups rejected as uniform (all rewards equal) and refilled; "
                f"{s.get('aborted_requests', 0)} requests interrupted for new weights and resumed")
     if s.get("sync_gbps_mean") is not None:
         if cfg.sync.method == "disk":
-            click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s through {run_dir / 'weights'}")
+            click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s through {run_dir.weights}")
         else:
             click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s bucketed, raw single buffer {s['raw_broadcast_gbps'] or float('nan'):.2f} GB/s")
-    click.echo(f"run dir:     {run_dir}  (metrics.csv, timeline/, logs/, checkpoints/)")
+    rel = [p.relative_to(run_dir.root) for p in (run_dir.metrics, run_dir.timeline, run_dir.logs, run_dir.checkpoints)]
+    click.echo(f"run dir:     {run_dir.root}  ({', '.join(map(str, rel))})")
     if cfg.logging.tensorboard:
-        click.echo(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
+        click.echo(f"tensorboard: tensorboard --logdir {run_dir.tensorboard}")
 
 
 @main.command("render")
@@ -112,7 +114,7 @@ def render_cmd(config_path: str, overrides: tuple[str, ...], check: bool) -> Non
             check_request(cfg)
         script = render_sbatch(cfg, " ".join([config_path, *overrides]))
         # sbatch opens the job's output file in RUN_DIR/logs before the script runs: it must exist
-        (Path(cfg.store.run_dir).resolve() / "logs").mkdir(parents=True, exist_ok=True)
+        RunDir(Path(cfg.store.run_dir).resolve()).logs.mkdir(parents=True, exist_ok=True)
     except SlurmError as err:
         raise click.ClickException(str(err)) from None
     click.echo(script, nl=False)
@@ -130,7 +132,7 @@ def submit_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
     cfg = _load(config_path, overrides)
     try:
         job = submit(cfg)
-    except (SlurmError, RunFailed, OSError) as err:
+    except (SlurmError, RunFailed, ValueError, OSError) as err:
         raise click.ClickException(str(err).splitlines()[0]) from None
     click.echo(f"submitted job {job.job_id}")
     click.echo(f"run dir: {cfg.store.run_dir}")
@@ -194,7 +196,7 @@ def status_cmd(run_dir: str) -> None:
         raise click.ClickException(str(err)) from None
     click.echo(f"job {job['job_id']}: {state}")
     try:
-        p = json.loads((Path(run_dir) / "progress.json").read_text())
+        p = json.loads(RunDir(run_dir).progress.read_text())
     except (OSError, ValueError):
         click.echo("progress: none yet (the run has not published its first version)")
         return

@@ -6,6 +6,7 @@ import csv
 import io
 from pathlib import Path
 
+from areal_hpc.rundir import RunDir
 from areal_hpc.utils import atomic_write_text
 
 
@@ -19,8 +20,8 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = True, keep_upto: int | None = None):
         """keep_upto: a resumed run keeps the existing rows up to this version and drops the rest."""
         self.run_dir = Path(run_dir)
-        self.csv_path = self.run_dir / "metrics.csv"
-        self.tb_dir = self.run_dir / "tensorboard"
+        self.csv_path = RunDir(run_dir).metrics
+        self.tb_dir = RunDir(run_dir).tensorboard
         self.rows: list[dict] = []
         self.fields: list[str] = []
         if keep_upto is not None and self.csv_path.exists():

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from areal_hpc.types import GenOutput, GenRequest, Trajectory
+from areal_hpc.types import GenOutput, GenRequest, SampleId, Trajectory, parse_request_id
 
 
 def group_requests(prompt_ids: list[int], group_id: int, n_samples: int, max_new_tokens: int) -> list[GenRequest]:
     """n requests for one prompt; ids encode (group, sample) so outputs can be regrouped."""
-    return [GenRequest(f"{group_id}:{s}", list(prompt_ids), max_new_tokens) for s in range(n_samples)]
+    return [GenRequest(str(SampleId(group_id, s)), list(prompt_ids), max_new_tokens) for s in range(n_samples)]
 
 
 def completion_texts(tokenizer, outputs: list[GenOutput]) -> list[str]:
@@ -18,12 +18,14 @@ def completion_texts(tokenizer, outputs: list[GenOutput]) -> list[str]:
 
 def to_trajectory(out: GenOutput, prompt_id: int, reward: float, gen_rank: int, t_start: float, t_end: float) -> Trajectory:
     """Assemble the stored record: whole sequence with prompt positions masked out."""
-    group_id, sample_idx = (int(x) for x in out.request_id.split(":"))
+    rid = parse_request_id(out.request_id)
+    if not isinstance(rid, SampleId):
+        raise ValueError(f"request {out.request_id!r} is not a training sample")
     p, g = len(out.prompt_ids), len(out.output_ids)
     return Trajectory(
         prompt_id=prompt_id,
-        group_id=group_id,
-        sample_idx=sample_idx,
+        group_id=rid.group_id,
+        sample_idx=rid.sample,
         input_ids=np.asarray(out.prompt_ids + out.output_ids, dtype=np.int32),
         behav_logprobs=np.concatenate([np.zeros(p, np.float32), np.asarray(out.output_logprobs, np.float32)]),
         versions=np.concatenate([np.full(p, -1, np.int32), np.asarray(out.output_versions, np.int32)]),

@@ -47,6 +47,35 @@ class Trajectory:
         return int(gen.max()) if len(gen) else -1
 
 
+@dataclass(frozen=True)
+class SampleId:
+    """A training request: sample `sample` of group `group_id` (the engine sees it as "group:sample")."""
+
+    group_id: int
+    sample: int
+
+    def __str__(self) -> str:
+        return f"{self.group_id}:{self.sample}"
+
+
+@dataclass(frozen=True)
+class EvalId:
+    """A held-out evaluation request: the `index`-th held-out problem (the engine sees "eval:index")."""
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"eval:{self.index}"
+
+
+def parse_request_id(request_id: str) -> SampleId | EvalId:
+    """The typed id behind an engine's string request id (engines need strings; vLLM keys requests by them)."""
+    head, sep, tail = request_id.partition(":")
+    if not sep:
+        raise ValueError(f"request id {request_id!r} is neither 'group:sample' nor 'eval:index'")
+    return EvalId(int(tail)) if head == "eval" else SampleId(int(head), int(tail))
+
+
 @dataclass
 class GenRequest:
     """A request to the generation engine. A resumed request carries its earlier partial output.

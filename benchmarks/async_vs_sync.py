@@ -64,12 +64,12 @@ def run_variant(name: str, versions: int, out_root: Path) -> dict:
 
 
 def weight_sync_figures(out_root: Path) -> dict:
-    from areal_hpc.launch.local import mpi_env
+    from areal_hpc.launch.environment import rank_env
 
     out = out_root / "weight_sync.json"
     cmd = ["mpirun", "-n", "3", "--oversubscribe", "--bind-to", "none", sys.executable,
            str(ROOT / "benchmarks" / "_weight_sync_mpi.py"), str(out)]
-    subprocess.run(cmd, env=mpi_env(), check=True, capture_output=True, timeout=600)
+    subprocess.run(cmd, env=rank_env(local_mpirun=True), check=True, capture_output=True, timeout=600)
     return json.loads(out.read_text())
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from areal_hpc.rundir import RunDir  # noqa: E402 (after the path: runs from a checkout)
 RESULTS = ROOT / "benchmarks" / "results"
 
 WORKLOAD = [
@@ -62,7 +63,7 @@ def figures(run_dir: Path, summary: dict) -> dict:
 
     tl = load_timeline(run_dir)
     t0 = tl[(tl.role == "scheduler") & (tl.event == "start")]["t_start"].min()  # the scheduler's clock origin
-    m = pd.read_csv(run_dir / "metrics.csv").set_index("version")
+    m = pd.read_csv(RunDir(run_dir).metrics).set_index("version")
     rl_lo, rl_hi = t0 + m.loc[0, "wall_s"], t0 + m["wall_s"].iloc[-1]  # first weights published -> last version trained
     out = {}
     for role, event in (("generator", "generate"), ("trainer", "train")):
@@ -101,7 +102,7 @@ def offline_ceiling(engine: str, run_dir: Path, model: Path, cfg) -> float:
                                  max_num_seqs=rc.max_num_seqs, **kw)
     eng.ignore_eos = True  # every request produces exactly its stored length
     reqs = []
-    for shard in list_shards(run_dir / "rollouts"):
+    for shard in list_shards(RunDir(run_dir).rollouts):
         for t in read_shard(shard):
             reqs.append(GenRequest(f"{len(reqs)}", t.input_ids[: t.prompt_len].tolist(), t.gen_len))
     try:

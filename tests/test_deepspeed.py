@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal_hpc.launch.local import mpi_env
+from areal_hpc.launch.environment import rank_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
         pickle.dump((trajs, adv), f)
     cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
            str(ROOT / "tests" / "mpi" / "deepspeed_update.py"), str(tiny_model_dir), str(tmp_path), str(stage)]
-    r = subprocess.run(cmd, env={**mpi_env(), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, env={**rank_env(local_mpirun=True), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = torch.load(tmp_path / "ds.pt", weights_only=False)
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from areal_hpc.reward import RewardPool, _bounded_call, extract_last_boxed, math_reward
+from areal_hpc.reward import RewardPool, extract_last_boxed, math_reward
+from areal_hpc.reward.math import _bounded_call
 
 
 # ----------------------------------------------------------------- scorers run inside workers

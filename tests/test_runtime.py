@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from areal_hpc.config import load_config
-from areal_hpc.launch.local import launch, mpi_env
+from areal_hpc.launch.environment import rank_env
+from areal_hpc.launch.local import launch
 from areal_hpc.runtime.timeline import load_timeline
 from areal_hpc.runtime.weight_sync import weights_checksum
 from areal_hpc.store import Ledger, list_shards, load_trajectories, read_shard_summary
@@ -35,7 +36,7 @@ def _cfg(tmp_path, *overrides):
 
 def _mpirun(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     cmd = ["mpirun", "-n", str(n), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
-    return subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=rank_env(local_mpirun=True), capture_output=True, text=True, timeout=timeout)
 
 
 def _audit(run: Path, eta: int) -> pd.DataFrame:
@@ -263,7 +264,7 @@ def test_run_refuses_bad_requests_in_one_line(tmp_path):
 
 
 def test_ctrl_c_checkpoints_and_stops_every_rank_cleanly(tmp_path):
-    from areal_hpc.runtime.resume import latest_checkpoint
+    from areal_hpc.rundir import RunDir
 
     run = tmp_path / "run"
     args = [str(DEMO), f"store.run_dir={run}", f"model.path={tmp_path / 'model'}", "trainer.versions=100000",
@@ -274,7 +275,7 @@ def test_ctrl_c_checkpoints_and_stops_every_rank_cleanly(tmp_path):
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err[-2000:]
     s = json.loads((run / "summary.json").read_text())
-    assert s["stop_reason"] == "stop requested" and latest_checkpoint(run) == s["versions"] >= 4
+    assert s["stop_reason"] == "stop requested" and RunDir(run).latest_checkpoint() == s["versions"] >= 4
     assert "versions:" in out and "staleness:" in out
     _audit(run, eta=2)
     for pid_file in (run / "logs").glob("rank*.pid"):

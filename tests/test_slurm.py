@@ -12,7 +12,7 @@ import pytest
 
 from areal_hpc.config import load_config
 from areal_hpc.launch.slurm import SlurmError, check_request, job_state, wait_for
-from areal_hpc.runtime.resume import latest_checkpoint
+from areal_hpc.rundir import RunDir
 from areal_hpc.store import Ledger, load_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +136,7 @@ def test_requeue_mid_run_resumes_from_checkpoint(tmp_path):
     out = next((run / "logs").glob("slurm-*.out")).read_text()
     assert "restart count 1" in out and "resuming" in out
     _audit(run, eta=2, versions=16)
-    assert latest_checkpoint(run) == 16
+    assert RunDir(run).latest_checkpoint() == 16
 
 
 def test_requests_the_cluster_cannot_serve_are_refused_in_one_line(tmp_path, monkeypatch):
@@ -173,7 +173,7 @@ def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
     while "requeueing job" not in "".join(p.read_text() for p in (run / "logs").glob("slurm-*.out")) and time.time() < end:
         time.sleep(0.5)
     stopped_at = json.loads((run / "summary.json").read_text())["versions"]
-    assert latest_checkpoint(run) == stopped_at >= 6  # a clean stop checkpoints where it stopped
+    assert RunDir(run).latest_checkpoint() == stopped_at >= 6  # a clean stop checkpoints where it stopped
     time.sleep(2)
     subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)  # skip the requeue hold
     assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"

@@ -40,3 +40,18 @@ def informative_groups(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray
         idx = group_ids == g
         keep[idx] = rewards[idx].max() > rewards[idx].min()
     return keep
+
+
+def batch_advantages(rewards: np.ndarray, group_ids: np.ndarray, norm: str,
+                     drop_uniform: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(advantage, keep mask) of a training batch: what both training loops apply before a PPO step.
+
+    With `drop_uniform` the mask leaves out groups without a learning signal (rank 0 rejects them when
+    announced, so in the asynchronous runtime this only catches what reached a batch another way).
+    """
+    rewards = np.asarray(rewards, dtype=np.float64)
+    if len(rewards) == 0:
+        return np.zeros(0, np.float32), np.zeros(0, bool)
+    adv = group_advantages(rewards, group_ids, norm)
+    keep = informative_groups(rewards, group_ids) if drop_uniform else np.ones(len(rewards), bool)
+    return adv, keep

@@ -2,78 +2,14 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from areal_hpc.types import GenOutput, GenRequest, Trajectory
-
-
-class GenerationEngine(Protocol):
-    """Step-driven generation: requests join the running batch at any step and leave in the step they finish.
-
-    Nothing here blocks for longer than one engine step, so the caller (a generator's main loop) keeps
-    answering MPI between steps. Per token an output records the sampled id, its behaviour logprob under
-    softmax(logits / temperature) and the weight version that sampled it.
-    """
-
-    version: int
-    ignore_eos: bool  # True: every sequence runs to max_new_tokens (benchmarks, tests)
-    capacity: int  # sequences one step can hold; more are queued and join as slots free
-
-    @property
-    def num_running(self) -> int:
-        """Requests in the running batch now (at most `capacity`)."""
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests added that wait for a slot."""
-
-    def add(self, requests: list[GenRequest]) -> None:
-        """The requests join the running batch at the next step (queued if it is full)."""
-
-    def step(self) -> list[GenOutput]:
-        """One engine step: every running request gets one token; returns those that finished in it."""
-
-    def interrupt(self, ids: list[str] | None = None) -> list[GenOutput]:
-        """End these running or waiting requests (None: all) and return their partial outputs ('abort').
-
-        Adding `request.resumed(output)` later continues each exactly where it stopped.
-        """
-
-    def pause(self) -> None:
-        """Stop stepping: step() does nothing until resume()."""
-
-    def resume(self) -> None: ...
-
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights in place (nothing may be running); tokens sampled afterwards carry `version`."""
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights now loaded, in the trainer's names (receive buffers and checksums are built from it)."""
-
-    def close(self) -> None:
-        """Release what the engine holds outside Python objects (vLLM's engine core)."""
-
-
-def generate(engine: GenerationEngine, requests: list[GenRequest]) -> list[GenOutput]:
-    """The batch call (evaluation, the single-process loop): add every request, step until all are back.
-
-    For an engine with nothing else in flight; outputs come back in request order.
-    """
-    want = {r.request_id for r in requests}
-    if len(want) != len(requests):
-        raise ValueError("generate: request ids must be unique")
-    engine.add(requests)
-    done: dict[str, GenOutput] = {}
-    while len(done) < len(want):
-        for o in engine.step():
-            if o.request_id in want:
-                done[o.request_id] = o
-    return [done[r.request_id] for r in requests]
 
 
 @dataclass
@@ -100,24 +36,81 @@ class InFlight:
                          output_logprobs=self.logprobs, output_versions=self.versions, finish_reason=reason)
 
 
-class GenerationBase:
-    """What the generation engines share: version, pause flag, capacity and the requests done before a step."""
+class GenerationEngine(ABC):
+    """Step-driven generation: requests join the running batch at any step and leave in the step they finish.
 
-    def __init__(self, max_num_seqs: int) -> None:
+    Nothing here blocks for longer than one engine step, so the caller (a generator's main loop) keeps
+    answering MPI between steps. Per token an output records the sampled id, its behaviour logprob under
+    softmax(logits / temperature) and the weight version that sampled it.
+
+    Besides the interface this class holds what the engines share: version, pause flag, capacity, the
+    sampling temperature/top-p and the requests that finished before a step.
+    """
+
+    version: int
+    """Weight version now loaded; every token sampled carries it."""
+    ignore_eos: bool
+    """True: every sequence runs to max_new_tokens (benchmarks, tests)."""
+    capacity: int
+    """Sequences one step can hold; more are queued and join as slots free."""
+
+    def __init__(self, max_num_seqs: int, temperature: float, top_p: float) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.version = 0
         self.ignore_eos = False
         self.capacity = max_num_seqs
+        self.temperature = temperature
+        self.top_p = top_p
         self.paused = False
         self._ready: list[GenOutput] = []  # finished without a step (no budget left); returned by the next step
 
+    @property
+    @abstractmethod
+    def num_running(self) -> int:
+        """Requests in the running batch now (at most `capacity`)."""
+
+    @property
+    @abstractmethod
+    def num_waiting(self) -> int:
+        """Requests added that wait for a slot."""
+
+    @abstractmethod
+    def add(self, requests: list[GenRequest]) -> None:
+        """The requests join the running batch at the next step (queued if it is full)."""
+
+    @abstractmethod
+    def step(self) -> list[GenOutput]:
+        """One engine step: every running request gets one token; returns those that finished in it."""
+
+    @abstractmethod
+    def interrupt(self, ids: list[str] | None = None) -> list[GenOutput]:
+        """End these running or waiting requests (None: all) and return their partial outputs ('abort').
+
+        Adding `request.resumed(output)` later continues each exactly where it stopped.
+        """
+
     def pause(self) -> None:
+        """Stop stepping: step() does nothing until resume()."""
         self.paused = True
 
     def resume(self) -> None:
+        """Step again after pause()."""
         self.paused = False
 
+    @abstractmethod
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load new weights in place (nothing may be running); tokens sampled afterwards carry `version`."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights now loaded, in the trainer's names (receive buffers and checksums are built from it)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the engine holds outside Python objects (vLLM's engine core)."""
+
+    # -- helpers for the engines -------------------------------------------------------------------
     def _admit(self, r: GenRequest) -> InFlight | None:
         """The engine's record of a new request, or None when it has nothing left to sample."""
         seq = InFlight.of(r)
@@ -136,21 +129,70 @@ class GenerationBase:
         return "length" if seq.budget <= 0 else None
 
 
-class TrainEngine(Protocol):
-    version: int
+def generate(engine: GenerationEngine, requests: list[GenRequest]) -> list[GenOutput]:
+    """The batch call (evaluation, the single-process loop): add every request, step until all are back.
 
+    For an engine with nothing else in flight; outputs come back in request order.
+    """
+    want = {r.request_id for r in requests}
+    if len(want) != len(requests):
+        raise ValueError("generate: request ids must be unique")
+    engine.add(requests)
+    done: dict[str, GenOutput] = {}
+    while len(done) < len(want):
+        for o in engine.step():
+            if o.request_id in want:
+                done[o.request_id] = o
+    return [done[r.request_id] for r in requests]
+
+
+class TrainEngine(ABC):
+    """Data-parallel PPO training on this rank's share of a batch, plus the warm start, weights and checkpoints.
+
+    Every trainer rank calls ppo_update and supervised_step together (they run collectives); the two
+    flags below say which of the other calls must be collective too.
+    """
+
+    version: int
+    """Policy version of the weights: ppo_update adds one, load_checkpoint restores it."""
+    model: torch.nn.Module
+    """The Hugging Face causal LM being trained (tests perturb it and swap its optimizer)."""
+    optimizer: torch.optim.Optimizer
+    """The optimizer stepping `model` (tests replace it with SGD for exact comparisons)."""
+    collective_weights: bool = False
+    """True: every trainer must call weights() together (ZeRO-3 gathers the full tensors)."""
+    collective_checkpoint: bool = False
+    """True: every trainer writes its part of a checkpoint, so all call save_checkpoint."""
+
+    @abstractmethod
     def compute_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
         """Per-token log p(token_t | tokens_<t) under the current weights (position 0 gets 0)."""
 
-    def ppo_update(self, trajectories: list[Trajectory], advantages: np.ndarray) -> dict[str, float]:
-        """One training step (ppo_n_minibatches optimizer steps) on this rank's share; version += 1."""
+    @abstractmethod
+    def ppo_update(self, trajectories: list[Trajectory], advantages: np.ndarray,
+                   minibatches: list[list[int]] | None = None) -> dict[str, float]:
+        """One policy version on this rank's share: one optimizer step per minibatch; version += 1.
 
+        `minibatches` (indices into `trajectories`, the same count on every rank) is how the batch was
+        split before it was shared out; None: this rank's share is split n_minibatches ways.
+        """
+
+    @abstractmethod
+    def supervised_step(self, sequences: list[np.ndarray], loss_masks: list[np.ndarray], lr: float) -> float:
+        """One cross-entropy step on the masked tokens at learning rate `lr` (the warm start); version unchanged."""
+
+    @abstractmethod
     def weights(self) -> dict[str, torch.Tensor]:
         """Full weights for publishing to generators."""
 
+    @abstractmethod
     def export_hf(self, path: Path) -> Path:
         """Save a Hugging Face folder (safetensors + tokenizer) loadable by transformers/vLLM."""
 
-    def save_checkpoint(self, path: Path) -> None: ...
+    @abstractmethod
+    def save_checkpoint(self, path: Path) -> None:
+        """Write model, optimizer, RNG state and version to the folder `path` (published atomically)."""
 
-    def load_checkpoint(self, path: Path) -> None: ...
+    @abstractmethod
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore what save_checkpoint wrote, version included."""

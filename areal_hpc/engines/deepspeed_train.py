@@ -109,11 +109,12 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             tmp.mkdir(parents=True)
         dist.barrier()
         self.ds.save_checkpoint(str(tmp), tag="ds")
-        torch.save({"torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "python_rng": random.getstate()},
-                   tmp / f"rng_rank{self.rank}.pt")
+        rng = {"torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "python_rng": random.getstate()}
+        torch.save(rng, tmp / f"rng_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            (tmp / "meta.json").write_text(json.dumps({"version": self.version, "zero_stage": self.zero_stage, "world": self.world}))
+            meta = {"version": self.version, "zero_stage": self.zero_stage, "world": self.world}
+            (tmp / "meta.json").write_text(json.dumps(meta))
             atomic_publish_dir(tmp, path)
         dist.barrier()
 

@@ -7,7 +7,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from areal_hpc.engines.base import GenerationBase, InFlight
+from areal_hpc.engines.base import GenerationEngine, InFlight
 from areal_hpc.model import load_causal_lm
 from areal_hpc.types import GenOutput, GenRequest
 
@@ -21,7 +21,7 @@ def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return F.pad(x, pad)
 
 
-class TorchGenerationEngine(GenerationBase):
+class TorchGenerationEngine(GenerationEngine):
     """Continuous batching for machines without vLLM.
 
     The running batch is one transformers KV cache, left-padded so every row's next token sits in the
@@ -46,11 +46,9 @@ class TorchGenerationEngine(GenerationBase):
         device: str = "cpu",
         max_num_seqs: int = 256,
     ):
-        super().__init__(max_num_seqs)
+        super().__init__(max_num_seqs, temperature, top_p)
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype).to(self.device).eval()
-        self.temperature = temperature
-        self.top_p = top_p
         cfg = self.model.config
         self.eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
         self.stop_ids = set(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else {self.eos_token_id}
@@ -182,7 +180,8 @@ class TorchGenerationEngine(GenerationBase):
     def _layers(self, cache):
         layers = cache.layers
         if any(getattr(layer, "is_sliding", False) for layer in layers):
-            raise RuntimeError("the torch generation engine does not support sliding-window attention; use rollout.engine=vllm")
+            raise RuntimeError("the torch generation engine does not support sliding-window attention; "
+                               "use rollout.engine=vllm")
         return layers
 
     def _merge(self, joiners: list[InFlight], cache, mask: torch.Tensor, pos: torch.Tensor) -> None:

@@ -13,12 +13,13 @@ from safetensors.torch import load_file, save_file
 
 from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
 from areal_hpc.algo.ppo import decoupled_ppo_loss, loglinear_prox_logp
+from areal_hpc.engines.base import TrainEngine
 from areal_hpc.model import load_causal_lm, load_tokenizer, no_hf_progress_bars
 from areal_hpc.types import Trajectory
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
 
-class TorchTrainEngine:
+class TorchTrainEngine(TrainEngine):
     """Data-parallel PPO trainer on plain torch.
 
     With a process group of T > 1 ranks, every optimizer step all-reduces the summed gradients in one
@@ -30,9 +31,7 @@ class TorchTrainEngine:
     `lockstep` every rank runs the same number of micro-batches (ZeRO-3 gathers parameters in forward).
     """
 
-    lockstep = False
-    collective_weights = False  # True: every trainer must call weights() together (ZeRO-3 gather)
-    collective_checkpoint = False  # True: every trainer writes its part of a checkpoint
+    lockstep = False  # collective_weights and collective_checkpoint keep TrainEngine's False
 
     def __init__(
         self,
@@ -62,7 +61,8 @@ class TorchTrainEngine:
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         else:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(betas),
+                                               weight_decay=weight_decay)
         self.grad_clip = grad_clip
         self.max_tokens_per_mb = max_tokens_per_mb
         self.n_minibatches = n_minibatches
@@ -147,7 +147,8 @@ class TorchTrainEngine:
 
     def _optimizer_step(self) -> float:
         self._allreduce_grads()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip if self.grad_clip > 0 else float("inf"))
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(gnorm)
@@ -169,7 +170,10 @@ class TorchTrainEngine:
 
         lengths = [len(s) for s in seqs]
         if minibatches is None:
-            minibatches = balance_across_ranks(lengths, self.n_minibatches) if seqs else [[] for _ in range(self.n_minibatches)]
+            if seqs:
+                minibatches = balance_across_ranks(lengths, self.n_minibatches)
+            else:
+                minibatches = [[] for _ in range(self.n_minibatches)]
         totals: dict[str, float] = {}
         for mb_idx in minibatches:
             local_tokens = float(sum(int(trajectories[i].loss_mask.sum()) for i in mb_idx))
@@ -194,7 +198,8 @@ class TorchTrainEngine:
                         prox = prox_all[i]
                     else:
                         # the weights being trained become version+1; pi_prox is the current version
-                        prox = loglinear_prox_logp(lp, behav, torch.as_tensor(t.versions, device=lp.device), self.version + 1)
+                        versions = torch.as_tensor(t.versions, device=lp.device)
+                        prox = loglinear_prox_logp(lp, behav, versions, self.version + 1)
                     parts["logp"].append(lp)
                     parts["prox"].append(prox)
                     parts["behav"].append(behav)

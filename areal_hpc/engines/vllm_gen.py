@@ -1,4 +1,4 @@
-"""Generation engine on vLLM, in-process and step-driven: continuous batching, processed logprobs, in-place weight reload."""
+"""Generation engine on vLLM, in-process and step-driven: continuous batching, processed logprobs, weight reload."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from areal_hpc.engines.base import GenerationBase, InFlight
+from areal_hpc.engines.base import GenerationEngine, InFlight
 from areal_hpc.model import load_causal_lm
 from areal_hpc.types import GenOutput, GenRequest
 
@@ -25,7 +25,7 @@ def _vllm_env(device: str) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-class VLLMGenerationEngine(GenerationBase):
+class VLLMGenerationEngine(GenerationEngine):
     """vLLM behind the step-driven GenerationEngine interface: add -> add_request, step -> step,
     interrupt -> abort_request.
 
@@ -51,7 +51,7 @@ class VLLMGenerationEngine(GenerationBase):
         device: str = "cpu",
         max_num_seqs: int = 256,
     ):
-        super().__init__(max_num_seqs)
+        super().__init__(max_num_seqs, temperature, top_p)
         _vllm_env(device)
         import vllm
         from vllm.sampling_params import RequestOutputKind
@@ -73,8 +73,6 @@ class VLLMGenerationEngine(GenerationBase):
         # OpenMP thread counts are per thread: stepping from another thread than this one must use the
         # count vLLM set up here, or its CPU attention refuses ("thread_num ... 2 vs. 1")
         self._threads = torch.get_num_threads()
-        self.temperature = temperature
-        self.top_p = top_p
         self._ids = itertools.count()
         self._seqs: dict[str, InFlight] = {}  # vLLM's request id -> our record, for every request in vLLM
         self._core = getattr(getattr(self.engine, "engine_core", None), "engine_core", None)  # in-process EngineCore
@@ -95,7 +93,8 @@ class VLLMGenerationEngine(GenerationBase):
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         unknown = sorted(set(state_dict) - set(self.mirror))
         if unknown:
-            raise RuntimeError(f"update_weights: unexpected weight names {unknown[:3]}; the model has {len(self.mirror)} others")
+            raise RuntimeError(f"update_weights: unexpected weight names {unknown[:3]}; "
+                               f"the model has {len(self.mirror)} others")
         if self._seqs:
             raise RuntimeError("update_weights with requests in flight; interrupt them or let them finish first")
         for k, v in state_dict.items():
@@ -121,7 +120,8 @@ class VLLMGenerationEngine(GenerationBase):
     # -- requests --------------------------------------------------------------------------------
     def _params(self, max_tokens: int, greedy: bool):
         return self._vllm.SamplingParams(
-            n=1, max_tokens=max_tokens, logprobs=0, detokenize=False, output_kind=self._delta, ignore_eos=self.ignore_eos,
+            n=1, max_tokens=max_tokens, logprobs=0, detokenize=False, output_kind=self._delta,
+            ignore_eos=self.ignore_eos,
             temperature=0.0 if greedy else self.temperature, top_p=1.0 if greedy else self.top_p,
         )
 
@@ -131,7 +131,8 @@ class VLLMGenerationEngine(GenerationBase):
             if seq is None:
                 continue
             rid = f"areal-{next(self._ids)}"  # vLLM's own id: a resumed request may reuse ours
-            self.engine.add_request(rid, {"prompt_token_ids": list(r.prompt_ids) + seq.ids}, self._params(seq.budget, r.greedy))
+            prompt = {"prompt_token_ids": list(r.prompt_ids) + seq.ids}
+            self.engine.add_request(rid, prompt, self._params(seq.budget, r.greedy))
             self._seqs[rid] = seq
 
     def interrupt(self, ids: list[str] | None = None) -> list[GenOutput]:

@@ -13,28 +13,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from areal_hpc.config import Config, save_config
+from areal_hpc.config import Config
 from areal_hpc.engines import require_installed
+from areal_hpc.launch.environment import rank_env
+from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.runtime.layout import Layout
-from areal_hpc.runtime.resume import latest_checkpoint
-from areal_hpc.runtime.scheduler import STOP_FILE
-from areal_hpc.runtime.worker import LOGS_SUBDIR
 
 
 class RunFailed(RuntimeError):
     """The run ended badly; the message is one line (which rank, what error, where the logs are)."""
-
-
-def mpi_env() -> dict[str, str]:
-    """Open MPI settings that work on a single host, as root, in containers."""
-    env = dict(os.environ)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    # no cross-memory attach in many containers: copy through shared memory instead
-    env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
 
 
 def mpirun_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
@@ -47,45 +34,41 @@ def mpirun_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
     return cmd + (["--resume"] if resume else [])
 
 
-def prepare_run_dir(cfg: Config, resume: bool) -> Path:
+def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     """A new run dir (refusing one that holds a run) or an existing one with a checkpoint to resume."""
+    from areal_hpc.config import save_config
     from areal_hpc.model import ensure_model
 
-    run_dir = Path(cfg.store.run_dir).resolve()
-    if resume:
-        if latest_checkpoint(run_dir) is None:
-            raise RunFailed(f"run dir {str(run_dir)!r} has no complete checkpoint to resume from")
-    elif (run_dir / "rollouts").exists() or (run_dir / "ledger").exists() or (run_dir / "checkpoints").exists():
-        raise RunFailed(f"run dir {str(run_dir)!r} already holds a run; resume it with --resume or pick another run_name=...")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run = RunDir(Path(cfg.store.run_dir).resolve())
+    try:
+        if resume:
+            run.require_checkpoint()
+            save_config(cfg, run.config)  # a resume may change settings (more versions, a new time limit)
+        else:
+            run.create(cfg)
+    except RunDirError as err:
+        raise RunFailed(str(err)) from None
     ensure_model(cfg.model)  # built once here, never by several ranks at once
-    save_config(cfg, run_dir / "config.yaml")
-    (run_dir / STOP_FILE).unlink(missing_ok=True)
-    logs = run_dir / LOGS_SUBDIR
-    logs.mkdir(exist_ok=True)
-    for old in logs.glob("error-rank*.txt"):
-        old.unlink()
-    return run_dir
+    run.before_start()
+    return run
 
 
 def failure_line(run_dir: Path, returncode: int) -> str:
-    # the first error written is the cause; later ones are usually peers losing their connection
-    errors = sorted((run_dir / LOGS_SUBDIR).glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
+    run = RunDir(run_dir)
+    errors = run.rank_errors()
     if errors:
-        first = errors[0].read_text().strip()
-        log = next((run_dir / LOGS_SUBDIR).glob(errors[0].name.replace("error-", "").replace(".txt", "-*.log")), None)
-        return f"{first} (log: {log or run_dir / LOGS_SUBDIR})"
-    mpilog = run_dir / LOGS_SUBDIR / "mpirun.log"
+        return f"{errors[0].read_text().strip()} (log: {run.log_of_error(errors[0]) or run.logs})"
     hint = ""
-    if mpilog.exists():
-        lines = [ln.strip() for ln in mpilog.read_text(errors="replace").splitlines() if "exited on signal" in ln or "killed" in ln.lower()]
+    if run.mpirun_log.exists():
+        lines = [ln.strip() for ln in run.mpirun_log.read_text(errors="replace").splitlines()
+                 if "exited on signal" in ln or "killed" in ln.lower()]
         hint = f": {lines[0]}" if lines else ""
-    return f"mpirun exited with code {returncode}{hint} (logs: {run_dir / LOGS_SUBDIR})"
+    return f"mpirun exited with code {returncode}{hint} (logs: {run.logs})"
 
 
-def _read_progress(run_dir: Path) -> dict | None:
+def _read_progress(run: RunDir) -> dict | None:
     try:
-        return json.loads((run_dir / "progress.json").read_text())
+        return json.loads(run.progress.read_text())
     except (OSError, ValueError):
         return None
 
@@ -94,11 +77,12 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
     """Run the whole job under mpirun and return summary.json's contents; raises RunFailed with one line."""
     require_installed(cfg.rollout.engine, cfg.trainer.engine)
     run_dir = prepare_run_dir(cfg, resume)
-    cmd = mpirun_command(cfg, run_dir, resume)
-    (run_dir / "progress.json").unlink(missing_ok=True)
-    with open(run_dir / LOGS_SUBDIR / "mpirun.log", "ab") as mpilog:
+    cmd = mpirun_command(cfg, run_dir.root, resume)
+    run_dir.progress.unlink(missing_ok=True)
+    with open(run_dir.mpirun_log, "ab") as mpilog:
         # own session: a terminal's Ctrl-C reaches only this launcher, which then stops the run cleanly
-        proc = subprocess.Popen(cmd, stdout=mpilog, stderr=subprocess.STDOUT, env=mpi_env(), start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=mpilog, stderr=subprocess.STDOUT, env=rank_env(local_mpirun=True),
+                                start_new_session=True)
     bar = tqdm(total=cfg.trainer.versions, desc="versions", disable=not progress, unit="v", dynamic_ncols=True)
     stop_asked_at = None
 
@@ -126,7 +110,7 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
             except KeyboardInterrupt:
                 if stop_asked_at is None:
                     tqdm.write("stopping: finishing the current version and checkpointing (Ctrl-C again to kill)")
-                    (run_dir / STOP_FILE).touch()
+                    run_dir.stop.touch()
                     stop_asked_at = time.time()
                 else:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -138,8 +122,8 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
             proc.wait()
         bar.close()
     if proc.returncode != 0:
-        raise RunFailed(failure_line(run_dir, proc.returncode))
-    return json.loads((run_dir / "summary.json").read_text())
+        raise RunFailed(failure_line(run_dir.root, proc.returncode))
+    return json.loads(run_dir.summary.read_text())
 
 
 def staleness_histogram(run_dir: Path) -> dict[int, int]:

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import jinja2
 
-from areal_hpc.config import Config, to_yaml
+from areal_hpc.config import Config, SlurmConfig, to_yaml
 from areal_hpc.engines import EngineNotInstalled, require_installed
+from areal_hpc.launch.environment import RANK_ENV
+from areal_hpc.rundir import RunDir
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
 HETJOB_TEMPLATE = "areal_hetjob.sbatch.j2"
-JOB_FILE = "slurm/job.json"  # RUN_DIR/slurm/job.json: how the run was submitted (job id, script, submitit folder)
 SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.glusterfs", "glusterfs",
              "panfs", "wekafs", "fuse.sshfs", "cifs", "smb2", "9p", "virtiofs"}
 
@@ -46,18 +47,22 @@ def job_venv(cfg: Config) -> str:
     return cfg.slurm.venv or (sys.prefix if sys.prefix != sys.base_prefix else "")
 
 
+def component_options(sc: SlurmConfig) -> list[str]:
+    """The sbatch options each component of the job repeats (a het job's components do not share them)."""
+    opts = [f"--{k}={v}" for k, v in (("partition", sc.partition), ("account", sc.account), ("qos", sc.qos),
+                                       ("constraint", sc.constraint)) if v]
+    opts.append(f"--cpus-per-task={sc.cpus_per_task}")
+    if sc.gpus_per_node:
+        opts.append(f"--gpus-per-node={sc.gpus_per_node}")
+    if sc.mem:
+        opts.append(f"--mem={sc.mem}")
+    return opts + list(sc.extra_sbatch)
+
+
 def render_sbatch(cfg: Config, source: str = "") -> str:
     """The sbatch script for this config: readable, and runs as is with plain `sbatch`."""
     sc = cfg.slurm
     run_dir = Path(cfg.store.run_dir).resolve()
-    common = [f"--{k}={v}" for k, v in (("partition", sc.partition), ("account", sc.account), ("qos", sc.qos),
-                                         ("constraint", sc.constraint)) if v]
-    per_component = [f"--cpus-per-task={sc.cpus_per_task}"]
-    if sc.gpus_per_node:
-        per_component.append(f"--gpus-per-node={sc.gpus_per_node}")
-    if sc.mem:
-        per_component.append(f"--mem={sc.mem}")
-    per_component += list(sc.extra_sbatch)
     resolved = copy.deepcopy(cfg)
     resolved.store.run_dir = str(run_dir)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
@@ -67,8 +72,8 @@ def render_sbatch(cfg: Config, source: str = "") -> str:
         run_name=cfg.run_name, job_name=f"areal-{cfg.run_name}", run_dir=str(run_dir), source=source or "<config>",
         n_trainers=cfg.cluster.n_trainers, n_generators=cfg.cluster.n_generators,
         train_nodes=sc.train_nodes, gen_nodes=sc.gen_nodes, time=sc.time, requeue=sc.requeue,
-        signal_s=sc.signal_s, common=common, per_component=per_component, setup=list(sc.setup),
-        venv=job_venv(cfg), config_yaml=to_yaml(resolved),
+        signal_s=sc.signal_s, component_options=component_options(sc), setup=list(sc.setup),
+        venv=job_venv(cfg), config_yaml=to_yaml(resolved), paths=RunDir(run_dir), rank_env=RANK_ENV,
     )
 
 
@@ -161,13 +166,11 @@ def prepare_run_dir(run_dir: Path) -> str:
     """Run by the batch script before srun: model folder ready, no stale stop request; says fresh or resume."""
     from areal_hpc.config import load_config
     from areal_hpc.model import ensure_model
-    from areal_hpc.runtime.resume import latest_checkpoint
-    from areal_hpc.runtime.scheduler import STOP_FILE
 
-    run_dir = Path(run_dir)
-    cfg = load_config(run_dir / "config.yaml")
+    run = RunDir(run_dir)
+    cfg = load_config(run.config)
     ensure_model(cfg.model)
-    (run_dir / STOP_FILE).unlink(missing_ok=True)
+    run.before_start()
     if os.environ.get("SLURM_JOB_ID"):
         info = {"job_id": os.environ["SLURM_JOB_ID"], "submitted_by": "sbatch"}
         try:
@@ -175,15 +178,16 @@ def prepare_run_dir(run_dir: Path) -> str:
         except SlurmError:
             pass
         save_job(run_dir, info)
-    n = latest_checkpoint(run_dir)
+    n = run.latest_checkpoint()
     if n is not None:
         return f"resuming {run_dir} from checkpoint v{n}"
-    leftovers = [d for d in ("rollouts", "ledger") if (run_dir / d).exists()]
-    if leftovers:  # a start that died before its first checkpoint: nothing was trained; keep it aside
-        aside = run_dir / f"discarded-{int(time.time())}"
+    if run.rollouts.exists() or run.ledger.exists():
+        # a start that died before its first checkpoint: nothing was trained; keep it aside
+        aside = run.discarded()
         aside.mkdir()
-        for d in leftovers + [d for d in ("metrics.csv", "timeline", "checkpoints") if (run_dir / d).exists()]:
-            os.replace(run_dir / d, aside / d)
+        for p in (run.rollouts, run.ledger, run.metrics, run.timeline, run.checkpoints):
+            if p.exists():
+                os.replace(p, aside / p.name)
         return f"starting {run_dir} afresh (an earlier start without a checkpoint moved to {aside.name})"
     return f"starting {run_dir}"
 
@@ -192,15 +196,16 @@ def prepare_run_dir(run_dir: Path) -> str:
 def save_job(run_dir: Path, info: dict) -> None:
     from areal_hpc.utils import atomic_write_text
 
-    path = Path(run_dir) / JOB_FILE
+    path = RunDir(run_dir).job_file
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(info, indent=1))
 
 
 def load_job(run_dir: Path) -> dict:
-    path = Path(run_dir) / JOB_FILE
+    path = RunDir(run_dir).job_file
     if not path.exists():
-        raise SlurmError(f"{str(run_dir)!r} has no {JOB_FILE}: it was not submitted with areal-hpc render+sbatch or submit")
+        raise SlurmError(f"{str(run_dir)!r} has no {path.relative_to(run_dir)}: it was not submitted with areal-hpc "
+                         "render+sbatch or submit")
     return json.loads(path.read_text())
 
 

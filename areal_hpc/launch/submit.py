@@ -14,10 +14,10 @@ from pathlib import Path
 
 import submitit
 
-from areal_hpc.config import Config, save_config, slurm_time_minutes
-from areal_hpc.launch.slurm import SlurmError, job_venv, prepare_run_dir, save_job
-
-SUBMITIT_SUBDIR = "slurm/submitit"
+from areal_hpc.config import Config, slurm_time_minutes
+from areal_hpc.launch.environment import rank_env
+from areal_hpc.launch.slurm import SlurmError, component_options, job_venv, prepare_run_dir, save_job
+from areal_hpc.rundir import RunDir, RunDirError
 
 
 def srun_command(cfg: Config, run_dir: Path, het: bool = True, python: str = sys.executable) -> list[str]:
@@ -61,9 +61,8 @@ class AsyncRun(submitit.helpers.Checkpointable):
         if int(os.environ.get("SLURM_PROCID", "0")) != 0:
             return {}  # one launcher per job: component 0's other tasks have nothing to do
         print(f"[areal] {prepare_run_dir(Path(self.run_dir))}", flush=True)
-        env = {**os.environ, "OMPI_MCA_btl_vader_single_copy_mechanism": "none", "PYTHONUNBUFFERED": "1"}
-        self._proc = subprocess.Popen(self.cmd, env=env)
-        summary = Path(self.run_dir) / "summary.json"
+        self._proc = subprocess.Popen(self.cmd, env=rank_env())
+        summary = RunDir(self.run_dir).summary
         before, finished_at = _file_stamp(summary), None  # a requeued run has an older summary
         # poll, not wait(): a blocking wait() would keep checkpoint() (a signal handler) from reaping srun
         while (rc := self._proc.poll()) is None:
@@ -89,7 +88,7 @@ class AsyncRun(submitit.helpers.Checkpointable):
         return json.loads(summary.read_text())
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
-        (Path(self.run_dir) / "STOP").touch()
+        RunDir(self.run_dir).stop.touch()
         if self._proc is not None:
             end = time.time() + self.grace_s
             while self._proc.poll() is None and time.time() < end:
@@ -104,24 +103,16 @@ def make_executor(cfg: Config, folder: Path, het: bool = True, array_parallelism
     written where sbatch still reads them (submitit has no heterogeneous-job API). het=False: one
     homogeneous allocation for every rank (job arrays)."""
     sc = cfg.slurm
-    common = {"partition": sc.partition, "account": sc.account, "qos": sc.qos, "constraint": sc.constraint}
     comp0_extra = [f"#SBATCH {opt}" for opt in sc.extra_sbatch]  # before "hetjob": component 0's (or the array's)
     comp1 = []
     if het:
-        comp1 = ["#SBATCH hetjob"] + [f"#SBATCH --{k}={v}" for k, v in common.items() if v] + [
-            f"#SBATCH --nodes={sc.gen_nodes}", f"#SBATCH --ntasks={cfg.cluster.n_generators}",
-            f"#SBATCH --cpus-per-task={sc.cpus_per_task}",
-        ]
-        if sc.gpus_per_node:
-            comp1.append(f"#SBATCH --gpus-per-node={sc.gpus_per_node}")
-        if sc.mem:
-            comp1.append(f"#SBATCH --mem={sc.mem}")
-        comp1 += [f"#SBATCH {opt}" for opt in sc.extra_sbatch]
+        comp1 = ["#SBATCH hetjob", f"#SBATCH --nodes={sc.gen_nodes}", f"#SBATCH --ntasks={cfg.cluster.n_generators}"]
+        comp1 += [f"#SBATCH {opt}" for opt in component_options(sc)]
     venv = job_venv(cfg)
     setup = comp0_extra + comp1 + list(sc.setup) + ([f"source {shlex.quote(venv)}/bin/activate"] if venv else [])
     # a long run is cut into many time slices: keep requeueing it (submitit's default stops after 3)
     ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm", slurm_max_num_timeout=10_000)
-    extra = {k: v for k, v in common.items() if v and k != "partition"}
+    extra = {k: v for k, v in (("account", sc.account), ("qos", sc.qos), ("constraint", sc.constraint)) if v}
     ranks = 1 + cfg.cluster.n_trainers + (0 if het else cfg.cluster.n_generators)
     nodes = sc.train_nodes + (0 if het else sc.gen_nodes)
     params = dict(
@@ -146,11 +137,11 @@ def forget_run_dir(run_dir: Path) -> None:
     """Undo new_run_dir after a refused submission (only what it and submitit wrote)."""
     import shutil
 
-    for sub in ("config.yaml", "logs", "slurm"):
-        p = run_dir / sub
+    run = RunDir(run_dir)
+    for p in (run.config, run.logs, run.slurm):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     try:
-        run_dir.rmdir()
+        run.root.rmdir()
     except OSError:
         pass
 
@@ -159,13 +150,10 @@ def new_run_dir(cfg: Config) -> Path:
     """Create RUN_DIR with its resolved config (refusing one that holds a run)."""
     from areal_hpc.launch.local import RunFailed
 
-    run_dir = Path(cfg.store.run_dir).resolve()
-    if (run_dir / "config.yaml").exists():
-        raise RunFailed(f"run dir {str(run_dir)!r} already holds a run; pick another run_name=... or store.run_dir=...")
-    cfg.store.run_dir = str(run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    return run_dir
+    try:
+        return RunDir(Path(cfg.store.run_dir).resolve()).create(cfg).root
+    except RunDirError as err:
+        raise RunFailed(str(err)) from None
 
 
 def submit(cfg: Config) -> submitit.Job:
@@ -174,7 +162,7 @@ def submit(cfg: Config) -> submitit.Job:
 
     check_request(cfg)
     run_dir = new_run_dir(cfg)
-    folder = run_dir / SUBMITIT_SUBDIR
+    folder = RunDir(run_dir).submitit
     ex = make_executor(cfg, folder)
     try:
         job = ex.submit(AsyncRun(str(run_dir), srun_command(cfg, run_dir)))

@@ -12,9 +12,8 @@ import submitit
 from areal_hpc.config import Config, load_config
 from areal_hpc.launch.slurm import SlurmError, check_request, job_state
 from areal_hpc.launch.submit import AsyncRun, forget_run_dir, make_executor, new_run_dir, srun_command
+from areal_hpc.rundir import RunDir, SweepDir
 from areal_hpc.utils import atomic_write_text
-
-SWEEP_FILE = "sweep.json"
 
 
 def grid_points(grid: dict[str, list]) -> list[dict]:
@@ -41,9 +40,9 @@ def sweep(base_config: str | Path, grid: dict[str, list], sweep_dir: str | Path,
     array task is one homogeneous allocation holding every rank (roles from the config's counts).
     Returns submitit's jobs; `collect(sweep_dir)` gives the results as a DataFrame.
     """
-    sweep_dir = Path(sweep_dir).resolve()
-    if (sweep_dir / SWEEP_FILE).exists():
-        raise SlurmError(f"sweep dir {str(sweep_dir)!r} already holds a sweep; pick another")
+    sweep_dir = SweepDir(Path(sweep_dir).resolve())
+    if sweep_dir.record.exists():
+        raise SlurmError(f"sweep dir {str(sweep_dir.root)!r} already holds a sweep; pick another")
     points = grid_points(grid)
     shaped = [k for k in grid if k.startswith(("cluster.", "slurm."))]
     if shaped:  # one array = one resource request for every task
@@ -51,12 +50,12 @@ def sweep(base_config: str | Path, grid: dict[str, list], sweep_dir: str | Path,
     cfgs: list[Config] = []
     for i, params in enumerate(points):
         ov = [*(overrides or []), *(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in params.items()),
-              f"store.run_dir={sweep_dir / _point_name(i, params)}"]
+              f"store.run_dir={sweep_dir.point(_point_name(i, params)).root}"]
         cfgs.append(load_config(base_config, ov))
     for cfg in cfgs:  # every point is checked before anything is queued
         check_request(cfg, het=False)
     run_dirs = [new_run_dir(cfg) for cfg in cfgs]
-    ex = make_executor(cfgs[0], sweep_dir / "submitit", het=False, array_parallelism=max_parallel or len(cfgs))
+    ex = make_executor(cfgs[0], sweep_dir.submitit, het=False, array_parallelism=max_parallel or len(cfgs))
     calls = [AsyncRun(str(d), srun_command(cfg, d, het=False)) for cfg, d in zip(cfgs, run_dirs)]
     try:
         jobs = ex.submit_array(calls)
@@ -66,20 +65,20 @@ def sweep(base_config: str | Path, grid: dict[str, list], sweep_dir: str | Path,
         raise SlurmError(f"sbatch refused the array: {' '.join(str(err).split())[-300:]}") from None
     doc = {"base_config": str(base_config), "grid": grid, "overrides": overrides or [],
            "points": [{"params": p, "run_dir": str(d), "job_id": j.job_id} for p, d, j in zip(points, run_dirs, jobs)]}
-    atomic_write_text(sweep_dir / SWEEP_FILE, json.dumps(doc, indent=1))
+    atomic_write_text(sweep_dir.record, json.dumps(doc, indent=1))
     return jobs
 
 
 def collect(sweep_dir: str | Path) -> pd.DataFrame:
     """One row per grid point: its parameters, Slurm status, throughput, final accuracy, wall time."""
-    sweep_dir = Path(sweep_dir)
+    record = SweepDir(sweep_dir).record
     try:
-        doc = json.loads((sweep_dir / SWEEP_FILE).read_text())
+        doc = json.loads(record.read_text())
     except FileNotFoundError:
-        raise SlurmError(f"{str(sweep_dir)!r} has no {SWEEP_FILE}: not a sweep dir") from None
+        raise SlurmError(f"{str(sweep_dir)!r} has no {record.name}: not a sweep dir") from None
     rows = []
     for p in doc["points"]:
-        summary_path = Path(p["run_dir"]) / "summary.json"
+        summary_path = RunDir(p["run_dir"]).summary
         s = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         try:
             status = job_state(p["job_id"])

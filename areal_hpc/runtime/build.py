@@ -10,29 +10,31 @@ from tqdm import tqdm
 
 from areal_hpc.config import Config
 from areal_hpc.data import MathDataset, arithmetic_completion
-from areal_hpc.engines import make_generation_engine, make_train_engine
+from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_engine, make_train_engine
 
 
-def build_generation_engine(cfg: Config, model_dir: Path, seed: int):
+def build_generation_engine(cfg: Config, model_dir: Path, seed: int) -> GenerationEngine:
     rc = cfg.rollout
+    extra = {"kv_cache_gib": rc.kv_cache_gib} if rc.engine == "vllm" else {}
     return make_generation_engine(
-        rc.engine, model_path=str(model_dir), temperature=rc.temperature, top_p=rc.top_p, dtype=cfg.model.dtype, seed=seed,
-        device=cfg.cluster.device, max_num_seqs=rc.max_num_seqs, **({"kv_cache_gib": rc.kv_cache_gib} if rc.engine == "vllm" else {}),
+        rc.engine, model_path=str(model_dir), temperature=rc.temperature, top_p=rc.top_p, dtype=cfg.model.dtype,
+        seed=seed, device=cfg.cluster.device, max_num_seqs=rc.max_num_seqs, **extra,
     )
 
 
-def build_train_engine(cfg: Config, model_dir: Path, process_group=None):
+def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> TrainEngine:
     rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
+    extra = {"zero_stage": tc.zero_stage, "bf16": tc.bf16} if tc.engine == "deepspeed" else {}
     return make_train_engine(
         tc.engine, model_path=str(model_dir), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay,
         grad_clip=tc.grad_clip, max_tokens_per_mb=tc.max_tokens_per_mb, n_minibatches=pc.n_minibatches,
         eps_clip=pc.eps_clip, behav_imp_weight_cap=pc.behav_imp_weight_cap or None, prox=pc.prox,
         temperature=rc.temperature, dtype=cfg.model.dtype, seed=tc.seed, process_group=process_group,
-        device=cfg.cluster.device, **({"zero_stage": tc.zero_stage, "bf16": tc.bf16} if tc.engine == "deepspeed" else {}),
+        device=cfg.cluster.device, **extra,
     )
 
 
-def warm_start(trainer, tokenizer, dataset: MathDataset, cfg: Config, progress: bool) -> float:
+def warm_start(trainer: TrainEngine, tokenizer, dataset: MathDataset, cfg: Config, progress: bool) -> float:
     """Supervised steps on reference answers: RL needs near-miss mistakes to start from.
 
     Every trainer rank runs the same steps on the same examples (same seed), so data-parallel
@@ -48,7 +50,8 @@ def warm_start(trainer, tokenizer, dataset: MathDataset, cfg: Config, progress: 
         seqs, masks = [], []
         for p in batch:
             prompt = tokenizer.encode(p.prompt)
-            answer = tokenizer.encode(arithmetic_completion(p.answer) if cfg.data.kind == "arithmetic" else p.answer) + [eos]
+            target = arithmetic_completion(p.answer) if cfg.data.kind == "arithmetic" else p.answer
+            answer = tokenizer.encode(target) + [eos]
             seqs.append(np.asarray(prompt + answer))
             masks.append(np.asarray([0] * len(prompt) + [1] * len(answer)))
         loss = trainer.supervised_step(seqs, masks, tc.warm_start_lr)

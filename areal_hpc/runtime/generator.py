@@ -14,18 +14,18 @@ from areal_hpc.config import Config, concurrent_groups
 from areal_hpc.data import Problem, load_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import RewardPool
+from areal_hpc.rundir import RunDir
 from areal_hpc.rollout import completion_texts, final_rewards, group_requests, to_trajectory
 from areal_hpc.runtime.build import build_generation_engine
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Mailbox, Tag
+from areal_hpc.runtime.role_loop import Handler, RoleLoop
 from areal_hpc.runtime.timeline import EngineMeter, Timeline
 from areal_hpc.runtime.weight_sync import WeightReceiver, state_nbytes, weights_checksum
-from areal_hpc.store import ROLLOUTS_SUBDIR, next_seq, write_shard
-from areal_hpc.types import GenOutput, GenRequest, Trajectory
+from areal_hpc.store import next_seq, write_shard
+from areal_hpc.types import EvalId, GenOutput, GenRequest, Trajectory, parse_request_id
 
 log = logging.getLogger("areal_hpc.generator")
-
-EVAL_PREFIX = "eval:"  # request ids of held-out evaluation requests; training requests are "group:sample"
 
 
 @dataclass
@@ -41,7 +41,7 @@ class _Eval:
     tag: str
     version: int  # the weights it started on; a weight load meanwhile resumes it under the newer ones
     t_start: float
-    outputs: dict[str, GenOutput] = field(default_factory=dict)
+    outputs: dict[int, GenOutput] = field(default_factory=dict)  # held-out index -> output
     ordered: list[GenOutput] = field(default_factory=list)  # every output, in held-out order, once all are in
     score: Future | None = None
 
@@ -55,7 +55,7 @@ class _Scoring:
     t_submit: float
 
 
-class Generator:
+class Generator(RoleLoop):
     """Streams groups through a step-driven engine on this rank's main thread, which polls MPI between steps.
 
     Whenever the engine has a free slot (counting one group queued beyond its slots) the generator asks
@@ -70,11 +70,14 @@ class Generator:
     the trainers; its result names the versions its tokens came from.
     """
 
+    role = "generator"
+    listen_to = 0
+
     def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
-        self.cfg, self.run_dir, self.layout, self.resume = cfg, Path(run_dir), layout, resume
+        self.cfg, self.run_dir, self.layout, self.resume = cfg, RunDir(run_dir), layout, resume
         self.rank = comm.Get_rank()
         self.index = layout.index(self.rank)
-        self.mail = Mailbox(comm)
+        super().__init__(Mailbox(comm))
         self.timeline = Timeline(self.run_dir, self.rank, "generator")
         self.engine = build_generation_engine(cfg, model_dir, seed=cfg.trainer.seed + 1000 * self.rank)
         self.meter = EngineMeter(self.run_dir, self.rank, self.engine.capacity)
@@ -87,7 +90,7 @@ class Generator:
                                        cfg.cluster.device)
         if sync_group is not None:  # paired with trainer 0's measurement at start-up
             sync_group.raw_bandwidth(state_nbytes(self.engine.state_dict()), cfg.cluster.device)
-        self.rollout_dir = self.run_dir / ROLLOUTS_SUBDIR
+        self.rollout_dir = self.run_dir.rollouts
         self.seq = next_seq(self.rollout_dir, self.rank)
         self.max_groups = concurrent_groups(cfg.rollout)
 
@@ -128,11 +131,16 @@ class Generator:
                 sd = self.receiver.receive(version)
             except FileNotFoundError:
                 # disk path: pruned because newer versions exist, whose NEW_VERSION messages follow
-                self.mail.send(0, Tag.WEIGHTS_OK, {"version": version, "checksum": None, "skipped": True})
+                self._weights_ok(version, None, None)
                 return
         if self.staged is not None:  # never loaded: a newer version is here first
-            self.mail.send(0, Tag.WEIGHTS_OK, {"version": self.staged[0], "checksum": crc, "skipped": True})
+            self._weights_ok(self.staged[0], crc, None)
         self.staged = (version, sd)
+
+    def _weights_ok(self, version: int, checksum: int | None, load_s: float | None) -> None:
+        """Tell rank 0 weights `version` arrived: loaded in load_s seconds, or (None) skipped for newer ones."""
+        self.mail.send(0, Tag.WEIGHTS_OK, {"version": version, "checksum": checksum, "load_s": load_s,
+                                           "skipped": load_s is None})
 
     def _admitting(self) -> bool:
         """New requests may join the engine now (without interruption, not while a weight load waits)."""
@@ -164,7 +172,7 @@ class Generator:
         self.held = []
         crc = weights_checksum(self.engine.state_dict()) if self.cfg.sync.checksum else None
         self.have_weights = True
-        self.mail.send(0, Tag.WEIGHTS_OK, {"version": version, "checksum": crc, "load_s": load_s})
+        self._weights_ok(version, crc, load_s)
 
     # -- prompts in, groups out -----------------------------------------------------------------
     def _ask(self) -> None:
@@ -213,14 +221,15 @@ class Generator:
         self.meter.step(t0, t1, min(self.engine.capacity, self.engine.num_running + len(outs)))
         for o in outs:
             self.requests.pop(o.request_id)
-            if o.request_id.startswith(EVAL_PREFIX):
-                self.eval.outputs[o.request_id] = o
+            rid = parse_request_id(o.request_id)
+            if isinstance(rid, EvalId):
+                self.eval.outputs[rid.index] = o
                 if len(self.eval.outputs) == len(self.heldout):
                     self._score_eval()
                 continue
-            gid, sample = (int(x) for x in o.request_id.split(":"))
+            gid = rid.group_id
             g = self.groups[gid]
-            g.outputs[sample], g.t_end[sample] = o, t1
+            g.outputs[rid.sample], g.t_end[rid.sample] = o, t1
             if len(g.outputs) == self.cfg.rollout.n_samples:
                 # scored by worker processes while the engine keeps stepping; its slot is free from now
                 del self.groups[gid]
@@ -292,12 +301,12 @@ class Generator:
             return
         self.eval = _Eval(tag, self.engine.version, time.time())
         mnt = self.cfg.rollout.max_new_tokens
-        self._submit([GenRequest(f"{EVAL_PREFIX}{i}", self.tokenizer.encode(p.prompt), mnt, greedy=True)
+        self._submit([GenRequest(str(EvalId(i)), self.tokenizer.encode(p.prompt), mnt, greedy=True)
                       for i, p in enumerate(self.heldout)])
 
     def _score_eval(self) -> None:
         ev = self.eval
-        ev.ordered = [ev.outputs[f"{EVAL_PREFIX}{i}"] for i in range(len(self.heldout))]
+        ev.ordered = [ev.outputs[i] for i in range(len(self.heldout))]
         ev.score = self.pool.submit(completion_texts(self.tokenizer, ev.ordered), [p.answer for p in self.heldout])
 
     def _finish_eval(self) -> None:
@@ -311,51 +320,50 @@ class Generator:
         self.mail.send(0, Tag.EVAL_RESULT, {"tag": ev.tag, "version": ev.version, "version_end": newest,
                                             "acc": sum(rewards) / len(rewards)})
 
-    # -- loop -----------------------------------------------------------------------------------
-    def _handle(self, tag: Tag, body: dict) -> None:
-        if tag == Tag.GRANT:
-            self._grant(body["prompts"])
-        elif tag == Tag.NEW_VERSION:
-            self._receive(body["version"])
-        elif tag == Tag.EVAL:
-            self.eval_tags.append(body["tag"])
-        elif tag == Tag.STOP:
-            # groups still generating are dropped (a resume grants their prompts again); evaluations asked
-            # for and groups already scored are finished and written
-            self.stopping = True
-            dropped = [rid for rid in self.requests if not rid.startswith(EVAL_PREFIX)]
-            self.engine.interrupt(dropped)
-            for rid in dropped:
-                del self.requests[rid]
-            self.groups.clear()
-            self.held = [r for r in self.held if r.request_id.startswith(EVAL_PREFIX)]
+    # -- the loop -------------------------------------------------------------------------------
+    def handlers(self) -> dict[Tag, Handler]:
+        return {
+            Tag.GRANT: lambda src, body: self._grant(body["prompts"]),
+            Tag.NEW_VERSION: lambda src, body: self._receive(body["version"]),
+            Tag.EVAL: lambda src, body: self.eval_tags.append(body["tag"]),
+            Tag.STOP: self._on_stop,
+        }
+
+    def _on_stop(self, src: int, body: dict) -> None:
+        """Groups still generating are dropped (a resume grants their prompts again); evaluations asked
+        for and groups already scored are finished and written."""
+        self.stopping = True
+        dropped = [rid for rid in self.requests if not isinstance(parse_request_id(rid), EvalId)]
+        self.engine.interrupt(dropped)
+        for rid in dropped:
+            del self.requests[rid]
+        self.groups.clear()
+        self.held = [r for r in self.held if isinstance(parse_request_id(r.request_id), EvalId)]
+
+    def tick(self) -> bool:
+        """Load weights if due, one engine step, then everything around it that does not wait."""
+        busy = False
+        self._load_staged()
+        self._start_eval()
+        if self.engine.num_running or self.engine.num_waiting:
+            self._step()
+            busy = True
         else:
-            raise RuntimeError(f"generator got unexpected message {tag.name}")
+            self._end_generate_span()
+        busy = self._collect_scored() or busy
+        self._finish_eval()
+        self._write_scored()
+        self._ask()
+        return busy
+
+    def finished(self) -> bool:
+        return self.stopping and not (self.eval or self.eval_tags or self.scoring or self.scored)
 
     def run(self) -> None:
         torch.set_num_threads(self.cfg.cluster.threads_per_rank)
         if self.index == 0 and not self.resume and self.cfg.logging.eval_prompts:
             self.eval_tags.append("init")  # the model folder as it is, before any training
-        while True:
-            busy = False
-            while (msg := self.mail.poll(0)) is not None:
-                busy = True
-                self._handle(msg[1], msg[2])
-            self._load_staged()
-            self._start_eval()
-            if self.engine.num_running or self.engine.num_waiting:
-                self._step()
-                busy = True
-            else:
-                self._end_generate_span()
-            busy |= self._collect_scored()
-            self._finish_eval()
-            self._write_scored()
-            self._ask()
-            if self.stopping and not (self.eval or self.eval_tags or self.scoring or self.scored):
-                break
-            if not busy:
-                time.sleep(self.mail.idle_sleep_s)
+        self.loop()
         self._end_generate_span()
         self.mail.send(0, Tag.BYE, {"interrupted": self.interrupted})
         self.mail.flush()

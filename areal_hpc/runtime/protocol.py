@@ -12,15 +12,17 @@ generator -> scheduler
   EVAL_RESULT {"tag": str, "version": v|None, "version_end": w, "acc": float|None}   held-out accuracy,
                                                started on weights v, its last tokens from w >= v; acc None:
                                                superseded by a later evaluation, never run
-  WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s}   weights applied (or, with "skipped":
-                                               True, received but replaced by a newer version first)
+  WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s|None, "skipped": bool}
+                                               weights applied (skipped: received but replaced by a newer
+                                               version first, or pruned from disk; load_s None then)
 scheduler -> generator
   GRANT       {"prompts": [(dataset index, group id), ...]}   join the engine at the next step
   NEW_VERSION {"version": v}                   join the weight transfer of version v now
   EVAL        {"tag": str}                     greedy held-out accuracy, run in the generation stream
 trainer -> scheduler
-  READY       {"version": v, "raw_gbps": f}    start-up done (warm start or checkpoint loaded), weights v published
-                                               next; raw_gbps: one-buffer broadcast bandwidth (broadcast sync)
+  READY       {"version": v, "raw_gbps": f|None}  start-up done (warm start or checkpoint loaded), weights v
+                                               published next; raw_gbps: one-buffer broadcast bandwidth
+                                               (trainer 0 with the broadcast sync, else None)
   TRAIN_DONE  {"version": v+1, "stats": {...}} one policy version trained (every trainer sends it)
   SYNC_DONE   {"version": v, "sync_s": s, "bytes": n, "checksum": int|None}  trainer 0: weights sent
   CKPT_DONE   {"version": v, "path": str}
@@ -30,12 +32,15 @@ scheduler -> trainer
   CHECKPOINT  {"version": v}
 any -> scheduler
   BYE         {"interrupted": n}               answer to STOP: this rank sends nothing more (generators:
-                                               how many requests they aborted for new weights)
+                                               how many requests they aborted for new weights; trainers: 0)
 scheduler -> any
   STOP        {}                               finish: answer BYE and exit (rank 0 drains until every BYE)
 
 Ordering: MPI keeps the order of messages between one pair of ranks, so a generator always handles
 NEW_VERSION v before a later GRANT, EVAL or STOP.
+
+`FIELDS` below is this table in code: every send is checked against it (tests/test_protocol.py checks
+the table against this text), so the documentation cannot drift from what is sent.
 """
 
 from __future__ import annotations
@@ -62,6 +67,42 @@ class Tag(IntEnum):
     STOP = 91
 
 
+# The keys each message's body carries, exactly (the table above).
+FIELDS: dict[Tag, tuple[str, ...]] = {
+    Tag.WANT: ("k",),
+    Tag.GROUPS_DONE: ("shard", "groups"),
+    Tag.EVAL_RESULT: ("tag", "version", "version_end", "acc"),
+    Tag.WEIGHTS_OK: ("version", "checksum", "load_s", "skipped"),
+    Tag.GRANT: ("prompts",),
+    Tag.NEW_VERSION: ("version",),
+    Tag.EVAL: ("tag",),
+    Tag.READY: ("version", "raw_gbps"),
+    Tag.TRAIN_DONE: ("version", "stats"),
+    Tag.SYNC_DONE: ("version", "sync_s", "bytes", "checksum"),
+    Tag.CKPT_DONE: ("version", "path"),
+    Tag.BATCH: ("version", "share"),
+    Tag.CHECKPOINT: ("version",),
+    Tag.BYE: ("interrupted",),
+    Tag.STOP: (),
+}
+# The keys of each entry of GROUPS_DONE's "groups".
+GROUP_FIELDS = ("indices", "prompt_id", "group_id", "n_tokens", "gen_tokens", "version_start", "uniform")
+
+
+class ProtocolError(RuntimeError):
+    """A message whose fields are not the documented ones: a bug in the sender, caught before it is sent."""
+
+
+def check_fields(tag: Tag, body: dict) -> None:
+    want = FIELDS[tag]
+    if set(body) != set(want):
+        raise ProtocolError(f"{tag.name} carries {sorted(body)}, the protocol says {sorted(want)}")
+    if tag == Tag.GROUPS_DONE:
+        for g in body["groups"]:
+            if set(g) != set(GROUP_FIELDS):
+                raise ProtocolError(f"GROUPS_DONE group carries {sorted(g)}, the protocol says {sorted(GROUP_FIELDS)}")
+
+
 class Mailbox:
     """Non-blocking sends (requests kept until complete) and polled receives on one communicator.
 
@@ -79,7 +120,9 @@ class Mailbox:
         self._pending: list = []
 
     def send(self, dest: int, tag: Tag, body: dict | None = None) -> None:
-        self._pending.append(self.comm.isend(body or {}, dest=dest, tag=int(tag)))
+        body = body or {}
+        check_fields(tag, body)
+        self._pending.append(self.comm.isend(body, dest=dest, tag=int(tag)))
         self._pending = [r for r in self._pending if not r.Test()]
 
     def poll(self, source: int | None = None) -> tuple[int, Tag, dict] | None:

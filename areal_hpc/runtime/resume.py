@@ -3,47 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
 from collections import defaultdict
 from pathlib import Path
 
+from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.scheduler_core import ReadyGroup
-from areal_hpc.store import ROLLOUTS_SUBDIR, CorruptShardError, list_shards, read_shard_summary
+from areal_hpc.store import CorruptShardError, list_shards, read_shard_summary
 from areal_hpc.utils import atomic_write_text
-
-CHECKPOINTS_SUBDIR = "checkpoints"
-_STATE_RE = re.compile(r"^v(\d{8})\.scheduler\.json$")
-
-
-def trainer_checkpoint_dir(run_dir: Path, version: int) -> Path:
-    return Path(run_dir) / CHECKPOINTS_SUBDIR / f"v{version:08d}"
-
-
-def scheduler_state_path(run_dir: Path, version: int) -> Path:
-    return Path(run_dir) / CHECKPOINTS_SUBDIR / f"v{version:08d}.scheduler.json"
 
 
 def save_scheduler_state(run_dir: Path, version: int, state: dict) -> None:
     """Written after the trainers' checkpoint is in place: its presence marks the checkpoint complete."""
-    atomic_write_text(scheduler_state_path(run_dir, version), json.dumps(state))
-
-
-def latest_checkpoint(run_dir: Path) -> int | None:
-    """The newest version with both the trainer folder and the scheduler state, or None."""
-    d = Path(run_dir) / CHECKPOINTS_SUBDIR
-    try:
-        names = os.listdir(d)
-    except FileNotFoundError:
-        return None
-    done = [int(m.group(1)) for n in names if (m := _STATE_RE.match(n))]
-    done = [v for v in done if trainer_checkpoint_dir(run_dir, v).is_dir()]
-    return max(done) if done else None
+    atomic_write_text(RunDir(run_dir).scheduler_state(version), json.dumps(state))
 
 
 def load_scheduler_state(run_dir: Path, version: int) -> dict:
-    return json.loads(scheduler_state_path(run_dir, version).read_text())
+    return json.loads(RunDir(run_dir).scheduler_state(version).read_text())
 
 
 def unconsumed_groups(run_dir: Path, consumed: dict, skip_uniform: bool = False) -> tuple[list[tuple[ReadyGroup, int]], int]:
@@ -57,7 +33,7 @@ def unconsumed_groups(run_dir: Path, consumed: dict, skip_uniform: bool = False)
     """
     groups: list[tuple[ReadyGroup, int]] = []
     max_gid = -1
-    for path in list_shards(Path(run_dir) / ROLLOUTS_SUBDIR):
+    for path in list_shards(RunDir(run_dir).rollouts):
         try:
             s = read_shard_summary(path)
         except CorruptShardError:
@@ -85,8 +61,7 @@ def unconsumed_groups(run_dir: Path, consumed: dict, skip_uniform: bool = False)
 def clean_temporaries(run_dir: Path) -> int:
     """Remove *.tmp files and tmp folders a killed run left behind (never complete data)."""
     n = 0
-    for sub in (ROLLOUTS_SUBDIR, CHECKPOINTS_SUBDIR, "ledger", "weights"):
-        d = Path(run_dir) / sub
+    for d in RunDir(run_dir).durable_dirs:
         if not d.is_dir():
             continue
         for p in d.iterdir():

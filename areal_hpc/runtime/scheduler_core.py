@@ -167,3 +167,25 @@ class SchedulerCore:
         self.rejected = state.get("rejected", 0)
         self.ready = sorted((ReadyGroup(**g) for g in state["ready"]), key=lambda g: g.version_start)
         self.gate = StalenessGate(**{**state["gate"], "running": 0})
+
+    def restore(self, version: int, state: dict, stored: list[tuple[ReadyGroup, int]]) -> tuple[int, int]:
+        """Back to the checkpoint of `version` after a crash or requeue; returns (groups reused, dropped).
+
+        `stored` is every group the store holds that no kept ledger version consumed, each with the newest
+        version among its tokens. A group is reused if it is fresh enough for `version` and was sampled
+        only by versions that still exist (<= version): a resume must not train on tokens of weights it
+        rolled back. The rest are dropped as stale, so their ids are never reused.
+        """
+        self.load_state_dict(state)
+        already = set(self.dropped_ids)
+        fresh, stale = [], []
+        for g, newest in stored:
+            if g.group_id in already:
+                continue
+            (fresh if version - g.version_start <= self.eta and newest <= version else stale).append(g)
+        self.dropped_ids += [g.group_id for g in stale]
+        self.ready = sorted(fresh, key=lambda g: g.version_start)
+        self.gate.set_version(version)
+        # every version before this one consumed B groups; the reused ones are finished and waiting
+        self.gate.accepted = version * self.batch_prompts + len(fresh)
+        return len(fresh), len(stale)

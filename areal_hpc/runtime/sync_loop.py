@@ -12,14 +12,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from areal_hpc.algo.advantages import group_advantages, informative_groups
-from areal_hpc.config import Config, save_config
+from areal_hpc.algo.advantages import batch_advantages
+from areal_hpc.config import Config
 from areal_hpc.data import load_dataset
 from areal_hpc.engines.base import generate
 from areal_hpc.evaluation import heldout_accuracy
 from areal_hpc.metrics import MetricsLogger
 from areal_hpc.model import ensure_model, load_tokenizer
 from areal_hpc.reward import RewardPool
+from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.rollout import group_requests, score_outputs, to_trajectory
 from areal_hpc.runtime.build import build_generation_engine, build_train_engine, warm_start
 from areal_hpc.store import Ledger, read_shard, write_shard
@@ -43,11 +44,10 @@ def run_sync(cfg: Config) -> RunSummary:
     t0 = time.time()
     seed_everything(cfg.trainer.seed)
     torch.set_num_threads(cfg.cluster.threads_per_rank)
-    run_dir = Path(cfg.store.run_dir)
-    if (run_dir / "rollouts").exists() or (run_dir / "ledger").exists():
-        raise FileExistsError(f"run dir {str(run_dir)!r} already holds a run; pick another run_name=... or delete it")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    try:
+        run_dir = RunDir(Path(cfg.store.run_dir).resolve()).create(cfg)
+    except RunDirError as err:
+        raise FileExistsError(str(err)) from None
     model_dir = ensure_model(cfg.model)
     tokenizer = load_tokenizer(model_dir)
     dataset = load_dataset(cfg.data)
@@ -57,7 +57,7 @@ def run_sync(cfg: Config) -> RunSummary:
     trainer = build_train_engine(cfg, model_dir)
     metrics = MetricsLogger(run_dir, cfg.logging.tensorboard)
     ledger = Ledger(run_dir)
-    rollout_dir = run_dir / "rollouts"
+    rollout_dir = run_dir.rollouts
     heldout = dataset.heldout[: cfg.logging.eval_prompts]
     progress = cfg.logging.progress
 
@@ -103,8 +103,7 @@ def run_sync(cfg: Config) -> RunSummary:
             t_train = time.time()  # t_store covers the shard write and its read-back
             r = np.array([t.reward for t in batch])
             gids = np.array([t.group_id for t in batch])
-            adv = group_advantages(r, gids, pc.adv_norm)
-            keep = informative_groups(r, gids) if pc.drop_uniform_groups else np.ones(len(batch), bool)
+            adv, keep = batch_advantages(r, gids, pc.adv_norm, pc.drop_uniform_groups)
             # the ledger names the version whose training step consumed the batch (the policy
             # version being improved), so on-policy data has staleness 0
             consumed_by = trainer.version
@@ -130,13 +129,12 @@ def run_sync(cfg: Config) -> RunSummary:
                 row["heldout_acc"] = acc
             metrics.log(trainer.version, row)
             if tc.checkpoint_every and trainer.version % tc.checkpoint_every == 0 and not last:
-                trainer.save_checkpoint(run_dir / "checkpoints" / f"v{trainer.version:08d}")
+                trainer.save_checkpoint(run_dir.trainer_checkpoint(trainer.version))
             bar.set_postfix(reward=f"{r.mean():.3f}", acc=f"{acc:.3f}")
             if last:
                 break
         bar.close()
         rl_wall = time.time() - t_rl
-    ckpt = run_dir / "checkpoints" / f"v{trainer.version:08d}"
-    trainer.save_checkpoint(ckpt)
+    trainer.save_checkpoint(run_dir.trainer_checkpoint(trainer.version))
     metrics.close()
-    return RunSummary(run_dir, trainer.version, acc_before, acc, acc_warm, time.time() - t0, rl_wall, metrics.tb_dir)
+    return RunSummary(run_dir.root, trainer.version, acc_before, acc, acc_warm, time.time() - t0, rl_wall, metrics.tb_dir)

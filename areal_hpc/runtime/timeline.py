@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-TIMELINE_SUBDIR = "timeline"
+from areal_hpc.rundir import RunDir
 
 
 def _open_log(path: Path, header: list[str]):
@@ -29,8 +29,7 @@ class Timeline:
 
     def __init__(self, run_dir: Path, rank: int, role: str, flush_s: float = 2.0):
         self.rank, self.role, self.flush_s = rank, role, flush_s
-        self._f, self._w = _open_log(Path(run_dir) / TIMELINE_SUBDIR / f"rank{rank:03d}.csv",
-                                     ["rank", "role", "event", "t_start", "t_end"])
+        self._f, self._w = _open_log(RunDir(run_dir).timeline_log(rank), ["rank", "role", "event", "t_start", "t_end"])
         self._last_flush = time.time()
         self.add("start", time.time(), time.time())
 
@@ -58,7 +57,7 @@ def load_timeline(run_dir: Path):
     import pandas as pd
 
     frames = []
-    for p in sorted((Path(run_dir) / TIMELINE_SUBDIR).glob("rank*.csv")):
+    for p in RunDir(run_dir).timeline_logs():
         df = pd.read_csv(p, on_bad_lines="skip")
         frames.append(df.dropna())
     if not frames:
@@ -81,7 +80,7 @@ class EngineMeter:
 
     def __init__(self, run_dir: Path, rank: int, capacity: int, window_s: float = 0.25):
         self.rank, self.capacity, self.window_s = rank, capacity, window_s
-        self._f, self._w = _open_log(Path(run_dir) / TIMELINE_SUBDIR / f"engine-rank{rank:03d}.csv", self.FIELDS)
+        self._f, self._w = _open_log(RunDir(run_dir).engine_log(rank), self.FIELDS)
         self._reset(time.time())
 
     def _reset(self, t: float) -> None:
@@ -113,7 +112,7 @@ def load_engine_samples(run_dir: Path):
     import pandas as pd
 
     frames = [pd.read_csv(p, on_bad_lines="skip").dropna()
-              for p in sorted((Path(run_dir) / TIMELINE_SUBDIR).glob("engine-rank*.csv"))]
+              for p in RunDir(run_dir).engine_logs()]
     if not frames:
         return pd.DataFrame(columns=EngineMeter.FIELDS)
     return pd.concat(frames, ignore_index=True)

@@ -11,17 +11,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_hpc.algo.advantages import group_advantages, informative_groups
+from areal_hpc.algo.advantages import batch_advantages
 from areal_hpc.config import Config
 from areal_hpc.data import load_dataset
 from areal_hpc.model import load_tokenizer
+from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.build import build_train_engine, warm_start
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Mailbox, Tag
-from areal_hpc.runtime.resume import latest_checkpoint, trainer_checkpoint_dir
+from areal_hpc.runtime.role_loop import Handler, RoleLoop
 from areal_hpc.runtime.timeline import Timeline
 from areal_hpc.runtime.weight_sync import WeightSender, state_nbytes
-from areal_hpc.store import ROLLOUTS_SUBDIR, read_shard
+from areal_hpc.store import read_shard
 from areal_hpc.types import Trajectory
 
 log = logging.getLogger("areal_hpc.trainer")
@@ -45,14 +46,21 @@ def share_stats(trajs: list[Trajectory], version: int) -> dict:
     }
 
 
-class Trainer:
-    """Data parallel over the trainers' own gloo group; trainer rank 0 also publishes weights."""
+class Trainer(RoleLoop):
+    """Data parallel over the trainers' own gloo group; trainer rank 0 also publishes weights.
+
+    Its work comes only as messages from rank 0 (a batch to train, a checkpoint to write); between them
+    it reports a weight publish that has finished.
+    """
+
+    role = "trainer"
+    listen_to = 0
 
     def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
-        self.cfg, self.run_dir, self.layout, self.resume = cfg, Path(run_dir), layout, resume
+        self.cfg, self.run_dir, self.layout, self.resume = cfg, RunDir(run_dir), layout, resume
         self.rank = comm.Get_rank()
         self.index = layout.index(self.rank)
-        self.mail = Mailbox(comm)
+        super().__init__(Mailbox(comm))
         self.timeline = Timeline(self.run_dir, self.rank, "trainer")
         self.engine = build_train_engine(cfg, model_dir)  # the default torch group = the trainers
         self.model_dir = model_dir
@@ -62,16 +70,21 @@ class Trainer:
                                    sc.keep_versions, cfg.cluster.device) if self.index == 0 else None
         fault = os.environ.get(FAULT_ENV, "")
         self.fault_version = int(fault.split("@")[1]) if fault.startswith("trainer@") and self.index == 0 else None
+        self.stopping = False
+        self.wait_since = time.time()  # start of the current wait for rank 0's next message
+
+    def handlers(self) -> dict[Tag, Handler]:
+        return {Tag.BATCH: self._on_batch, Tag.CHECKPOINT: self._on_checkpoint, Tag.STOP: self._on_stop}
 
     def _start(self) -> None:
         if self.resume:
-            v = latest_checkpoint(self.run_dir)
+            v = self.run_dir.latest_checkpoint()
             with self.timeline.span("load"):
-                self.engine.load_checkpoint(trainer_checkpoint_dir(self.run_dir, v))
+                self.engine.load_checkpoint(self.run_dir.trainer_checkpoint(v))
         elif self.cfg.trainer.warm_start_steps:
             with self.timeline.span("train"):
                 warm_start(self.engine, load_tokenizer(self.model_dir), load_dataset(self.cfg.data), self.cfg, progress=False)
-        body = {"version": self.engine.version}
+        body = {"version": self.engine.version, "raw_gbps": None}
         # gathered once per publish (collective under ZeRO-3: every trainer calls weights() once here)
         state = self.engine.weights() if (self.sender is not None or self.engine.collective_weights) else None
         if self.sender is not None and self.sync_group is not None:
@@ -108,18 +121,14 @@ class Trainer:
         self.timeline.add("sync", info.pop("t_start"), info.pop("t_end"))
         self.mail.send(0, Tag.SYNC_DONE, info)
 
-    def _poll_sync(self) -> None:
+    def _poll_sync(self) -> bool:
         if self.sender is not None and (info := self.sender.poll()) is not None:
             self._sync_done(info)
+            return True
+        return False
 
-    def _next_message(self) -> tuple[int, Tag, dict]:
-        """Wait for rank 0's next message, reporting a finished weight publish meanwhile."""
-        while True:
-            msg = self.mail.poll(0)
-            self._poll_sync()
-            if msg is not None:
-                return msg
-            time.sleep(self.mail.idle_sleep_s)
+    def _end_wait(self) -> None:
+        self.timeline.add("wait", self.wait_since, time.time())
 
     def _train(self, version: int, share: list) -> None:
         if version != self.engine.version:
@@ -134,15 +143,14 @@ class Trainer:
             for j, minibatch in enumerate(share):
                 for shard, indices in minibatch:
                     if shard not in cache:
-                        cache[shard] = read_shard(self.run_dir / ROLLOUTS_SUBDIR / shard)
+                        cache[shard] = read_shard(self.run_dir.rollouts / shard)
                     trajs += [cache[shard][i] for i in indices]
                     mb_of += [j] * len(indices)
         with self.timeline.span("train"):
             pc = self.cfg.ppo
             r = np.array([t.reward for t in trajs], dtype=np.float64)
             gids = np.array([t.group_id for t in trajs], dtype=np.int64)
-            adv = group_advantages(r, gids, pc.adv_norm) if trajs else np.zeros(0)
-            keep = informative_groups(r, gids) if (pc.drop_uniform_groups and trajs) else np.ones(len(trajs), bool)
+            adv, keep = batch_advantages(r, gids, pc.adv_norm, pc.drop_uniform_groups)
             kept = np.flatnonzero(keep)
             minibatches = [[k for k, i in enumerate(kept) if mb_of[i] == j] for j in range(len(share))]
             stats = self.engine.ppo_update([trajs[i] for i in kept], adv[kept], minibatches)
@@ -153,7 +161,7 @@ class Trainer:
         self._announce_and_publish(Tag.TRAIN_DONE, {"version": self.engine.version, "stats": stats})
 
     def _checkpoint(self, version: int) -> None:
-        path = trainer_checkpoint_dir(self.run_dir, version)
+        path = self.run_dir.trainer_checkpoint(version)
         # torch: data-parallel replicas are identical, one copy is the checkpoint; DeepSpeed: every
         # trainer writes its shard
         if self.index == 0 or self.engine.collective_checkpoint:
@@ -163,24 +171,35 @@ class Trainer:
                 self.engine.save_checkpoint(path)
         self.mail.send(0, Tag.CKPT_DONE, {"version": version, "path": str(path)})
 
+    # -- the loop -------------------------------------------------------------------------------
+    def _on_batch(self, src: int, body: dict) -> None:
+        self._end_wait()
+        self._train(body["version"], body["share"])
+        self.wait_since = time.time()
+
+    def _on_checkpoint(self, src: int, body: dict) -> None:
+        self._end_wait()
+        self._checkpoint(body["version"])
+        self.wait_since = time.time()
+
+    def _on_stop(self, src: int, body: dict) -> None:
+        self._end_wait()
+        self.stopping = True
+
+    def tick(self) -> bool:
+        return self._poll_sync()
+
+    def finished(self) -> bool:
+        return self.stopping
+
     def run(self) -> None:
         torch.set_num_threads(self.cfg.cluster.threads_per_rank)
         self._start()
-        while True:
-            t0 = time.time()
-            _, tag, body = self._next_message()
-            self.timeline.add("wait", t0, time.time())
-            if tag == Tag.BATCH:
-                self._train(body["version"], body["share"])
-            elif tag == Tag.CHECKPOINT:
-                self._checkpoint(body["version"])
-            elif tag == Tag.STOP:
-                break
-            else:
-                raise RuntimeError(f"trainer got unexpected message {tag.name}")
+        self.wait_since = time.time()
+        self.loop()
         if self.sender is not None and (info := self.sender.wait()) is not None:
             self._sync_done(info)
-        self.mail.send(0, Tag.BYE)
+        self.mail.send(0, Tag.BYE, {"interrupted": 0})
         self.mail.flush()
 
     def close(self) -> None:

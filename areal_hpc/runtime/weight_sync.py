@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import shutil
-import socket
 import threading
 import time
 import zlib
@@ -15,9 +14,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.torch_groups import store_over_mpi
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
-
-WEIGHTS_SUBDIR = "weights"
 
 
 def weights_checksum(state_dict: dict[str, torch.Tensor]) -> int:
@@ -86,20 +85,14 @@ class BucketPlan:
 class SyncGroup:
     """A process group of {trainer rank 0 (root)} + generators, built after start-up.
 
-    Built from a TCPStore on the root whose address travels over MPI; gloo on CPU, NCCL when the
+    Built over a TCPStore bootstrapped through MPI (torch_groups); gloo on CPU, NCCL when the
     device is cuda (the NCCL branch is selected by device and cannot run on this CPU-only machine).
     """
 
     def __init__(self, comm, backend: str, timeout_s: float):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         timeout = datetime.timedelta(seconds=timeout_s)
-        if self.rank == 0:
-            host = socket.gethostname()
-            self.store = dist.TCPStore(host, 0, self.size, True, timeout=timeout, wait_for_workers=False)
-            addr = comm.bcast((host, self.store.port), root=0)
-        else:
-            addr = comm.bcast(None, root=0)
-            self.store = dist.TCPStore(addr[0], addr[1], self.size, False, timeout=timeout)
+        self.store = store_over_mpi(comm, timeout_s)
         prefix = dist.PrefixStore("weight_sync", self.store)
         self.backend = backend
         if backend == "nccl":
@@ -211,30 +204,30 @@ class WeightReceiver:
 
     def receive(self, version: int) -> dict[str, torch.Tensor]:
         if self.method == "disk":
-            return load_file(str(weights_dir(self.run_dir, version) / "model.safetensors"))
+            return load_file(str(weights_file(self.run_dir, version)))
         for buf in self.plan.buffers:
             self.group.broadcast(buf)
         return self.plan.views()
 
 
-def weights_dir(run_dir: Path, version: int) -> Path:
-    return Path(run_dir) / WEIGHTS_SUBDIR / f"v{version:08d}"
+def weights_file(run_dir: Path, version: int) -> Path:
+    return RunDir(run_dir).weights_version(version) / "model.safetensors"
 
 
 def save_weights(run_dir: Path, state_dict: dict[str, torch.Tensor], version: int) -> int:
     """RUN_DIR/weights/v{N}/model.safetensors, published by an atomic directory rename."""
-    final = weights_dir(run_dir, version)
+    final = RunDir(run_dir).weights_version(version)
     if final.exists():  # a resumed run republishing the checkpoint's version
         shutil.rmtree(final)
     tmp = new_tmp_dir_beside(final)
     sd = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}  # clone unties shared storage
-    save_file(sd, str(tmp / "model.safetensors"))
+    save_file(sd, str(tmp / weights_file(run_dir, version).name))
     atomic_publish_dir(tmp, final)
     return sum(t.numel() * t.element_size() for t in sd.values())
 
 
 def prune_weights(run_dir: Path, keep: int) -> None:
-    root = Path(run_dir) / WEIGHTS_SUBDIR
+    root = RunDir(run_dir).weights
     done = sorted(p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

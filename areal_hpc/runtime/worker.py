@@ -11,25 +11,15 @@ job, so no rank is left waiting on a dead peer.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
 from pathlib import Path
 
-LOGS_SUBDIR = "logs"
-
-
-def log_path(run_dir: Path, rank: int, role: str) -> Path:
-    return Path(run_dir) / LOGS_SUBDIR / f"rank{rank:03d}-{role}.log"
-
-
-def error_path(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / LOGS_SUBDIR / f"error-rank{rank:03d}.txt"
+from areal_hpc.rundir import RunDir
 
 
 def _redirect_output(path: Path) -> None:
@@ -74,25 +64,9 @@ def exit_rank() -> None:
     os._exit(0)
 
 
-def _trainer_group(trainer_comm, timeout_s: float, backend: str = "gloo") -> None:
-    """The trainers' default torch process group (gloo; NCCL on GPUs), created before the engine, over a TCPStore."""
-    import torch.distributed as dist
-
-    t, n = trainer_comm.Get_rank(), trainer_comm.Get_size()
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if t == 0:
-        host = socket.gethostname()
-        store = dist.TCPStore(host, 0, n, True, timeout=timeout, wait_for_workers=False)
-        trainer_comm.bcast((host, store.port), root=0)
-    else:
-        host, port = trainer_comm.bcast(None, root=0)
-        store = dist.TCPStore(host, port, n, False, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore("trainers", store), rank=t, world_size=n, timeout=timeout)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    run_dir = Path(argv[0])
+    run_dir = RunDir(argv[0])
     opts = argv[1:]
     group = opts[opts.index("--group") + 1] if "--group" in opts else None
 
@@ -105,21 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from areal_hpc.config import load_config
         from areal_hpc.runtime.layout import GENERATOR, SCHEDULER, TRAINER, Layout
-        from areal_hpc.runtime.resume import latest_checkpoint
 
-        cfg = load_config(run_dir / "config.yaml")
+        cfg = load_config(run_dir.config)
         if group is not None:
             layout = Layout.from_groups(comm.allgather(group))
         else:
             layout = Layout.from_counts(cfg.cluster.n_generators, cfg.cluster.n_trainers)
         role = layout.role(rank) if rank < layout.world_size else "rank"
-        _redirect_output(log_path(run_dir, rank, role))
+        _redirect_output(run_dir.rank_log(rank, role))
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format=f"%(asctime)s rank{rank} {role} %(name)s: %(message)s")
-        (run_dir / LOGS_SUBDIR / f"rank{rank:03d}.pid").write_text(str(os.getpid()))
+        run_dir.rank_pid(rank).write_text(str(os.getpid()))
         layout.check(comm.Get_size(), cfg.cluster.n_generators, cfg.cluster.n_trainers)
         # decided once, by rank 0: every rank must agree even if a shared filesystem's caches do not
-        resume = comm.bcast("--resume" in opts or ("--resume-auto" in opts and latest_checkpoint(run_dir) is not None), root=0)
+        resume = comm.bcast("--resume" in opts or ("--resume-auto" in opts and run_dir.latest_checkpoint() is not None), root=0)
         # A signal (Slurm's --signal, submitit's USR2, scancel, a terminal) asks for a checkpoint and a clean stop;
         # rank 0 acts on it, the others wait for its STOP.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
@@ -157,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                 gen.close()
         else:
             if layout.n_trainers > 1:
-                _trainer_group(trainer_comm, cfg.sync.timeout_s, "nccl" if cfg.cluster.device == "cuda" else "gloo")
+                from areal_hpc.runtime.torch_groups import init_trainer_group
+
+                init_trainer_group(trainer_comm, cfg.sync.timeout_s, "nccl" if cfg.cluster.device == "cuda" else "gloo")
             from areal_hpc.runtime.trainer import Trainer
 
             tr = Trainer(cfg, run_dir, comm, layout, sync_group, model_dir, resume)
@@ -181,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             traceback.print_exc()
             sys.stderr.flush()
-            p = error_path(run_dir, rank)
+            p = run_dir.rank_error(rank)
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(line + "\n")
         finally:

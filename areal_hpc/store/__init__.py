@@ -1,7 +1,7 @@
 """The shard store: atomic HDF5 rollout shards, the consumption ledger, and a pandas loader."""
 
 from areal_hpc.store.ledger import Ledger, LedgerError
-from areal_hpc.store.loader import ROLLOUTS_SUBDIR, load_trajectories
+from areal_hpc.store.loader import load_trajectories
 from areal_hpc.store.shards import (
     SCHEMA_VERSION,
     CorruptShardError,
@@ -17,7 +17,6 @@ from areal_hpc.store.shards import (
 
 __all__ = [
     "SCHEMA_VERSION",
-    "ROLLOUTS_SUBDIR",
     "CorruptShardError",
     "Ledger",
     "LedgerError",

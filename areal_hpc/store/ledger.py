@@ -8,9 +8,9 @@ import os
 import re
 from pathlib import Path
 
+from areal_hpc.rundir import RunDir
 from areal_hpc.utils import atomic_write_text, fsync_dir as _fsync_dir
 
-LEDGER_SUBDIR = "ledger"
 _VERSION_RE = re.compile(r"^v(\d{8,})\.json$")
 
 Entry = tuple[str, int]
@@ -42,11 +42,12 @@ class Ledger:
     """
 
     def __init__(self, run_dir: os.PathLike | str):
-        self.dir = Path(run_dir) / LEDGER_SUBDIR
+        self.run = RunDir(run_dir)
+        self.dir = self.run.ledger
         self.reload()
 
     def path_for(self, version: int) -> Path:
-        return self.dir / f"v{version:08d}.json"
+        return self.run.ledger_file(version)
 
     def reload(self) -> None:
         """Re-read every ledger file (ignoring *.tmp and unrelated files)."""

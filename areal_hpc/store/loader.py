@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from areal_hpc.rundir import RunDir
 from areal_hpc.store.ledger import Ledger
 from areal_hpc.store.shards import TRAJ_FIELDS, CorruptShardError, list_shards, read_shard_summary
-
-ROLLOUTS_SUBDIR = "rollouts"
 
 COLUMNS = (
     *TRAJ_FIELDS,
@@ -52,7 +51,7 @@ def load_trajectories(run_dir: os.PathLike | str, verify_tokens: bool = True) ->
     consumed = Ledger(run_dir).consumed()
     parts = []
     corrupt: list[str] = []
-    for path in list_shards(run_dir / ROLLOUTS_SUBDIR):
+    for path in list_shards(RunDir(run_dir).rollouts):
         try:
             s = read_shard_summary(path, verify_tokens=verify_tokens)
         except CorruptShardError as e:

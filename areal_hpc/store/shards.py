@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import zlib
@@ -42,6 +43,13 @@ TRAJ_FIELDS: dict[str, np.dtype] = {
     "t_start": np.dtype("<f8"),
     "t_end": np.dtype("<f8"),
 }
+# The Trajectory fields stored as given (all but the token arrays), and the properties stored beside them so
+# that a summary (no token data) has them too. TRAJ_FIELDS, in checksum order, must hold exactly these.
+STORED_AS_GIVEN = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name not in TOKEN_FIELDS)
+DERIVED_FIELDS = ("gen_len", "version_start", "version_end")
+if set(TRAJ_FIELDS) != {*STORED_AS_GIVEN, *DERIVED_FIELDS} or set(TOKEN_FIELDS) - {
+        f.name for f in dataclasses.fields(Trajectory)}:
+    raise ImportError("areal_hpc.store.shards: TRAJ_FIELDS/TOKEN_FIELDS disagree with the Trajectory dataclass")
 # Published shards are immutable and temporaries private, so HDF5 file locks buy nothing and fail with
 # errno 38 on some shared filesystems: files are opened with locking=False.
 # Fixed order for the checksums; the summary checksum lets the scheduler verify without token data.
@@ -67,23 +75,22 @@ class CorruptShardError(Exception):
 
 @dataclass
 class ShardSummary:
-    """The per-trajectory arrays of one shard (no token data), as the scheduler and loader need them."""
+    """The per-trajectory arrays of one shard (no token data), as the scheduler and loader need them.
+
+    `columns` holds one array per name in TRAJ_FIELDS (finish_reason as str), also readable as attributes
+    (`summary.group_id`).
+    """
 
     path: Path
     run_id: str
     offsets: np.ndarray  # int64 [N+1]
-    prompt_id: np.ndarray
-    group_id: np.ndarray
-    sample_idx: np.ndarray
-    reward: np.ndarray
-    prompt_len: np.ndarray
-    gen_len: np.ndarray
-    version_start: np.ndarray
-    version_end: np.ndarray
-    finish_reason: np.ndarray  # str (unicode) [N]
-    gen_rank: np.ndarray
-    t_start: np.ndarray
-    t_end: np.ndarray
+    columns: dict[str, np.ndarray]
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        columns = self.__dict__.get("columns", {})
+        if name in columns:
+            return columns[name]
+        raise AttributeError(f"ShardSummary has no field {name!r}")
 
     @property
     def n_trajectories(self) -> int:
@@ -168,22 +175,9 @@ def _pack(trajectories: list[Trajectory]) -> dict[str, np.ndarray]:
         if len(b) > FINISH_REASON_DTYPE.itemsize:
             raise ValueError(f"trajectory {i}: finish_reason {t.finish_reason!r} longer than 8 bytes")
         reasons.append(b)
-    cols = {
-        "prompt_id": [t.prompt_id for t in trajectories],
-        "group_id": [t.group_id for t in trajectories],
-        "sample_idx": [t.sample_idx for t in trajectories],
-        "reward": [t.reward for t in trajectories],
-        "prompt_len": [t.prompt_len for t in trajectories],
-        "gen_len": [t.gen_len for t in trajectories],
-        "version_start": [t.version_start for t in trajectories],
-        "version_end": [t.version_end for t in trajectories],
-        "finish_reason": reasons,
-        "gen_rank": [t.gen_rank for t in trajectories],
-        "t_start": [t.t_start for t in trajectories],
-        "t_end": [t.t_end for t in trajectories],
-    }
     for f, dt in TRAJ_FIELDS.items():
-        out[f] = np.asarray(cols[f], dtype=dt)
+        values = reasons if f == "finish_reason" else [getattr(t, f) for t in trajectories]
+        out[f] = np.asarray(values, dtype=dt)
     return out
 
 
@@ -324,27 +318,13 @@ def read_shard(path: os.PathLike | str) -> list[Trajectory]:
     path = Path(path)
     a, _ = _read_verified(path, full=True)
     off = a["offsets"].tolist()
-    cols = {k: a[k].tolist() for k in TRAJ_FIELDS}  # python scalars in bulk: much cheaper than per-item
-    reasons = [r.decode("ascii", errors="replace") for r in cols["finish_reason"]]
-    ids, logp, vers, mask = (a[k] for k in TOKEN_FIELDS)
+    cols = {k: a[k].tolist() for k in STORED_AS_GIVEN}  # python scalars in bulk: much cheaper than per-item
+    cols["finish_reason"] = [r.decode("ascii", errors="replace") for r in cols["finish_reason"]]
+    rows = [dict(zip(cols, values)) for values in zip(*cols.values())]
     # Per-token arrays are views into the shard's concatenated arrays (no copy).
     return [
-        Trajectory(
-            prompt_id=cols["prompt_id"][i],
-            group_id=cols["group_id"][i],
-            sample_idx=cols["sample_idx"][i],
-            input_ids=ids[s:e],
-            behav_logprobs=logp[s:e],
-            versions=vers[s:e],
-            loss_mask=mask[s:e],
-            prompt_len=cols["prompt_len"][i],
-            reward=cols["reward"][i],
-            finish_reason=reasons[i],
-            gen_rank=cols["gen_rank"][i],
-            t_start=cols["t_start"][i],
-            t_end=cols["t_end"][i],
-        )
-        for i, (s, e) in enumerate(zip(off[:-1], off[1:]))
+        Trajectory(**row, **{k: a[k][s:e] for k in TOKEN_FIELDS})
+        for row, (s, e) in zip(rows, zip(off[:-1], off[1:]))
     ]
 
 
@@ -355,6 +335,6 @@ def read_shard_summary(path: os.PathLike | str, verify_tokens: bool = False) -> 
     """
     path = Path(path)
     a, run_id = _read_verified(path, full=verify_tokens)
-    fields = {k: a[k] for k in TRAJ_FIELDS}
-    fields["finish_reason"] = np.char.decode(a["finish_reason"], "ascii", errors="replace").astype(str)
-    return ShardSummary(path=path, run_id=run_id, offsets=a["offsets"], **fields)
+    columns = {k: a[k] for k in TRAJ_FIELDS}
+    columns["finish_reason"] = np.char.decode(a["finish_reason"], "ascii", errors="replace").astype(str)
+    return ShardSummary(path=path, run_id=run_id, offsets=a["offsets"], columns=columns)

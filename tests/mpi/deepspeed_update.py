@@ -8,14 +8,15 @@ from mpi4py import MPI
 
 from areal_hpc.algo.packing import balance_across_ranks
 from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
-from areal_hpc.runtime.worker import _trainer_group, exit_rank
+from areal_hpc.runtime.torch_groups import init_trainer_group
+from areal_hpc.runtime.worker import exit_rank
 
 
 def main(model_dir: str, out: str, stage: int) -> None:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     torch.set_num_threads(1)
-    _trainer_group(comm, 120)
+    init_trainer_group(comm, 120)
     with open(f"{out}/batch.pkl", "rb") as f:
         trajs, adv = pickle.load(f)
     lengths = [len(t.input_ids) for t in trajs]

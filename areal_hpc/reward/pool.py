@@ -1,283 +1,30 @@
-"""Rule-based math reward (math-verify) and a crash/timeout-safe process pool for batches."""
+"""Supervised process pool that scores reward batches off the caller's thread, safe against crashes and hangs."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
 import logging
-import math
 import multiprocessing as mp
-import os
 import pickle
-import signal
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, Sequence
+from typing import Sequence
 
-__all__ = ["math_reward", "RewardPool", "extract_last_boxed"]
+from areal_hpc.reward.math import Scorer, _as_reward, _bounded_call, _math_reward_unbounded
+from areal_hpc.reward.workers import _score_chunk, _WorkerGeneration
+
+__all__ = ["RewardPool"]
 
 logger = logging.getLogger(__name__)
-
-# Only the tail of a completion is parsed: the final answer lives there, and math-verify's
-# regexes / LaTeX parser get slow on long or deeply nested input.
-MAX_COMPLETION_CHARS = 2000
-MAX_REFERENCE_CHARS = 1000
-# Real answers never nest braces this deep; deeper input is adversarial and very slow to parse.
-MAX_BRACE_DEPTH = 64
-
-Scorer = Callable[[str, str], float]
-
-
-# --------------------------------------------------------------------------- math-verify glue
-
-_MV = None  # (parse, verify, LatexExtractionConfig, ExprExtractionConfig), imported lazily
-_MV_LOCK = threading.Lock()
-
-
-class _DropTimeoutDisabledWarning(logging.Filter):
-    """Drops math-verify's "Timeout is disabled" warning: we bound time ourselves, on purpose."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            return "Timeout is disabled" not in record.getMessage()
-        except Exception:
-            return True
-
-
-def _math_verify():
-    # Lazy: importing sympy costs ~0.3-1 s, which callers that only build a RewardPool never need.
-    global _MV
-    if _MV is None:
-        with _MV_LOCK:
-            if _MV is None:
-                from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-                for name in ("math_verify.parser", "math_verify.grader"):
-                    logging.getLogger(name).addFilter(_DropTimeoutDisabledWarning())
-                _MV = (parse, verify, LatexExtractionConfig, ExprExtractionConfig)
-    return _MV
-
-
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-
-
-def extract_last_boxed(text: str) -> str | None:
-    """Content of the last balanced ``\\boxed{...}`` (or ``\\fbox{...}``) in text, else None."""
-    best = -1
-    for cmd in _BOX_COMMANDS:
-        best = max(best, text.rfind(cmd + "{"))
-    # Scan right-to-left so an unbalanced trailing "\boxed{" does not hide an earlier good one.
-    while best >= 0:
-        start = text.index("{", best) + 1
-        depth, i = 1, start
-        while i < len(text):
-            ch = text[i]
-            if ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-            i += 1
-        prev = -1
-        for cmd in _BOX_COMMANDS:
-            prev = max(prev, text.rfind(cmd + "{", 0, best))
-        best = prev
-    return None
-
-
-def _too_deep(s: str) -> bool:
-    depth = 0
-    for ch in s:
-        if ch == "{":
-            depth += 1
-            if depth > MAX_BRACE_DEPTH:
-                return True
-        elif ch == "}":
-            depth -= 1
-    return False
-
-
-def _has_math_delims(s: str) -> bool:
-    return "$" in s or "\\boxed" in s or "\\fbox" in s or "\\[" in s or "\\(" in s
-
-
-def _parse(s: str) -> list:
-    parse, _, latex_cfg, expr_cfg = _math_verify()
-    # Timeouts off: math-verify's SIGALRM timer would cancel ours (and fails off the main thread).
-    return parse(
-        s,
-        extraction_config=[latex_cfg(), expr_cfg()],
-        parsing_timeout=None,
-        raise_on_error=False,
-    )
-
-
-def _parse_bare(s: str) -> list:
-    """Parses an answer given without delimiters ("1/2", "\\dfrac{1}{2}", "x = 3")."""
-    if _has_math_delims(s):
-        return _parse(s)
-    # Bare LaTeX ("\dfrac{1}{2}", "3\sqrt{2}") is only understood inside math delimiters.
-    return _parse("$" + s + "$") or _parse(s)
-
-
-def _math_reward_unbounded(completion: str, reference: str) -> float:
-    if not isinstance(completion, str) or not isinstance(reference, str):
-        return 0.0
-    completion = completion[-MAX_COMPLETION_CHARS:]
-    reference = reference[-MAX_REFERENCE_CHARS:].strip()
-    if not completion.strip() or not reference:
-        return 0.0
-
-    boxed_ref = extract_last_boxed(reference)
-    gold_src = boxed_ref.strip() if boxed_ref is not None else reference
-    if not gold_src or _too_deep(gold_src):
-        return 0.0
-    gold = _parse_bare(gold_src)
-    if not gold:
-        return 0.0
-
-    boxed = extract_last_boxed(completion)
-    if boxed is not None:
-        boxed = boxed.strip()
-        if not boxed or _too_deep(boxed):
-            return 0.0
-        pred = _parse("\\boxed{" + boxed + "}")
-    else:
-        if _too_deep(completion):
-            return 0.0
-        pred = _parse(completion)
-    if not pred:
-        return 0.0
-
-    _, verify, _, _ = _math_verify()
-    ok = verify(gold, pred, timeout_seconds=None, raise_on_error=False)
-    return 1.0 if ok else 0.0
-
-
-# --------------------------------------------------------------------------- time bounding
-
-
-class _ScoreTimeout(BaseException):
-    """Raised by our SIGALRM handler; BaseException so library `except Exception` cannot eat it."""
-
-
-_ALARM_ACTIVE = False  # only touched from the main thread (signals only work there)
-
-
-def _can_use_alarm() -> bool:
-    return (
-        hasattr(signal, "setitimer")
-        and threading.current_thread() is threading.main_thread()
-        and not _ALARM_ACTIVE
-    )
-
-
-def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float | None) -> float:
-    """fn(completion, reference) as a finite float; 0.0 on any error or after timeout_s.
-
-    On the main thread the whole call is bounded by an ITIMER_REAL alarm (the caller's own
-    alarm, if any, is restored afterwards). Off the main thread signals are unavailable, so
-    the call is unbounded here and RewardPool's hard per-item deadline is the guard.
-    """
-    global _ALARM_ACTIVE
-    try:
-        if not timeout_s or timeout_s <= 0 or not _can_use_alarm():
-            return _as_reward(fn(completion, reference))
-
-        armed = [True]
-
-        def _on_alarm(signum, frame):
-            if armed[0]:
-                raise _ScoreTimeout()
-
-        prev_delay, prev_interval = signal.getitimer(signal.ITIMER_REAL)
-        # A caller's pending alarm that is due sooner caps our budget; it is re-fired below.
-        delay = timeout_s if prev_delay <= 0 else min(timeout_s, prev_delay)
-        t0 = time.monotonic()
-        prev_handler = signal.signal(signal.SIGALRM, _on_alarm)
-        _ALARM_ACTIVE = True
-        try:
-            try:
-                signal.setitimer(signal.ITIMER_REAL, delay)
-                return _as_reward(fn(completion, reference))
-            finally:
-                armed[0] = False
-        except _ScoreTimeout:
-            return 0.0
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            restore = prev_handler if prev_handler is not None else signal.SIG_DFL
-            signal.signal(signal.SIGALRM, restore)
-            _ALARM_ACTIVE = False
-            if prev_delay > 0:
-                left = max(prev_delay - (time.monotonic() - t0), 1e-3)
-                signal.setitimer(signal.ITIMER_REAL, left, prev_interval)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException:
-        # _ScoreTimeout, any scorer error, math-verify's BaseException-derived timeout...
-        logger.debug("reward scorer failed", exc_info=True)
-        return 0.0
-
-
-def _as_reward(x) -> float:
-    try:
-        v = float(x)
-    except Exception:
-        return 0.0
-    return v if math.isfinite(v) else 0.0
-
-
-def math_reward(completion: str, reference: str, timeout_s: float = 5.0) -> float:
-    """1.0 if the completion's final answer equals the reference mathematically, else 0.0.
-
-    The final answer is the last ``\\boxed{...}`` when there is one, otherwise math-verify's
-    extraction from the last MAX_COMPLETION_CHARS characters. Never raises. On the main thread
-    the call is bounded by timeout_s (SIGALRM); elsewhere run it under RewardPool for a bound.
-    """
-    return _bounded_call(_math_reward_unbounded, completion, reference, timeout_s)
-
-
-# --------------------------------------------------------------------------- worker side
-
-_READY_COUNTER = None
-
-
-def _worker_init(ready_counter) -> None:
-    # Import + first parse compile math-verify's regexes once per worker, not per item.
-    global _READY_COUNTER
-    _READY_COUNTER = ready_counter
-    try:
-        # The parent handles Ctrl-C and shuts us down; a KeyboardInterrupt here only adds noise.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _math_reward_unbounded("\\boxed{\\frac{1}{2}}", "0.5")
-    except BaseException:
-        logger.debug("reward worker warm-up failed", exc_info=True)
-    finally:
-        try:
-            with ready_counter.get_lock():
-                ready_counter.value += 1
-        except Exception:
-            pass
-
-
-def _worker_ping() -> int:
-    return os.getpid()
-
-
-def _score_chunk(
-    scorer: Scorer | None, pairs: list[tuple[str, str]], timeout_s: float
-) -> list[float]:
-    fn = _math_reward_unbounded if scorer is None else scorer
-    return [_bounded_call(fn, c, r, timeout_s) for c, r in pairs]
-
 
 # --------------------------------------------------------------------------- pool
 
 
-class _Job:
+class _ScoringJob:
+    """One submitted batch: collects its items' scores and resolves its future once the last one is in."""
+
     __slots__ = ("future", "completions", "references", "scores", "remaining")
 
     def __init__(self, completions: list[str], references: list[str]):
@@ -295,7 +42,7 @@ class _Job:
             self.future.set_result(self.scores)
 
 
-class _Unit:
+class _WorkUnit:
     """A chunk of (job, index) items sent to one worker as a single task."""
 
     __slots__ = ("items", "isolated", "submit_t", "budget_s", "gen")
@@ -306,46 +53,6 @@ class _Unit:
         self.submit_t = time.monotonic()
         self.budget_s = budget_s
         self.gen = gen
-
-
-class _Generation:
-    """One ProcessPoolExecutor incarnation; rebuilt whenever a worker crashes or hangs."""
-
-    def __init__(self, ctx, num_workers: int):
-        self.created_t = time.monotonic()
-        self.ready_t: float | None = None
-        self.num_workers = num_workers
-        self.counter = ctx.Value("i", 0)
-        self.executor = cf.ProcessPoolExecutor(
-            max_workers=num_workers,
-            mp_context=ctx,
-            initializer=_worker_init,
-            initargs=(self.counter,),
-        )
-        # Workers are spawned on demand: one ping per worker starts them all now, in the
-        # background, so their import cost overlaps with whatever the caller does next.
-        try:
-            self.pings = [self.executor.submit(_worker_ping) for _ in range(num_workers)]
-        except BaseException:
-            self.executor.shutdown(wait=False, cancel_futures=True)
-            raise
-
-    def is_ready(self) -> bool:
-        if self.ready_t is None and self.counter.value >= self.num_workers:
-            self.ready_t = time.monotonic()
-        return self.ready_t is not None
-
-    def kill(self) -> None:
-        procs = list((getattr(self.executor, "_processes", None) or {}).values())
-        for p in procs:
-            try:
-                p.kill()
-            except Exception:
-                pass
-        try:
-            self.executor.shutdown(wait=False, cancel_futures=True)
-        except Exception:
-            pass
 
 
 class RewardPool:
@@ -399,15 +106,15 @@ class RewardPool:
         self._wake: cf.Future = cf.Future()
         self._queue: collections.deque = collections.deque()  # (job, idx)
         self._suspects: collections.deque = collections.deque()  # (job, idx), run alone
-        self._in_flight: dict[cf.Future, _Unit] = {}
+        self._in_flight: dict[cf.Future, _WorkUnit] = {}
         self._closing = False
         self._closed = False
         self._consecutive_breaks = 0
         self.rebuilds = 0  # pool incarnations discarded after a crash or hang (for monitoring)
 
-        self._gen: _Generation | None = None
+        self._gen: _WorkerGeneration | None = None
         try:
-            self._gen = _Generation(self._ctx, self.num_workers)
+            self._gen = _WorkerGeneration(self._ctx, self.num_workers)
         except Exception:
             logger.warning("RewardPool: no worker processes; scoring inline", exc_info=True)
 
@@ -426,7 +133,7 @@ class RewardPool:
         # Non-strings would only score 0.0, and could fail to pickle: normalise them here.
         completions = [c if isinstance(c, str) else "" for c in completions]
         references = [r if isinstance(r, str) else "" for r in references]
-        job = _Job(completions, references)
+        job = _ScoringJob(completions, references)
         if not completions:
             job.future.set_result([])
             return job.future
@@ -545,7 +252,7 @@ class RewardPool:
                     isolated = False
             pairs = [(job.completions[i], job.references[i]) for job, i in items]
             budget = len(items) * self.timeout_s + self.hard_grace_s
-            unit = _Unit(items, isolated, budget, gen)
+            unit = _WorkUnit(items, isolated, budget, gen)
             try:
                 fut = gen.executor.submit(_score_chunk, self.scorer, pairs, self.timeout_s)
             except Exception:
@@ -558,7 +265,7 @@ class RewardPool:
             if isolated:
                 return
 
-    def _effective_deadline(self, unit: _Unit) -> float:
+    def _effective_deadline(self, unit: _WorkUnit) -> float:
         gen = unit.gen
         if not gen.is_ready():
             # Workers still importing: don't count that against the chunk.
@@ -588,7 +295,7 @@ class RewardPool:
         if isinstance(exc, BrokenProcessPool):
             self._on_crash()
 
-    def _blame(self, unit: _Unit) -> None:
+    def _blame(self, unit: _WorkUnit) -> None:
         """An isolated item that failed scores 0.0; a chunk that failed is retried item by item."""
         if unit.isolated:
             for job, idx in unit.items:
@@ -638,7 +345,7 @@ class RewardPool:
         why = "crash" if crashed else "hang"
         logger.warning("RewardPool: rebuilding worker pool after a %s", why)
         try:
-            self._gen = _Generation(self._ctx, self.num_workers)
+            self._gen = _WorkerGeneration(self._ctx, self.num_workers)
         except Exception:
             logger.exception("RewardPool: cannot rebuild worker pool; scoring inline")
 

@@ -1,0 +1,86 @@
+"""RewardPool's worker processes: their initializer, the chunk task they run, and one executor generation."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import signal
+import time
+
+from areal_hpc.reward.math import Scorer, _bounded_call, _math_reward_unbounded
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------- worker side
+
+_READY_COUNTER = None
+
+
+def _worker_init(ready_counter) -> None:
+    # Import + first parse compile math-verify's regexes once per worker, not per item.
+    global _READY_COUNTER
+    _READY_COUNTER = ready_counter
+    try:
+        # The parent handles Ctrl-C and shuts us down; a KeyboardInterrupt here only adds noise.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _math_reward_unbounded("\\boxed{\\frac{1}{2}}", "0.5")
+    except BaseException:
+        logger.debug("reward worker warm-up failed", exc_info=True)
+    finally:
+        try:
+            with ready_counter.get_lock():
+                ready_counter.value += 1
+        except Exception:
+            pass
+
+
+def _worker_ping() -> int:
+    return os.getpid()
+
+
+def _score_chunk(
+    scorer: Scorer | None, pairs: list[tuple[str, str]], timeout_s: float
+) -> list[float]:
+    fn = _math_reward_unbounded if scorer is None else scorer
+    return [_bounded_call(fn, c, r, timeout_s) for c, r in pairs]
+
+
+class _WorkerGeneration:
+    """One ProcessPoolExecutor incarnation; rebuilt whenever a worker crashes or hangs."""
+
+    def __init__(self, ctx, num_workers: int):
+        self.created_t = time.monotonic()
+        self.ready_t: float | None = None
+        self.num_workers = num_workers
+        self.counter = ctx.Value("i", 0)
+        self.executor = cf.ProcessPoolExecutor(
+            max_workers=num_workers,
+            mp_context=ctx,
+            initializer=_worker_init,
+            initargs=(self.counter,),
+        )
+        # Workers are spawned on demand: one ping per worker starts them all now, in the
+        # background, so their import cost overlaps with whatever the caller does next.
+        try:
+            self.pings = [self.executor.submit(_worker_ping) for _ in range(num_workers)]
+        except BaseException:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            raise
+
+    def is_ready(self) -> bool:
+        if self.ready_t is None and self.counter.value >= self.num_workers:
+            self.ready_t = time.monotonic()
+        return self.ready_t is not None
+
+    def kill(self) -> None:
+        procs = list((getattr(self.executor, "_processes", None) or {}).values())
+        for p in procs:
+            try:
+                p.kill()
+            except Exception:
+                pass
+        try:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        except Exception:
+            pass

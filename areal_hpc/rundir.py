@@ -1,0 +1,225 @@
+"""The run directory's layout: the one place that knows the name of every file a run writes (docs/run-dir.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+_CHECKPOINT_STATE_RE = re.compile(r"^v(\d{8})\.scheduler\.json$")
+
+
+def _versioned(version: int) -> str:
+    return f"v{version:08d}"
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked (holds a run already, has nothing to resume)."""
+
+
+class RunDir:
+    """Every path of one run, as submitit's JobPaths is for a job. Ask it; never join folder names by hand.
+
+    Cheap to build from a path (`RunDir(path)`), so modules that are handed a path wrap it where they need one.
+    """
+
+    def __init__(self, root: os.PathLike | str | RunDir):
+        self.root = Path(root.root if isinstance(root, RunDir) else root)
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.root)!r})"
+
+    # -- files at the top -------------------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        """The resolved config every rank reads (and a resume starts from)."""
+        return self.root / "config.yaml"
+
+    @property
+    def stop(self) -> Path:
+        """Touching it asks a run to checkpoint and stop (the launchers do it on Ctrl-C or a Slurm signal)."""
+        return self.root / "STOP"
+
+    @property
+    def progress(self) -> Path:
+        return self.root / "progress.json"
+
+    @property
+    def summary(self) -> Path:
+        """Written last by rank 0: its presence means the run finished."""
+        return self.root / "summary.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.csv"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    # -- data -------------------------------------------------------------------------------------
+    @property
+    def rollouts(self) -> Path:
+        """The shard store (one immutable HDF5 file per flush of a generator)."""
+        return self.root / "rollouts"
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / "ledger"
+
+    def ledger_file(self, version: int) -> Path:
+        return self.ledger / f"{_versioned(version)}.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def trainer_checkpoint(self, version: int) -> Path:
+        return self.checkpoints / _versioned(version)
+
+    def scheduler_state(self, version: int) -> Path:
+        """Written after the trainers' checkpoint is in place: its presence marks the checkpoint complete."""
+        return self.checkpoints / f"{_versioned(version)}.scheduler.json"
+
+    def latest_checkpoint(self) -> int | None:
+        """The newest version with both the trainer folder and the scheduler state, or None."""
+        try:
+            names = os.listdir(self.checkpoints)
+        except FileNotFoundError:
+            return None
+        done = [int(m.group(1)) for n in names if (m := _CHECKPOINT_STATE_RE.match(n))]
+        done = [v for v in done if self.trainer_checkpoint(v).is_dir()]
+        return max(done) if done else None
+
+    @property
+    def weights(self) -> Path:
+        """Published weights for the disk sync path, one folder per version."""
+        return self.root / "weights"
+
+    def weights_version(self, version: int) -> Path:
+        return self.weights / _versioned(version)
+
+    @property
+    def durable_dirs(self) -> tuple[Path, ...]:
+        """Where atomic writes leave temporaries if killed mid-write."""
+        return self.rollouts, self.checkpoints, self.ledger, self.weights
+
+    # -- logs -------------------------------------------------------------------------------------
+    @property
+    def timeline(self) -> Path:
+        return self.root / "timeline"
+
+    def timeline_log(self, rank: int) -> Path:
+        return self.timeline / f"rank{rank:03d}.csv"
+
+    def engine_log(self, rank: int) -> Path:
+        return self.timeline / f"engine-rank{rank:03d}.csv"
+
+    def timeline_logs(self) -> list[Path]:
+        return sorted(self.timeline.glob("rank*.csv"))
+
+    def engine_logs(self) -> list[Path]:
+        return sorted(self.timeline.glob("engine-rank*.csv"))
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def rank_log(self, rank: int, role: str) -> Path:
+        return self.logs / f"rank{rank:03d}-{role}.log"
+
+    def rank_pid(self, rank: int) -> Path:
+        return self.logs / f"rank{rank:03d}.pid"
+
+    def rank_error(self, rank: int) -> Path:
+        """One line naming the rank and its error, written before the rank aborts the job."""
+        return self.logs / f"error-rank{rank:03d}.txt"
+
+    def rank_errors(self) -> list[Path]:
+        """Error files, first written first: the first is the cause, later ones are peers losing it."""
+        return sorted(self.logs.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
+
+    def log_of_error(self, error_file: Path) -> Path | None:
+        """The rank log that goes with an error file."""
+        rank = error_file.name.removeprefix("error-").removesuffix(".txt")
+        return next(self.logs.glob(f"{rank}-*.log"), None)
+
+    @property
+    def mpirun_log(self) -> Path:
+        return self.logs / "mpirun.log"
+
+    @property
+    def slurm_output(self) -> str:
+        """The batch script's output, as an #SBATCH --output pattern (%j: the job id)."""
+        return str(self.logs / "slurm-%j.out")
+
+    # -- Slurm ------------------------------------------------------------------------------------
+    @property
+    def slurm(self) -> Path:
+        return self.root / "slurm"
+
+    @property
+    def job_file(self) -> Path:
+        """How the run was submitted: job id, by whom, submitit's folder."""
+        return self.slurm / "job.json"
+
+    @property
+    def submitit(self) -> Path:
+        return self.slurm / "submitit"
+
+    def discarded(self) -> Path:
+        """Where a start that died before its first checkpoint is set aside."""
+        return self.root / f"discarded-{int(time.time())}"
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def holds_run(self) -> bool:
+        """Data, checkpoints or a submitted job are here: a new run must not reuse the folder."""
+        return any(p.exists() for p in (self.rollouts, self.ledger, self.checkpoints, self.job_file))
+
+    def create(self, cfg) -> RunDir:
+        """A new run: refuse a folder that holds one, then write the resolved config (store.run_dir absolute)."""
+        from areal_hpc.config import save_config
+
+        if self.holds_run():
+            raise RunDirError(f"run dir {str(self.root)!r} already holds a run; resume it with --resume or pick "
+                              "another run_name=... or store.run_dir=...")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        cfg.store.run_dir = str(self.root)
+        save_config(cfg, self.config)
+        return self
+
+    def require_checkpoint(self) -> int:
+        n = self.latest_checkpoint()
+        if n is None:
+            raise RunDirError(f"run dir {str(self.root)!r} has no complete checkpoint to resume from")
+        return n
+
+    def before_start(self) -> None:
+        """Every start (fresh, resumed or requeued): no stale stop request or error files."""
+        self.stop.unlink(missing_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for old in self.logs.glob("error-rank*.txt"):
+            old.unlink()
+
+
+class SweepDir:
+    """A sweep's folder: its record of points and submitit's folder; each point's RunDir lies inside."""
+
+    def __init__(self, root: os.PathLike | str):
+        self.root = Path(root)
+
+    @property
+    def record(self) -> Path:
+        return self.root / "sweep.json"
+
+    @property
+    def submitit(self) -> Path:
+        return self.root / "submitit"
+
+    def point(self, name: str) -> RunDir:
+        return RunDir(self.root / name)

@@ -1,0 +1,56 @@
+"""The one shape of every role's loop: drain waiting messages into a handler table, then one tick of the role's work."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from areal_hpc.runtime.protocol import Mailbox, Tag
+
+Handler = Callable[[int, dict], None]  # (source rank, message body)
+
+
+class RoleLoop:
+    """A rank's main loop. A role gives its handler table, its `tick` and when it is `finished`.
+
+    Handlers never block for long and `tick` does one unit of work (one engine step, one grant round),
+    so the rank keeps answering MPI. A message no handler takes is a protocol error, raised at once.
+    """
+
+    role = "rank"
+    listen_to: int | None = None  # None: every rank (rank 0); 0: only the scheduler
+
+    def __init__(self, mail: Mailbox):
+        self.mail = mail
+        self._handlers: dict[Tag, Handler] | None = None  # built on first use, once the role is set up
+
+    def handlers(self) -> dict[Tag, Handler]:
+        raise NotImplementedError
+
+    def tick(self) -> bool:
+        """One unit of the role's own work; True if it did any (then the loop does not sleep)."""
+        return False
+
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def drain(self) -> bool:
+        """Handle every waiting message; True if there was any."""
+        if self._handlers is None:
+            self._handlers = self.handlers()
+        got = False
+        while (msg := self.mail.poll(self.listen_to)) is not None:
+            src, tag, body = msg
+            handler = self._handlers.get(tag)
+            if handler is None:
+                raise RuntimeError(f"{self.role} got unexpected message {tag.name} from rank {src}")
+            handler(src, body)
+            got = True
+        return got
+
+    def loop(self) -> None:
+        while not self.finished():
+            busy = self.drain()
+            busy = self.tick() or busy
+            if not busy:
+                time.sleep(self.mail.idle_sleep_s)

@@ -1,0 +1,213 @@
+"""Rank 0's account of the run: one metrics row per version, assembled from its parts, and progress/summary files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+from areal_hpc.config import Config
+from areal_hpc.metrics import MetricsLogger
+from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.layout import Layout
+from areal_hpc.runtime.scheduler_core import SchedulerCore
+from areal_hpc.utils import atomic_write_text
+
+log = logging.getLogger("areal_hpc.scheduler")
+
+# stats a trainer reports per token of loss, averaged over trainers weighted by their loss tokens
+_PER_LOSS_TOKEN = ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac")
+
+
+class RunReport:
+    """Collects what the ranks report and writes metrics.csv (with TensorBoard), progress.json and summary.json.
+
+    A version's row has parts that arrive in any order from different ranks (the trainers' stats, trainer
+    0's sync, each generator's weight load, a held-out evaluation); it is written once every part it
+    waits for is in, rows in version order.
+    """
+
+    def __init__(self, cfg: Config, run_dir: RunDir, layout: Layout, core: SchedulerCore):
+        self.cfg, self.run_dir, self.layout, self.core = cfg, run_dir, layout, core
+        self.metrics: MetricsLogger | None = None
+        self.start_version = 0
+        self.resumed = False
+        self.t0 = time.time()
+        self.t_rl: float | None = None  # when the starting weights were published
+        self.tokens_consumed = 0
+        self.samples_consumed = 0
+        self.tokens_generated = 0
+        self.aborted_requests = 0  # requests generators interrupted for new weights (and resumed)
+        self.dropped_on_resume = 0
+        self.raw_gbps = math.nan
+        self.sync_gbps: list[float] = []
+        self.evals: dict[str, float] = {}  # evaluation tag -> held-out accuracy
+        self.rows: dict[int, dict] = {}  # version -> metrics row being assembled
+        self.row_wait: dict[int, set] = {}  # version -> parts the row still waits for
+        self.row_got: dict[int, set] = {}  # version -> parts that arrived
+
+    def open(self, start_version: int, resumed: bool, state: dict | None = None) -> None:
+        """Start writing; a resumed run continues the checkpoint's counters and keeps its earlier rows."""
+        self.start_version, self.resumed = start_version, resumed
+        if state is not None:
+            self.tokens_consumed = state.get("tokens_consumed", 0)
+            self.samples_consumed = state.get("samples_consumed", 0)
+            self.evals = dict(state.get("evals", {}))
+            self.dropped_on_resume = state.get("dropped_on_resume", 0)
+        self.metrics = MetricsLogger(self.run_dir, self.cfg.logging.tensorboard,
+                                     keep_upto=start_version if resumed else None)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the report (the rest is per launch)."""
+        return {"tokens_consumed": self.tokens_consumed, "samples_consumed": self.samples_consumed,
+                "evals": self.evals, "dropped_on_resume": self.dropped_on_resume}
+
+    # -- the parts of a row -----------------------------------------------------------------------
+    def expect(self, v: int, parts: set) -> None:
+        """The metrics row of version v waits for these parts (sync, weight acks, eval)."""
+        self.row_wait.setdefault(v, set()).update(parts - self.row_got.setdefault(v, set()))
+
+    def got(self, v: int, part: str, values: dict | None = None) -> None:
+        self.rows.setdefault(v, {}).update(values or {})
+        self.row_got.setdefault(v, set()).add(part)
+        self.row_wait.setdefault(v, set()).discard(part)
+        self.flush_rows()
+
+    def published(self, v: int, values: dict) -> None:
+        """Trainer 0 is sending weights v: the row waits for the sync and every generator's load."""
+        self.rows.setdefault(v, {}).update(values)
+        self.expect(v, {"sync"} | {f"weights{g}" for g in self.layout.generator_ranks})
+
+    def sync_done(self, body: dict) -> None:
+        gbps = body["bytes"] / max(body["sync_s"], 1e-9) / 1e9
+        row = {"sync_s": body["sync_s"], "sync_bytes": body["bytes"], "sync_gbps": gbps}
+        if body["checksum"] is not None:
+            row["checksum_trainer"] = body["checksum"]
+        self.sync_gbps.append(gbps)
+        self.got(body["version"], "sync", row)
+
+    def weights_loaded(self, src: int, body: dict) -> None:
+        g = self.layout.index(src)
+        row = {}
+        if body["checksum"] is not None:
+            row[f"checksum_gen{g}"] = body["checksum"]
+        if body["skipped"]:  # a newer version arrived first; the checksum is of what was received
+            row[f"skipped_gen{g}"] = 1
+        else:
+            row[f"load_s_gen{g}"] = body["load_s"]
+        self.got(body["version"], f"weights{src}", row)
+
+    def eval_result(self, body: dict) -> None:
+        tag, acc = body["tag"], body["acc"]
+        if acc is not None:  # None: superseded by a later evaluation before it started
+            self.evals[tag] = acc
+            log.info("held-out accuracy %s (weights v%s): %.3f", tag, body["version"], acc)
+        if tag.startswith("v"):
+            row = {}
+            if acc is not None:
+                # the weights its tokens came from: an evaluation that spans a weight load ends on the newer
+                row = {"heldout_acc": acc, "heldout_version": body["version"], "heldout_version_end": body["version_end"]}
+            self.got(int(tag[1:]), "eval", row)
+
+    def trained(self, v: int, parts: list[dict]) -> None:
+        """Every trainer's TRAIN_DONE of version v is in."""
+        s = [p["stats"] for p in parts]
+        n = sum(x["samples"] for x in s)
+        tokens = sum(x["tokens"] for x in s)
+        self.tokens_consumed += tokens
+        self.samples_consumed += n
+        now = time.time()
+        elapsed = now - (self.t_rl or self.t0)
+        w = sum(x.get("loss_tokens", 0) for x in s) or 1
+        row = {
+            "wall_s": now - self.t0,
+            "reward_mean": sum(x["reward_sum"] for x in s) / max(n, 1),
+            "samples": n,
+            "tokens": tokens,
+            "gen_tokens": sum(x["gen_tokens"] for x in s),
+            "staleness_mean": sum(x["staleness_sum"] for x in s) / max(n, 1),
+            "staleness_max": max(x["staleness_max"] for x in s),
+            "interrupted": sum(x["interrupted"] for x in s),
+            "groups_kept": sum(x["groups_kept"] for x in s),
+            "dropped_stale": self.core.dropped_stale,
+            "rejected_uniform": self.core.rejected,
+            "t_train": max(x["t_train"] for x in s),
+            "loss": sum(x.get("loss", 0.0) for x in s),
+            "grad_norm": s[0].get("grad_norm", math.nan),
+            "consumed_tokens_per_s": self.tokens_consumed / max(elapsed, 1e-9),
+            "gen_tokens_per_s": self.tokens_generated / max(elapsed, 1e-9),
+        }
+        for k in _PER_LOSS_TOKEN:
+            row[k] = sum(x.get(k, 0.0) * x.get("loss_tokens", 0) for x in s) / w
+        self.got(v, "train", row)
+
+    def flush_rows(self, force: bool = False) -> None:
+        """Write finished rows in version order: a row is complete once trained and every awaited part arrived."""
+        for v in sorted(self.rows):
+            done = "train" in self.row_got.get(v, set()) and not self.row_wait.get(v)
+            if not (done or force):
+                break
+            row = self.rows.pop(v)
+            self.row_wait.pop(v, None)
+            self.row_got.pop(v, None)
+            if self.resumed and v == self.start_version:
+                continue  # the checkpoint's version republished: its row is already in metrics.csv
+            gens = [row.get(f"checksum_gen{i}") for i in range(self.layout.n_generators)]
+            if "checksum_trainer" in row and all(g is not None for g in gens):
+                row["weights_match"] = int(all(g == row["checksum_trainer"] for g in gens))
+            self.metrics.log(v, row)
+
+    # -- progress and summary ---------------------------------------------------------------------
+    def last_eval_tag(self) -> str | None:
+        if "final" in self.evals:
+            return "final"
+        tags = [t for t in self.evals if t.startswith("v")]
+        if tags:
+            return max(tags, key=lambda t: int(t[1:]))
+        return "start" if "start" in self.evals else None
+
+    def write_progress(self, state: str = "running") -> None:
+        now = time.time()
+        elapsed = now - (self.t_rl or self.t0)
+        last = self.metrics.rows[-1] if self.metrics and self.metrics.rows else {}
+        doc = {
+            "state": state, "version": self.core.version, "versions": self.cfg.trainer.versions,
+            "start_version": self.start_version,
+            "reward_mean": last.get("reward_mean"), "heldout_acc": self.evals.get(self.last_eval_tag()),
+            "consumed_tokens_per_s": self.tokens_consumed / max(elapsed, 1e-9),
+            "elapsed_s": now - self.t0, "dropped_stale": self.core.dropped_stale,
+            "rejected_uniform": self.core.rejected, "time": now,
+        }
+        atomic_write_text(self.run_dir.progress, json.dumps(doc))
+
+    def finish(self, stop_reason: str) -> dict:
+        """Every rank has said BYE: write the last rows, summary.json, then the final progress."""
+        self.flush_rows(force=True)
+        self.metrics.close()
+        now = time.time()
+        rl = now - (self.t_rl or self.t0)
+        summary = {
+            "versions": self.core.version,
+            "start_version": self.start_version,
+            "stop_reason": stop_reason,
+            "acc_init": self.evals.get("init"),
+            "acc_start": self.evals.get("start"),
+            "acc_final": self.evals.get("final"),
+            "wall_s": now - self.t0,
+            "rl_wall_s": rl,
+            "tokens_consumed": self.tokens_consumed,
+            "samples_consumed": self.samples_consumed,
+            "consumed_tokens_per_s": self.tokens_consumed / max(rl, 1e-9),
+            "dropped_stale": self.core.dropped_stale,
+            "rejected_uniform": self.core.rejected,
+            "dropped_on_resume": self.dropped_on_resume,
+            "sync_gbps_mean": sum(self.sync_gbps) / len(self.sync_gbps) if self.sync_gbps else None,
+            "raw_broadcast_gbps": None if math.isnan(self.raw_gbps) else self.raw_gbps,
+            "eta": self.cfg.rollout.eta,
+            "interrupt": self.cfg.rollout.interrupt,
+            "aborted_requests": self.aborted_requests,
+        }
+        atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=1))
+        self.write_progress("finished")
+        return summary
