@@ -56,7 +56,12 @@ def train_sync_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
 @main.command("run")
 @click.argument("config_path", required=False, type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this RUN_DIR from its last checkpoint.")
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False),
+    help="Continue the run in this RUN_DIR from its last checkpoint.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
 def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_progress: bool) -> None:
     """Run the asynchronous runtime under mpirun: CONFIG_PATH [KEY=VALUE ...], or --resume RUN_DIR [KEY=VALUE ...]."""
@@ -82,18 +87,35 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
         raise click.ClickException(str(err).splitlines()[0]) from None
     run_dir = RunDir(Path(cfg.store.run_dir).resolve())
     pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
-    click.echo(f"versions:    {s['start_version']} -> {s['versions']} ({s['stop_reason']}) in {s['rl_wall_s']:.0f} s of RL, {s['wall_s']:.0f} s total")
-    click.echo(f"held-out:    {pct(s['acc_init'])} at start, {pct(s['acc_start'])} after warm start, {pct(s['acc_final'])} at the end")
-    click.echo(f"throughput:  {s['consumed_tokens_per_s']:.0f} consumed tokens/s ({s['tokens_consumed']} tokens, {s['samples_consumed']} samples)")
+    click.echo(
+        f"versions:    {s['start_version']} -> {s['versions']} ({s['stop_reason']}) "
+        f"in {s['rl_wall_s']:.0f} s of RL, {s['wall_s']:.0f} s total"
+    )
+    click.echo(
+        f"held-out:    {pct(s['acc_init'])} at start, {pct(s['acc_start'])} after warm start, "
+        f"{pct(s['acc_final'])} at the end"
+    )
+    click.echo(
+        f"throughput:  {s['consumed_tokens_per_s']:.0f} consumed tokens/s "
+        f"({s['tokens_consumed']} tokens, {s['samples_consumed']} samples)"
+    )
     hist = staleness_histogram(run_dir.root)
-    click.echo(f"staleness:   {hist} (versions behind -> trajectories); dropped too stale: {s['dropped_stale']} groups, {s['dropped_on_resume']} on resume")
-    click.echo(f"sampling:    {s.get('rejected_uniform', 0)} groups rejected as uniform (all rewards equal) and refilled; "
-               f"{s.get('aborted_requests', 0)} requests interrupted for new weights and resumed")
+    click.echo(
+        f"staleness:   {hist} (versions behind -> trajectories); "
+        f"dropped too stale: {s['dropped_stale']} groups, {s['dropped_on_resume']} on resume"
+    )
+    click.echo(
+        f"sampling:    {s.get('rejected_uniform', 0)} groups rejected as uniform (all rewards equal) and refilled; "
+        f"{s.get('aborted_requests', 0)} requests interrupted for new weights and resumed"
+    )
     if s.get("sync_gbps_mean") is not None:
         if cfg.sync.method == "disk":
             click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s through {run_dir.weights}")
         else:
-            click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s bucketed, raw single buffer {s['raw_broadcast_gbps'] or float('nan'):.2f} GB/s")
+            click.echo(
+                f"weight sync: {s['sync_gbps_mean']:.2f} GB/s bucketed, "
+                f"raw single buffer {s['raw_broadcast_gbps'] or float('nan'):.2f} GB/s"
+            )
     rel = [p.relative_to(run_dir.root) for p in (run_dir.metrics, run_dir.timeline, run_dir.logs, run_dir.checkpoints)]
     click.echo(f"run dir:     {run_dir.root}  ({', '.join(map(str, rel))})")
     if cfg.logging.tensorboard:
@@ -145,7 +167,9 @@ def submit_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
 @click.option("--grid", "grid", multiple=True, required=True, help="KEY=V1,V2,... (repeat for more keys)")
 @click.option("--sweep-dir", required=True, type=click.Path(file_okay=False), help="Where the points' run dirs go.")
 @click.option("--max-parallel", type=int, default=None, help="At most this many points running at once.")
-def sweep_cmd(config_path: str, overrides: tuple[str, ...], grid: tuple[str, ...], sweep_dir: str, max_parallel: int | None) -> None:
+def sweep_cmd(
+    config_path: str, overrides: tuple[str, ...], grid: tuple[str, ...], sweep_dir: str, max_parallel: int | None
+) -> None:
     """Submit a grid over CONFIG_PATH [KEY=VALUE ...] as one Slurm job array."""
     import yaml
 
@@ -202,8 +226,10 @@ def status_cmd(run_dir: str) -> None:
         return
     reward = "n/a" if p.get("reward_mean") is None else f"{p['reward_mean']:.3f}"
     acc = "n/a" if p.get("heldout_acc") is None else f"{p['heldout_acc']:.1%}"
-    click.echo(f"progress: version {p['version']}/{p['versions']} ({p['state']}), reward {reward}, held-out {acc}, "
-               f"{p['consumed_tokens_per_s']:.0f} consumed tokens/s, {p['elapsed_s']:.0f} s since start")
+    click.echo(
+        f"progress: version {p['version']}/{p['versions']} ({p['state']}), reward {reward}, held-out {acc}, "
+        f"{p['consumed_tokens_per_s']:.0f} consumed tokens/s, {p['elapsed_s']:.0f} s since start"
+    )
 
 
 @main.command("cancel")

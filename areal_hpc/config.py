@@ -191,25 +191,54 @@ _CHOICES = {
 }
 # key -> (lower bound, inclusive?) for numbers
 _LOWER = {
-    "model.hidden_size": (1, True), "model.intermediate_size": (1, True),
-    "model.num_layers": (1, True), "model.num_heads": (1, True),
-    "data.heldout_size": (0, True), "data.max_operand": (1, True), "data.train_size": (1, True),
-    "reward.timeout_s": (0, False), "reward.num_workers": (1, True),
-    "rollout.n_samples": (1, True), "rollout.temperature": (0, False), "rollout.top_p": (0, False),
-    "rollout.max_new_tokens": (1, True), "rollout.batch_prompts": (1, True), "rollout.eta": (0, True),
-    "rollout.max_running": (0, True), "rollout.max_num_seqs": (1, True), "rollout.max_concurrent_groups": (0, True),
-    "store.shard_max_groups": (1, True), "store.shard_max_wait_s": (0, True), "rollout.kv_cache_gib": (0, False),
-    "sync.bucket_mb": (1, True), "sync.keep_versions": (1, True), "sync.timeout_s": (0, False),
-    "ppo.eps_clip": (0, False), "ppo.behav_imp_weight_cap": (0, True), "ppo.n_minibatches": (1, True),
-    "trainer.lr": (0, False), "trainer.weight_decay": (0, True), "trainer.grad_clip": (0, True),
-    "trainer.max_tokens_per_mb": (1, True), "trainer.versions": (1, True), "trainer.max_wall_s": (0, True),
-    "trainer.warm_start_steps": (0, True), "trainer.warm_start_lr": (0, False),
-    "trainer.warm_start_examples": (1, True), "trainer.warm_start_batch": (1, True),
+    "model.hidden_size": (1, True),
+    "model.intermediate_size": (1, True),
+    "model.num_layers": (1, True),
+    "model.num_heads": (1, True),
+    "data.heldout_size": (0, True),
+    "data.max_operand": (1, True),
+    "data.train_size": (1, True),
+    "reward.timeout_s": (0, False),
+    "reward.num_workers": (1, True),
+    "rollout.n_samples": (1, True),
+    "rollout.temperature": (0, False),
+    "rollout.top_p": (0, False),
+    "rollout.max_new_tokens": (1, True),
+    "rollout.batch_prompts": (1, True),
+    "rollout.eta": (0, True),
+    "rollout.max_running": (0, True),
+    "rollout.max_num_seqs": (1, True),
+    "rollout.max_concurrent_groups": (0, True),
+    "store.shard_max_groups": (1, True),
+    "store.shard_max_wait_s": (0, True),
+    "rollout.kv_cache_gib": (0, False),
+    "sync.bucket_mb": (1, True),
+    "sync.keep_versions": (1, True),
+    "sync.timeout_s": (0, False),
+    "ppo.eps_clip": (0, False),
+    "ppo.behav_imp_weight_cap": (0, True),
+    "ppo.n_minibatches": (1, True),
+    "trainer.lr": (0, False),
+    "trainer.weight_decay": (0, True),
+    "trainer.grad_clip": (0, True),
+    "trainer.max_tokens_per_mb": (1, True),
+    "trainer.versions": (1, True),
+    "trainer.max_wall_s": (0, True),
+    "trainer.warm_start_steps": (0, True),
+    "trainer.warm_start_lr": (0, False),
+    "trainer.warm_start_examples": (1, True),
+    "trainer.warm_start_batch": (1, True),
     "trainer.checkpoint_every": (0, True),
-    "cluster.n_generators": (1, True), "cluster.n_trainers": (1, True), "cluster.threads_per_rank": (1, True),
-    "slurm.train_nodes": (1, True), "slurm.gen_nodes": (1, True), "slurm.gpus_per_node": (0, True),
-    "slurm.cpus_per_task": (1, True), "slurm.signal_s": (0, True),
-    "logging.eval_every": (0, True), "logging.eval_prompts": (1, True),
+    "cluster.n_generators": (1, True),
+    "cluster.n_trainers": (1, True),
+    "cluster.threads_per_rank": (1, True),
+    "slurm.train_nodes": (1, True),
+    "slurm.gen_nodes": (1, True),
+    "slurm.gpus_per_node": (0, True),
+    "slurm.cpus_per_task": (1, True),
+    "slurm.signal_s": (0, True),
+    "logging.eval_every": (0, True),
+    "logging.eval_prompts": (1, True),
 }
 
 
@@ -256,18 +285,23 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config rollout.top_p={cfg.rollout.top_p!r} is out of range; it must be in (0, 1]")
     if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
         # vLLM's processed logprobs renormalise over the top-p set; the trainer recomputes softmax(logits / T)
-        raise ConfigError(f"config rollout.top_p={cfg.rollout.top_p!r} is not supported with rollout.engine=vllm "
-                          "(its logprobs would not match the trainer's); use top_p=1.0 or engine=torch")
+        raise ConfigError(
+            f"config rollout.top_p={cfg.rollout.top_p!r} is not supported with rollout.engine=vllm "
+            "(its logprobs would not match the trainer's); use top_p=1.0 or engine=torch"
+        )
     if cfg.data.kind in ("jsonl", "parquet") and not cfg.data.path:
         raise ConfigError(f"config data.path is empty; data.kind={cfg.data.kind} needs a dataset file")
     if cfg.model.hidden_size % cfg.model.num_heads:
         raise ConfigError(
-            f"config model.hidden_size={cfg.model.hidden_size} must be divisible by model.num_heads={cfg.model.num_heads}"
+            f"config model.hidden_size={cfg.model.hidden_size} must be divisible by "
+            f"model.num_heads={cfg.model.num_heads}"
         )
     if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
         raise ConfigError(f"config trainer.betas={list(cfg.trainer.betas)} must be two numbers in [0, 1)")
     if not _SLURM_TIME.match(cfg.slurm.time):
-        raise ConfigError(f"config slurm.time={cfg.slurm.time!r} is not a Slurm time; use minutes, M:S, H:M:S or D-H[:M[:S]]")
+        raise ConfigError(
+            f"config slurm.time={cfg.slurm.time!r} is not a Slurm time; use minutes, M:S, H:M:S or D-H[:M[:S]]"
+        )
     if cfg.trainer.zero_stage not in (1, 2, 3):
         raise ConfigError(f"config trainer.zero_stage={cfg.trainer.zero_stage!r} is not allowed; choose one of 1, 2, 3")
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
@@ -295,7 +329,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             except yaml.YAMLError as err:
                 mark = getattr(err, "problem_mark", None)
                 where = f" line {mark.line + 1}" if mark else ""
-                raise ConfigError(f"config file {str(p)!r}{where} is not valid YAML ({getattr(err, 'problem', err)})") from None
+                raise ConfigError(
+                    f"config file {str(p)!r}{where} is not valid YAML ({getattr(err, 'problem', err)})"
+                ) from None
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections (model:, rollout:, ...)")
             layers.append(loaded)

@@ -131,7 +131,9 @@ def load_math_dataset(
         detail = ", ".join(f"{n} {why}" for why, n in reasons.items())
         warnings.warn(f"dataset {p.name}: skipped {skipped} malformed rows ({detail})", stacklevel=2)
     if not problems:
-        raise ValueError(f"dataset {str(p)!r} has no usable rows (keys {question_key!r}/{answer_key!r}); skipped {skipped}")
+        raise ValueError(
+            f"dataset {str(p)!r} has no usable rows (keys {question_key!r}/{answer_key!r}); skipped {skipped}"
+        )
     order = list(range(len(problems)))
     random.Random(seed).shuffle(order)
     n_held = min(heldout_size, len(problems) // 2)

@@ -113,14 +113,19 @@ def check_model_folder(path: str | Path) -> Path:
     """Raise ModelFolderError (one line) unless `path` holds a loadable HF causal LM + tokenizer."""
     p = Path(path)
     if not p.is_dir():
-        raise ModelFolderError(f"model folder {str(p)!r} does not exist (set model.path to a local Hugging Face folder, or model.build_tiny=true)")
+        raise ModelFolderError(
+            f"model folder {str(p)!r} does not exist "
+            "(set model.path to a local Hugging Face folder, or model.build_tiny=true)"
+        )
     if not (p / "config.json").is_file():
         raise ModelFolderError(f"model folder {str(p)!r} has no config.json; expected a Hugging Face model folder")
     weights = list(p.glob("*.safetensors")) + list(p.glob("*.bin"))
     if not weights:
         raise ModelFolderError(f"model folder {str(p)!r} has no weights (*.safetensors or *.bin)")
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ModelFolderError(f"model folder {str(p)!r} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+        raise ModelFolderError(
+            f"model folder {str(p)!r} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)"
+        )
     try:
         json.loads((p / "config.json").read_text())
     except json.JSONDecodeError as err:

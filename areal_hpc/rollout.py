@@ -16,7 +16,9 @@ def completion_texts(tokenizer, outputs: list[GenOutput]) -> list[str]:
     return [tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outputs]
 
 
-def to_trajectory(out: GenOutput, prompt_id: int, reward: float, gen_rank: int, t_start: float, t_end: float) -> Trajectory:
+def to_trajectory(
+    out: GenOutput, prompt_id: int, reward: float, gen_rank: int, t_start: float, t_end: float
+) -> Trajectory:
     """Assemble the stored record: whole sequence with prompt positions masked out."""
     rid = parse_request_id(out.request_id)
     if not isinstance(rid, SampleId):

@@ -185,8 +185,10 @@ class RunDir:
         from areal_hpc.config import save_config
 
         if self.holds_run():
-            raise RunDirError(f"run dir {str(self.root)!r} already holds a run; resume it with --resume or pick "
-                              "another run_name=... or store.run_dir=...")
+            raise RunDirError(
+                f"run dir {str(self.root)!r} already holds a run; resume it with --resume or pick "
+                "another run_name=... or store.run_dir=..."
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         cfg.store.run_dir = str(self.root)

@@ -93,10 +93,17 @@ class GenRequest:
     partial_versions: list[int] = field(default_factory=list)
     greedy: bool = False
 
-    def resumed(self, out: "GenOutput") -> "GenRequest":
+    def resumed(self, out: GenOutput) -> GenRequest:
         """This request again, continuing from an interrupted output (prompt + partial)."""
-        return GenRequest(self.request_id, list(self.prompt_ids), self.max_new_tokens, list(out.output_ids),
-                          list(out.output_logprobs), list(out.output_versions), self.greedy)
+        return GenRequest(
+            self.request_id,
+            list(self.prompt_ids),
+            self.max_new_tokens,
+            list(out.output_ids),
+            list(out.output_logprobs),
+            list(out.output_versions),
+            self.greedy,
+        )
 
 
 @dataclass

@@ -14,22 +14,33 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from _runs import launch_run  # benchmarks/ is on the path when a benchmark runs as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 WORKLOAD = [
-    "cluster.n_generators=1", "cluster.n_trainers=1", "cluster.threads_per_rank=1",
-    "rollout.max_new_tokens=128", "rollout.batch_prompts=16", "rollout.n_samples=8",
+    "cluster.n_generators=1",
+    "cluster.n_trainers=1",
+    "cluster.threads_per_rank=1",
+    "rollout.max_new_tokens=128",
+    "rollout.batch_prompts=16",
+    "rollout.n_samples=8",
     "rollout.max_concurrent_groups=32",
-    "trainer.warm_start_steps=0", "trainer.lr=1e-5", "ppo.drop_uniform_groups=false",
-    "trainer.max_wall_s=0", "trainer.checkpoint_every=0",
-    "logging.eval_prompts=20", "logging.eval_every=0", "logging.tensorboard=false", "logging.progress=false",
+    "trainer.warm_start_steps=0",
+    "trainer.lr=1e-5",
+    "ppo.drop_uniform_groups=false",
+    "trainer.max_wall_s=0",
+    "trainer.checkpoint_every=0",
+    "logging.eval_prompts=20",
+    "logging.eval_every=0",
+    "logging.tensorboard=false",
+    "logging.progress=false",
 ]
 VARIANTS = {
     "eta0": ["rollout.eta=0", "rollout.interrupt=true"],
@@ -50,16 +61,8 @@ def busy_fractions(run_dir: Path) -> dict[str, float]:
 
 
 def run_variant(name: str, versions: int, out_root: Path) -> dict:
-    from areal_hpc.config import load_config
-    from areal_hpc.launch.local import launch
-
     run_dir = out_root / name
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = load_config(ROOT / "jobs" / "demo.yaml", [
-        *WORKLOAD, *VARIANTS[name], f"trainer.versions={versions}", f"store.run_dir={run_dir}",
-        f"model.path={out_root / 'model'}", f"run_name=bench_{name}",
-    ])
-    s = launch(cfg, progress=False)
+    _, s = launch_run(run_dir, [*WORKLOAD, *VARIANTS[name], f"trainer.versions={versions}"], out_root / "model")
     return {**s, **busy_fractions(run_dir)}
 
 
@@ -67,8 +70,17 @@ def weight_sync_figures(out_root: Path) -> dict:
     from areal_hpc.launch.environment import rank_env
 
     out = out_root / "weight_sync.json"
-    cmd = ["mpirun", "-n", "3", "--oversubscribe", "--bind-to", "none", sys.executable,
-           str(ROOT / "benchmarks" / "_weight_sync_mpi.py"), str(out)]
+    cmd = [
+        "mpirun",
+        "-n",
+        "3",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        sys.executable,
+        str(ROOT / "benchmarks" / "_weight_sync_mpi.py"),
+        str(out),
+    ]
     subprocess.run(cmd, env=rank_env(local_mpirun=True), check=True, capture_output=True, timeout=600)
     return json.loads(out.read_text())
 
@@ -86,7 +98,14 @@ def main() -> None:
         runs[name] = run_variant(name, args.versions, args.out)
     sync = weight_sync_figures(args.out)
 
-    keys = ("consumed_tokens_per_s", "rl_wall_s", "generator_busy", "trainer_busy", "sync_gbps_mean", "raw_broadcast_gbps")
+    keys = (
+        "consumed_tokens_per_s",
+        "rl_wall_s",
+        "generator_busy",
+        "trainer_busy",
+        "sync_gbps_mean",
+        "raw_broadcast_gbps",
+    )
     print(f"\n{'variant':<20}" + "".join(f"{k:>22}" for k in keys))
     for name, r in runs.items():
         print(f"{name:<20}" + "".join(f"{(r[k] if r[k] is not None else float('nan')):>22.3f}" for k in keys))
@@ -94,12 +113,22 @@ def main() -> None:
     interrupt_gain = runs["eta4"]["consumed_tokens_per_s"] / runs["eta4_no_interrupt"]["consumed_tokens_per_s"]
     print(f"\nasync (eta=4) / sync (eta=0) throughput: {ratio:.2f}x")
     print(f"interrupt on / off (eta=4):             {interrupt_gain:.2f}x")
-    print(f"weight sync, {sync['bytes'] / 1e6:.0f} MB to 2 generators: bucketed {sync['bucketed_gbps']:.2f} GB/s "
-          f"({sync['buckets']} buckets), raw single buffer {sync['raw_gbps']:.2f} GB/s, per tensor {sync['per_tensor_gbps']:.2f} GB/s")
+    print(
+        f"weight sync, {sync['bytes'] / 1e6:.0f} MB to 2 generators: bucketed {sync['bucketed_gbps']:.2f} GB/s "
+        f"({sync['buckets']} buckets), raw single buffer {sync['raw_gbps']:.2f} GB/s, "
+        f"per tensor {sync['per_tensor_gbps']:.2f} GB/s"
+    )
     result = {
-        "benchmark": "async_vs_sync", "host": platform.node(), "time": time.time(), "wall_s": time.time() - t0,
-        "workload": WORKLOAD, "versions": args.versions, "runs": runs,
-        "async_over_sync": ratio, "interrupt_on_over_off": interrupt_gain, "weight_sync": sync,
+        "benchmark": "async_vs_sync",
+        "host": platform.node(),
+        "time": time.time(),
+        "wall_s": time.time() - t0,
+        "workload": WORKLOAD,
+        "versions": args.versions,
+        "runs": runs,
+        "async_over_sync": ratio,
+        "interrupt_on_over_off": interrupt_gain,
+        "weight_sync": sync,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "async_vs_sync.json").write_text(json.dumps(result, indent=1))

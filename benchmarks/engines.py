@@ -35,18 +35,28 @@ def make_gen(kind: str, model: Path, args):
     if kind == "torch":
         from areal_hpc.engines.torch_gen import TorchGenerationEngine
 
-        eng = TorchGenerationEngine(str(model), dtype=args.dtype, seed=0, device=args.device, max_num_seqs=args.max_num_seqs)
+        eng = TorchGenerationEngine(
+            str(model), dtype=args.dtype, seed=0, device=args.device, max_num_seqs=args.max_num_seqs
+        )
     else:
         from areal_hpc.engines.vllm_gen import VLLMGenerationEngine
 
-        eng = VLLMGenerationEngine(str(model), dtype=args.dtype, seed=0, device=args.device, kv_cache_gib=args.kv_cache_gib,
-                                   max_num_seqs=args.max_num_seqs)
+        eng = VLLMGenerationEngine(
+            str(model),
+            dtype=args.dtype,
+            seed=0,
+            device=args.device,
+            kv_cache_gib=args.kv_cache_gib,
+            max_num_seqs=args.max_num_seqs,
+        )
     eng.ignore_eos = True
     return eng
 
 
 def make_train(kind: str, model: Path, args):
-    common = dict(lr=1e-6, n_minibatches=args.minibatches, max_tokens_per_mb=args.tokens_per_mb, seed=0, device=args.device)
+    common = dict(
+        lr=1e-6, n_minibatches=args.minibatches, max_tokens_per_mb=args.tokens_per_mb, seed=0, device=args.device
+    )
     if kind == "torch":
         from areal_hpc.engines.torch_train import TorchTrainEngine
 
@@ -105,15 +115,38 @@ def main() -> None:
     trains = [t for t in args.train.split(",") if t]
 
     work = Path(tempfile.mkdtemp(prefix="areal-bench-"))
-    model = build_tiny_model(work / "model", hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                             num_layers=args.layers, num_heads=args.heads, seed=0)
-    n_params = sum(v.numel() for v in __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(model / "model.safetensors")).values())
-    print(f"[bench] model: hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.1f}M parameters, {args.dtype} on {args.device}")
+    model = build_tiny_model(
+        work / "model",
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        seed=0,
+    )
+    n_params = sum(
+        v.numel()
+        for v in __import__("safetensors.torch", fromlist=["load_file"])
+        .load_file(str(model / "model.safetensors"))
+        .values()
+    )
+    print(
+        f"[bench] model: hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.1f}M parameters, "
+        f"{args.dtype} on {args.device}"
+    )
     tok = load_tokenizer(model)
     prompts = [f"{a:02d}+{b:02d}=" for a, b in zip(range(args.prompts), range(args.prompts, 0, -1))]
-    reqs = [GenRequest(f"{i}:{s}", tok.encode(p), args.max_new) for i, p in enumerate(prompts) for s in range(args.samples)]
-    result = {"device": args.device, "dtype": args.dtype, "params_m": n_params / 1e6, "host": platform.node(),
-              "threads": args.threads, "requests": len(reqs), "max_new_tokens": args.max_new}
+    reqs = [
+        GenRequest(f"{i}:{s}", tok.encode(p), args.max_new) for i, p in enumerate(prompts) for s in range(args.samples)
+    ]
+    result = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "params_m": n_params / 1e6,
+        "host": platform.node(),
+        "threads": args.threads,
+        "requests": len(reqs),
+        "max_new_tokens": args.max_new,
+    }
 
     outs = None
     if gens:
@@ -122,31 +155,43 @@ def main() -> None:
             outs = generate(e, reqs[:4])  # warm-up
         gen_tokens = len(reqs) * args.max_new
         last = {}
-        secs = best_of({k: (lambda k=k: last.__setitem__(k, generate(engines[k], reqs))) for k in engines}, args.repeats)
+        secs = best_of(
+            {k: (lambda k=k: last.__setitem__(k, generate(engines[k], reqs))) for k in engines}, args.repeats
+        )
         outs = last[gens[0]]
         assert all(len(o.output_ids) == args.max_new for o in outs)
         result["generation_tokens_per_s"] = {k: gen_tokens / s for k, s in secs.items()}
         for k in engines:
-            print(f"[bench] generation {k:>9}: {gen_tokens / secs[k]:9.0f} tokens/s ({gen_tokens} tokens in {secs[k]:.2f} s)")
+            print(
+                f"[bench] generation {k:>9}: {gen_tokens / secs[k]:9.0f} tokens/s "
+                f"({gen_tokens} tokens in {secs[k]:.2f} s)"
+            )
         # long-tailed lengths, as in reasoning: the untrained model stops at EOS at random; with continuous
         # batching a finished row costs nothing more
         for e in engines.values():
             e.ignore_eos = False
         tail: dict = {}
-        tail_secs = best_of({k: (lambda k=k: tail.__setitem__(k, generate(engines[k], reqs))) for k in engines}, args.repeats)
+        tail_secs = best_of(
+            {k: (lambda k=k: tail.__setitem__(k, generate(engines[k], reqs))) for k in engines}, args.repeats
+        )
         tail_tokens = {k: sum(len(o.output_ids) for o in v) for k, v in tail.items()}
         result["generation_tail_tokens_per_s"] = {k: tail_tokens[k] / s for k, s in tail_secs.items()}
         for k, e in engines.items():
             lens = [len(o.output_ids) for o in tail[k]]
-            print(f"[bench] generation {k:>9}, EOS on: {tail_tokens[k] / tail_secs[k]:9.0f} tokens/s (lengths mean "
-                  f"{np.mean(lens):.0f}, max {max(lens)})")
+            print(
+                f"[bench] generation {k:>9}, EOS on: {tail_tokens[k] / tail_secs[k]:9.0f} tokens/s (lengths mean "
+                f"{np.mean(lens):.0f}, max {max(lens)})"
+            )
             e.close()
         if {"vllm", "torch"} <= set(secs):
             result["generation_vllm_over_torch"] = secs["torch"] / secs["vllm"]
-            result["generation_tail_vllm_over_torch"] = (result["generation_tail_tokens_per_s"]["vllm"]
-                                                         / result["generation_tail_tokens_per_s"]["torch"])
-            print(f"[bench] generation vllm / torch: {result['generation_vllm_over_torch']:.2f}x equal lengths, "
-                  f"{result['generation_tail_vllm_over_torch']:.2f}x long-tailed")
+            result["generation_tail_vllm_over_torch"] = (
+                result["generation_tail_tokens_per_s"]["vllm"] / result["generation_tail_tokens_per_s"]["torch"]
+            )
+            print(
+                f"[bench] generation vllm / torch: {result['generation_vllm_over_torch']:.2f}x equal lengths, "
+                f"{result['generation_tail_vllm_over_torch']:.2f}x long-tailed"
+            )
 
         write_json(args.out, result)
 
@@ -155,8 +200,17 @@ def main() -> None:
             rng = np.random.default_rng(0)
             from areal_hpc.types import GenOutput
 
-            outs = [GenOutput(r.request_id, r.prompt_ids, rng.integers(4, len(tok), args.max_new).tolist(),
-                              [-1.0] * args.max_new, [0] * args.max_new, "length") for r in reqs]
+            outs = [
+                GenOutput(
+                    r.request_id,
+                    r.prompt_ids,
+                    rng.integers(4, len(tok), args.max_new).tolist(),
+                    [-1.0] * args.max_new,
+                    [0] * args.max_new,
+                    "length",
+                )
+                for r in reqs
+            ]
         from areal_hpc.rollout import to_trajectory
 
         trajs = [to_trajectory(o, int(o.request_id.split(":")[0]), 0.0, 0, 0.0, 0.0) for o in outs]
@@ -168,11 +222,16 @@ def main() -> None:
         secs = best_of({k: (lambda k=k: engines[k].ppo_update(trajs, adv)) for k in engines}, args.repeats)
         result["train_tokens_per_s"] = {k: train_tokens / s for k, s in secs.items()}
         for k in engines:
-            print(f"[bench] training   {k:>9}: {train_tokens / secs[k]:9.0f} tokens/s ({train_tokens} tokens, "
-                  f"{args.minibatches} optimizer steps, in {secs[k]:.2f} s)")
+            print(
+                f"[bench] training   {k:>9}: {train_tokens / secs[k]:9.0f} tokens/s ({train_tokens} tokens, "
+                f"{args.minibatches} optimizer steps, in {secs[k]:.2f} s)"
+            )
         if {"deepspeed", "torch"} <= set(secs):
             result["train_deepspeed_over_torch"] = secs["torch"] / secs["deepspeed"]
-            print(f"[bench] training deepspeed (ZeRO-{args.zero_stage}) / torch: {result['train_deepspeed_over_torch']:.2f}x")
+            print(
+                f"[bench] training deepspeed (ZeRO-{args.zero_stage}) / torch: "
+                f"{result['train_deepspeed_over_torch']:.2f}x"
+            )
 
     write_json(args.out, result)
     print(f"[bench] wrote {args.out}")

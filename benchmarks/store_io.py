@@ -41,11 +41,19 @@ def make_shard(rng: np.random.Generator, n: int, group: int, version: int, gen_r
         mask[p:] = 1
         out.append(
             Trajectory(
-                prompt_id=i // group, group_id=i // group, sample_idx=i % group,
-                input_ids=rng.integers(0, 151_000, L, dtype=np.int32), behav_logprobs=logp,
-                versions=versions, loss_mask=mask, prompt_len=p, reward=float(rng.random() < 0.4),
-                finish_reason="length" if g == max_gen else "stop", gen_rank=gen_rank,
-                t_start=time.time(), t_end=time.time() + g * 0.02,
+                prompt_id=i // group,
+                group_id=i // group,
+                sample_idx=i % group,
+                input_ids=rng.integers(0, 151_000, L, dtype=np.int32),
+                behav_logprobs=logp,
+                versions=versions,
+                loss_mask=mask,
+                prompt_len=p,
+                reward=float(rng.random() < 0.4),
+                finish_reason="length" if g == max_gen else "stop",
+                gen_rank=gen_rank,
+                t_start=time.time(),
+                t_end=time.time() + g * 0.02,
             )
         )
     return out

@@ -23,22 +23,33 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import sys
 import time
 from pathlib import Path
 
+from _runs import launch_run  # benchmarks/ is on the path when a benchmark runs as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from areal_hpc.rundir import RunDir  # noqa: E402 (after the path: runs from a checkout)
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 WORKLOAD = [
-    "cluster.n_generators=1", "cluster.n_trainers=1", "cluster.threads_per_rank=1",
-    "rollout.batch_prompts=16", "rollout.n_samples=8",
-    "trainer.warm_start_steps=0", "trainer.lr=1e-5", "ppo.drop_uniform_groups=false",
-    "trainer.max_wall_s=0", "trainer.checkpoint_every=0",
-    "logging.eval_prompts=4", "logging.eval_every=0", "logging.tensorboard=false", "logging.progress=false",
+    "cluster.n_generators=1",
+    "cluster.n_trainers=1",
+    "cluster.threads_per_rank=1",
+    "rollout.batch_prompts=16",
+    "rollout.n_samples=8",
+    "trainer.warm_start_steps=0",
+    "trainer.lr=1e-5",
+    "ppo.drop_uniform_groups=false",
+    "trainer.max_wall_s=0",
+    "trainer.checkpoint_every=0",
+    "logging.eval_prompts=4",
+    "logging.eval_every=0",
+    "logging.tensorboard=false",
+    "logging.progress=false",
 ]
 VARIANTS = {
     "eta0": ["rollout.eta=0", "rollout.interrupt=true"],
@@ -98,8 +109,9 @@ def offline_ceiling(engine: str, run_dir: Path, model: Path, cfg) -> float:
     torch.set_num_threads(cfg.cluster.threads_per_rank)  # as the generator rank runs
     rc = cfg.rollout
     kw = {"kv_cache_gib": rc.kv_cache_gib} if engine == "vllm" else {}
-    eng = make_generation_engine(engine, model_path=str(model), temperature=rc.temperature, seed=0,
-                                 max_num_seqs=rc.max_num_seqs, **kw)
+    eng = make_generation_engine(
+        engine, model_path=str(model), temperature=rc.temperature, seed=0, max_num_seqs=rc.max_num_seqs, **kw
+    )
     eng.ignore_eos = True  # every request produces exactly its stored length
     reqs = []
     for shard in list_shards(RunDir(run_dir).rollouts):
@@ -118,20 +130,24 @@ def offline_ceiling(engine: str, run_dir: Path, model: Path, cfg) -> float:
 
 
 def run_variant(engine: str, name: str, args, out_root: Path) -> dict:
-    from areal_hpc.config import load_config
-    from areal_hpc.launch.local import launch
-
     run_dir = out_root / f"{engine}-{name}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = load_config(ROOT / "jobs" / "demo.yaml", [
-        *WORKLOAD, *VARIANTS[name], f"rollout.engine={engine}", f"rollout.max_new_tokens={args.max_new}",
-        f"rollout.max_num_seqs={args.slots}", f"rollout.max_concurrent_groups={args.groups}",
-        f"trainer.versions={args.versions}", f"store.run_dir={run_dir}", f"model.path={out_root / 'model'}",
-        f"run_name=stream_{engine}_{name}",
-    ])
-    s = launch(cfg, progress=False)
-    r = {**{k: s[k] for k in ("consumed_tokens_per_s", "rl_wall_s", "dropped_stale", "rejected_uniform", "aborted_requests")},
-         **figures(run_dir, s)}
+    overrides = [
+        *WORKLOAD,
+        *VARIANTS[name],
+        f"rollout.engine={engine}",
+        f"rollout.max_new_tokens={args.max_new}",
+        f"rollout.max_num_seqs={args.slots}",
+        f"rollout.max_concurrent_groups={args.groups}",
+        f"trainer.versions={args.versions}",
+    ]
+    cfg, s = launch_run(run_dir, overrides, out_root / "model")
+    r = {
+        **{
+            k: s[k]
+            for k in ("consumed_tokens_per_s", "rl_wall_s", "dropped_stale", "rejected_uniform", "aborted_requests")
+        },
+        **figures(run_dir, s),
+    }
     r["offline_gen_tokens_per_s"] = offline_ceiling(engine, run_dir, out_root / "model", cfg)
     r["stream_over_offline"] = r["stream_gen_tokens_per_busy_s"] / r["offline_gen_tokens_per_s"]
     r["sampled_over_offline"] = r["stream_sampled_tokens_per_busy_s"] / r["offline_gen_tokens_per_s"]
@@ -154,15 +170,33 @@ def main() -> None:
     # 4 slots make generation the scarce resource, as decode is on GPUs: the regime streaming is for. With
     # more slots the tiny model generates faster than one trainer trains, and the generator waits at the gate
     ap.add_argument("--slots", type=int, default=4, help="rollout.max_num_seqs: the engine's running-batch size")
-    ap.add_argument("--groups", type=int, default=0, help="rollout.max_concurrent_groups (0: the default, max_num_seqs)")
+    ap.add_argument(
+        "--groups", type=int, default=0, help="rollout.max_concurrent_groups (0: the default, max_num_seqs)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "streaming")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"benchmark": "streaming", "host": platform.node(), "time": time.time(), "workload": WORKLOAD,
-              "max_new_tokens": args.max_new, "versions": args.versions, "slots": args.slots, "runs": {}}
+    result = {
+        "benchmark": "streaming",
+        "host": platform.node(),
+        "time": time.time(),
+        "workload": WORKLOAD,
+        "max_new_tokens": args.max_new,
+        "versions": args.versions,
+        "slots": args.slots,
+        "runs": {},
+    }
     t0 = time.time()
-    keys = ("consumed_tokens_per_s", "generator_busy", "trainer_busy", "occupancy", "dropped_stale", "rejected_uniform",
-            "stream_over_offline", "sampled_over_offline")
+    keys = (
+        "consumed_tokens_per_s",
+        "generator_busy",
+        "trainer_busy",
+        "occupancy",
+        "dropped_stale",
+        "rejected_uniform",
+        "stream_over_offline",
+        "sampled_over_offline",
+    )
     for engine in [e for e in args.engines.split(",") if e]:
         runs = result["runs"].setdefault(engine, {})
         for name in VARIANTS:
@@ -175,10 +209,12 @@ def main() -> None:
             r = runs[name]
             print(f"{'':<8}{name:<19}" + "".join(f"{r[k]:>22.3f}" for k in keys))
         e4 = runs["eta4"]
-        print(f"  async (eta=4) / sync (eta=0): {runs['async_over_sync']:.2f}x; eta=4 bottleneck: {e4['bottleneck']} "
-              f"busy {e4['bottleneck_busy']:.1%}; streaming generator {e4['stream_gen_tokens_per_busy_s']:.0f} tokens/s "
-              f"per busy second = {e4['stream_over_offline']:.1%} of offline {e4['offline_gen_tokens_per_s']:.0f} "
-              f"({e4['sampled_over_offline']:.1%} counting every sampled token)\n")
+        print(
+            f"  async (eta=4) / sync (eta=0): {runs['async_over_sync']:.2f}x; eta=4 bottleneck: {e4['bottleneck']} "
+            f"busy {e4['bottleneck_busy']:.1%}; streaming generator {e4['stream_gen_tokens_per_busy_s']:.0f} tokens/s "
+            f"per busy second = {e4['stream_over_offline']:.1%} of offline {e4['offline_gen_tokens_per_s']:.0f} "
+            f"({e4['sampled_over_offline']:.1%} counting every sampled token)\n"
+        )
     result["wall_s"] = time.time() - t0
     write_json(args.out / "streaming.json", result)
     print(f"wrote {args.out / 'streaming.json'}")

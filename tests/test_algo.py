@@ -41,7 +41,9 @@ def test_loss_matches_reference_with_gradients(cap, total):
     mask = (torch.rand(n, generator=g) > 0.2).float()
 
     a = logp0.clone().requires_grad_(True)
-    loss, stats = decoupled_ppo_loss(a, prox, behav, adv, mask, eps_clip=0.2, behav_imp_weight_cap=cap, total_loss_tokens=total)
+    loss, stats = decoupled_ppo_loss(
+        a, prox, behav, adv, mask, eps_clip=0.2, behav_imp_weight_cap=cap, total_loss_tokens=total
+    )
     loss.backward()
     b = logp0.clone().requires_grad_(True)
     ref = reference_loss(b, prox, behav, adv, mask, 0.2, cap, total)
@@ -170,7 +172,9 @@ def test_packing_properties(lengths, budget):
 
 
 @settings(max_examples=100, deadline=None)
-@given(lengths=st.lists(st.sampled_from([5, 10, 200, 1000, 2000]), min_size=1, max_size=80), budget=st.integers(2000, 6000))
+@given(
+    lengths=st.lists(st.sampled_from([5, 10, 200, 1000, 2000]), min_size=1, max_size=80), budget=st.integers(2000, 6000)
+)
 def test_packing_long_tailed_is_balanced(lengths, budget):
     mbs = pack_microbatches(lengths, budget)
     loads = [sum(lengths[i] for i in mb) for mb in mbs]

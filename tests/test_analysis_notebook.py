@@ -18,10 +18,17 @@ def test_run_overview_notebook_executes(tmp_path, tiny_model_dir):
     from areal_hpc.runtime.sync_loop import run_sync
 
     run = tmp_path / "runs" / "demo_sync"
-    cfg = load_config(ROOT / "jobs" / "demo_sync.yaml", [
-        f"store.run_dir={run}", f"model.path={tiny_model_dir}", "trainer.versions=3",
-        "trainer.warm_start_steps=2", "logging.eval_prompts=20", "logging.progress=false",
-    ])
+    cfg = load_config(
+        ROOT / "jobs" / "demo_sync.yaml",
+        [
+            f"store.run_dir={run}",
+            f"model.path={tiny_model_dir}",
+            "trainer.versions=3",
+            "trainer.warm_start_steps=2",
+            "logging.eval_prompts=20",
+            "logging.progress=false",
+        ],
+    )
     run_sync(cfg)
     nb = json.loads((ROOT / "analysis" / "run_overview.ipynb").read_text())
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]

@@ -109,7 +109,9 @@ def test_jsonl_loader_skips_and_counts_malformed_rows(tmp_path):
 
 def test_parquet_loader_with_custom_keys(tmp_path):
     path = tmp_path / "math.parquet"
-    pd.DataFrame({"problem": ["1+1?", "2*3?", None, "5-5?"], "solution": [2.0, 6.5, 0.0, float("nan")]}).to_parquet(path)
+    pd.DataFrame({"problem": ["1+1?", "2*3?", None, "5-5?"], "solution": [2.0, 6.5, 0.0, float("nan")]}).to_parquet(
+        path
+    )
     with pytest.warns(UserWarning, match="skipped 2"):
         ds = load_math_dataset(path, "parquet", question_key="problem", answer_key="solution", heldout_size=1)
     assert sorted(p.answer for p in ds.train + ds.heldout) == ["2", "6.5"]
@@ -153,7 +155,9 @@ def test_tiny_model_folder_loads_in_transformers(tiny_model_dir):
 
 def test_cli_train_sync_bad_inputs_one_line(tmp_path):
     exe = [sys.executable, "-m", "areal_hpc.cli", "train-sync", str(DEMO), f"store.run_dir={tmp_path / 'run'}"]
-    missing = subprocess.run(exe + [f"model.path={tmp_path / 'nope'}", "model.build_tiny=false"], capture_output=True, text=True)
+    missing = subprocess.run(
+        exe + [f"model.path={tmp_path / 'nope'}", "model.build_tiny=false"], capture_output=True, text=True
+    )
     assert missing.returncode != 0 and "does not exist" in missing.stderr
     assert missing.stderr.strip().count("\n") == 0
     (tmp_path / "run" / "rollouts").mkdir(parents=True)

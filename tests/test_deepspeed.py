@@ -25,7 +25,11 @@ def batch(tiny_model_dir):
 
     tok = load_tokenizer(tiny_model_dir)
     gen = TorchGenerationEngine(str(tiny_model_dir), seed=3)
-    reqs = [r for g, q in enumerate(["03+04=", "11+09=", "05+05=", "19+01="]) for r in group_requests(tok.encode(q), g, 4, 6)]
+    reqs = [
+        r
+        for g, q in enumerate(["03+04=", "11+09=", "05+05=", "19+01="])
+        for r in group_requests(tok.encode(q), g, 4, 6)
+    ]
     trajs = [to_trajectory(o, 0, float(i % 3 == 0), 1, 0, 0) for i, o in enumerate(generate(gen, reqs))]
     return trajs, np.linspace(-1, 1, len(trajs)).astype(np.float32)
 
@@ -37,13 +41,28 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
     trajs, adv = batch
     with open(tmp_path / "batch.pkl", "wb") as f:
         pickle.dump((trajs, adv), f)
-    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
-           str(ROOT / "tests" / "mpi" / "deepspeed_update.py"), str(tiny_model_dir), str(tmp_path), str(stage)]
-    r = subprocess.run(cmd, env={**rank_env(local_mpirun=True), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600)
+    cmd = [
+        "mpirun",
+        "-n",
+        "2",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        sys.executable,
+        str(ROOT / "tests" / "mpi" / "deepspeed_update.py"),
+        str(tiny_model_dir),
+        str(tmp_path),
+        str(stage),
+    ]
+    r = subprocess.run(
+        cmd, env={**rank_env(local_mpirun=True), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = torch.load(tmp_path / "ds.pt", weights_only=False)
 
-    ref = TorchTrainEngine(str(tiny_model_dir), lr=0.1, optimizer="sgd", weight_decay=0.0, grad_clip=0.0, n_minibatches=2, seed=0)
+    ref = TorchTrainEngine(
+        str(tiny_model_dir), lr=0.1, optimizer="sgd", weight_decay=0.0, grad_clip=0.0, n_minibatches=2, seed=0
+    )
     start = {k: v.clone() for k, v in ref.weights().items()}
     ref.ppo_update(trajs, adv)  # one trainer, the whole batch, the same minibatch split
     for k, v in ref.weights().items():

@@ -1,4 +1,4 @@
-"""Engine contract tests: the step-driven generation engines (torch, vLLM) and the torch training engine against transformers."""
+"""Engine contract tests: the step-driven generation engines (torch, vLLM); torch training vs transformers."""
 
 from __future__ import annotations
 
@@ -50,9 +50,15 @@ def _reference_logprobs(model, o, temperature=1.0):
 
 def _greedy_reference(model, tok, prompt, max_new=12):
     ids = torch.tensor([tok.encode(prompt)])
-    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return ref[0, ids.shape[1]:].tolist()
+    ref = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return ref[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("kind", GEN_ENGINES)
@@ -268,7 +274,7 @@ def test_ppo_update_variants_run(tiny_model_dir, prox, cap):
     gen = TorchGenerationEngine(str(tiny_model_dir), seed=5)
     trajs = _trajs(tok, gen)
     for t in trajs[:8]:  # pretend half the tokens came from an older policy
-        t.versions[t.prompt_len:] = -3
+        t.versions[t.prompt_len :] = -3
     tr = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, prox=prox, behav_imp_weight_cap=cap)
     tr.version = 2
     before = {k: v.clone() for k, v in tr.weights().items()}
@@ -289,7 +295,9 @@ def _dp_worker(rank, world, port, model_dir, trajs, adv, out_dir):
     shares[1], shares[0] = shares[1] + shares[0][:3], shares[0][3:]
     mine = shares[rank]
     tr = TorchTrainEngine(model_dir, lr=1e-3, n_minibatches=1, max_tokens_per_mb=24)
-    tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=0.1)  # linear in the gradient: Adam's sign-like first step would amplify float noise
+    tr.optimizer = torch.optim.SGD(
+        tr.model.parameters(), lr=0.1
+    )  # linear in the gradient: Adam's sign-like first step would amplify float noise
     tr.ppo_update([trajs[i] for i in mine], adv[mine])
     torch.save(tr.weights(), f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -306,7 +314,9 @@ def test_two_trainers_match_one(tiny_model_dir, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_dp_worker, args=(2, port, str(tiny_model_dir), trajs, adv, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _dp_worker, args=(2, port, str(tiny_model_dir), trajs, adv, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
     single = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, n_minibatches=1)
     single.optimizer = torch.optim.SGD(single.model.parameters(), lr=0.1)
     start = {k: v.clone() for k, v in single.weights().items()}

@@ -16,14 +16,17 @@ DEMO = Path(__file__).resolve().parents[1] / "jobs" / "demo_sync.yaml"
 
 @pytest.mark.slow
 def test_sync_loop_learns_addition(tmp_path):
-    cfg = load_config(DEMO, [
-        f"store.run_dir={tmp_path / 'run'}",
-        f"model.path={tmp_path / 'model'}",
-        "trainer.versions=250",
-        "trainer.max_wall_s=240",
-        "logging.eval_every=50",
-        "logging.progress=false",
-    ])
+    cfg = load_config(
+        DEMO,
+        [
+            f"store.run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "trainer.versions=250",
+            "trainer.max_wall_s=240",
+            "logging.eval_every=50",
+            "logging.progress=false",
+        ],
+    )
     s = run_sync(cfg)
     # RL itself must add >= 20 points over the warm-started policy on held-out prompts
     assert s.acc_after - s.acc_after_warm_start >= 0.20, (s.acc_after_warm_start, s.acc_after)
@@ -31,7 +34,9 @@ def test_sync_loop_learns_addition(tmp_path):
 
     run = tmp_path / "run"
     metrics = pd.read_csv(run / "metrics.csv")
-    assert {"version", "reward_mean", "heldout_acc", "loss", "grad_norm", "t_generate", "t_train"} <= set(metrics.columns)
+    assert {"version", "reward_mean", "heldout_acc", "loss", "grad_norm", "t_generate", "t_train"} <= set(
+        metrics.columns
+    )
     assert metrics["version"].max() == s.versions
     assert (run / "checkpoints" / f"v{s.versions:08d}" / "model.safetensors").exists()
     assert any((run / "tensorboard").iterdir())

@@ -13,7 +13,6 @@ import pytest
 from areal_hpc.reward import RewardPool, extract_last_boxed, math_reward
 from areal_hpc.reward.math import _bounded_call
 
-
 # ----------------------------------------------------------------- scorers run inside workers
 # Top-level so they pickle by reference into the worker processes.
 

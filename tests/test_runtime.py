@@ -30,8 +30,16 @@ CLI = [sys.executable, "-m", "areal_hpc.cli"]
 
 
 def _cfg(tmp_path, *overrides):
-    return load_config(DEMO, [f"store.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
-                              "logging.progress=false", "logging.tensorboard=false", *overrides])
+    return load_config(
+        DEMO,
+        [
+            f"store.run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            *overrides,
+        ],
+    )
 
 
 def _mpirun(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -75,7 +83,11 @@ def test_two_trainers_under_mpirun_match_one(tiny_model_dir, tmp_path):
 
     tok = load_tokenizer(tiny_model_dir)
     gen = TorchGenerationEngine(str(tiny_model_dir), seed=3)
-    reqs = [r for g, q in enumerate(["03+04=", "11+09=", "05+05=", "19+01="]) for r in group_requests(tok.encode(q), g, 4, 6)]
+    reqs = [
+        r
+        for g, q in enumerate(["03+04=", "11+09=", "05+05=", "19+01="])
+        for r in group_requests(tok.encode(q), g, 4, 6)
+    ]
     trajs = [to_trajectory(o, 0, float(i % 3 == 0), 1, 0, 0) for i, o in enumerate(generate(gen, reqs))]
     adv = np.linspace(-1, 1, len(trajs)).astype(np.float32)
     with open(tmp_path / "batch.pkl", "wb") as f:
@@ -95,8 +107,16 @@ def test_two_trainers_under_mpirun_match_one(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_async_run_learns_and_keeps_weights_in_sync(tmp_path):
-    cfg = _cfg(tmp_path, "rollout.eta=2", "cluster.n_generators=2", "cluster.n_trainers=1",
-               "trainer.versions=300", "trainer.max_wall_s=240", "trainer.checkpoint_every=50", "logging.eval_every=50")
+    cfg = _cfg(
+        tmp_path,
+        "rollout.eta=2",
+        "cluster.n_generators=2",
+        "cluster.n_trainers=1",
+        "trainer.versions=300",
+        "trainer.max_wall_s=240",
+        "trainer.checkpoint_every=50",
+        "logging.eval_every=50",
+    )
     s = launch(cfg, progress=False)
     # RL itself, with data up to 2 versions stale, adds >= 20 points over the warm-started policy
     assert s["acc_init"] < 0.05
@@ -140,10 +160,22 @@ def _overlapping_groups(tl: pd.DataFrame) -> int:
 def test_streaming_generation_interrupts_and_evaluates_off_the_critical_path(tmp_path):
     # long generations from an untrained model: new weights arrive while requests are in flight; a long
     # held-out evaluation (100 prompts x 48 greedy tokens) is asked every version
-    cfg = _cfg(tmp_path, "rollout.eta=2", "rollout.max_new_tokens=48", "rollout.batch_prompts=8",
-               "rollout.max_concurrent_groups=8", "ppo.drop_uniform_groups=false", "ppo.n_minibatches=1", "ppo.prox=loglinear",
-               "cluster.n_generators=1", "trainer.warm_start_steps=0",
-               "trainer.versions=10", "trainer.max_wall_s=0", "logging.eval_prompts=100", "logging.eval_every=1")
+    cfg = _cfg(
+        tmp_path,
+        "rollout.eta=2",
+        "rollout.max_new_tokens=48",
+        "rollout.batch_prompts=8",
+        "rollout.max_concurrent_groups=8",
+        "ppo.drop_uniform_groups=false",
+        "ppo.n_minibatches=1",
+        "ppo.prox=loglinear",
+        "cluster.n_generators=1",
+        "trainer.warm_start_steps=0",
+        "trainer.versions=10",
+        "trainer.max_wall_s=0",
+        "logging.eval_prompts=100",
+        "logging.eval_every=1",
+    )
     s = launch(cfg, progress=False)
     eaten = _audit(tmp_path / "run", eta=2)
     mixed = eaten[eaten["version_start"] != eaten["version_end"]]
@@ -158,7 +190,9 @@ def test_streaming_generation_interrupts_and_evaluates_off_the_critical_path(tmp
     # evaluation runs in the stream: trainer 0 broadcasts new weights while generator 0 evaluates
     evals = tl[(tl.role == "generator") & (tl.event == "eval")]
     syncs = tl[(tl.role == "trainer") & (tl.event == "sync")]
-    inside = [any((e.t_start < x.t_start) and (x.t_end < e.t_end) for e in evals.itertuples()) for x in syncs.itertuples()]
+    inside = [
+        any((e.t_start < x.t_start) and (x.t_end < e.t_end) for e in evals.itertuples()) for x in syncs.itertuples()
+    ]
     assert sum(inside) >= 2, (evals[["t_start", "t_end"]], syncs[["t_start", "t_end"]])
     assert syncs["duration"].max() < 0.5 * evals["duration"].max()  # no broadcast waited for an evaluation
     m = pd.read_csv(tmp_path / "run" / "metrics.csv")
@@ -180,9 +214,18 @@ def test_streaming_generation_interrupts_and_evaluates_off_the_critical_path(tmp
 
 
 def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):
-    cfg = _cfg(tmp_path, "rollout.eta=0", "cluster.n_generators=1", "cluster.n_trainers=2", "sync.method=disk",
-               "sync.keep_versions=2", "rollout.batch_prompts=16", "trainer.versions=6", "trainer.max_wall_s=0",
-               "logging.eval_prompts=20")
+    cfg = _cfg(
+        tmp_path,
+        "rollout.eta=0",
+        "cluster.n_generators=1",
+        "cluster.n_trainers=2",
+        "sync.method=disk",
+        "sync.keep_versions=2",
+        "rollout.batch_prompts=16",
+        "trainer.versions=6",
+        "trainer.max_wall_s=0",
+        "logging.eval_prompts=20",
+    )
     s = launch(cfg, progress=False)
     run = tmp_path / "run"
     eaten = _audit(run, eta=0)
@@ -209,11 +252,23 @@ def _wait_progress(run: Path, version: int, proc, timeout: float = 180) -> None:
 
 def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
     run = tmp_path / "run"
-    args = [str(DEMO), f"store.run_dir={run}", f"model.path={tmp_path / 'model'}", "rollout.eta=1",
-            "rollout.interrupt=false", "rollout.max_new_tokens=16", "rollout.batch_prompts=16", "trainer.versions=14",
-            "trainer.max_wall_s=0",
-            "trainer.checkpoint_every=3", "logging.eval_prompts=20", "logging.tensorboard=false"]
-    proc = subprocess.Popen([*CLI, "run", *args, "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [
+        str(DEMO),
+        f"store.run_dir={run}",
+        f"model.path={tmp_path / 'model'}",
+        "rollout.eta=1",
+        "rollout.interrupt=false",
+        "rollout.max_new_tokens=16",
+        "rollout.batch_prompts=16",
+        "trainer.versions=14",
+        "trainer.max_wall_s=0",
+        "trainer.checkpoint_every=3",
+        "logging.eval_prompts=20",
+        "logging.tensorboard=false",
+    ]
+    proc = subprocess.Popen(
+        [*CLI, "run", *args, "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     _wait_progress(run, 5, proc)
     trainer_pid = int((run / "logs" / "rank003.pid").read_text())
     os.kill(trainer_pid, signal.SIGKILL)
@@ -222,7 +277,9 @@ def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
     assert len(err.strip().splitlines()) == 1  # one clear line
     crashed_at = Ledger(run).last_version()
 
-    r = subprocess.run([*CLI, "run", "--resume", str(run), "--no-progress"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [*CLI, "run", "--resume", str(run), "--no-progress"], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads((run / "summary.json").read_text())
     assert s["start_version"] in (3, 6) and s["start_version"] <= crashed_at + 1 and s["versions"] == 14
@@ -236,11 +293,23 @@ def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
 
 def test_error_in_one_rank_stops_every_rank_with_one_line(tmp_path):
     run = tmp_path / "run"
-    args = [str(DEMO), f"store.run_dir={run}", f"model.path={tmp_path / 'model'}", "trainer.versions=50",
-            "logging.eval_prompts=20", "logging.tensorboard=false", "--no-progress"]
+    args = [
+        str(DEMO),
+        f"store.run_dir={run}",
+        f"model.path={tmp_path / 'model'}",
+        "trainer.versions=50",
+        "logging.eval_prompts=20",
+        "logging.tensorboard=false",
+        "--no-progress",
+    ]
     t0 = time.time()
-    r = subprocess.run([*CLI, "run", *args], capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "AREAL_HPC_FAULT": "trainer@3"})
+    r = subprocess.run(
+        [*CLI, "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "AREAL_HPC_FAULT": "trainer@3"},
+    )
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "rank 3 (trainer) failed: RuntimeError: injected fault" in lines[0], r.stderr
@@ -259,7 +328,9 @@ def test_run_refuses_bad_requests_in_one_line(tmp_path):
     (run / "ledger").mkdir()
     r = subprocess.run([*CLI, "run", str(DEMO), f"store.run_dir={run}"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "already holds a run" in r.stderr
-    r = subprocess.run([*CLI, "run", str(DEMO), "sync.method=carrier-pigeon"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [*CLI, "run", str(DEMO), "sync.method=carrier-pigeon"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode != 0 and "sync.method" in r.stderr and "broadcast, disk" in r.stderr
 
 
@@ -267,8 +338,16 @@ def test_ctrl_c_checkpoints_and_stops_every_rank_cleanly(tmp_path):
     from areal_hpc.rundir import RunDir
 
     run = tmp_path / "run"
-    args = [str(DEMO), f"store.run_dir={run}", f"model.path={tmp_path / 'model'}", "trainer.versions=100000",
-            "trainer.max_wall_s=0", "logging.eval_prompts=20", "logging.tensorboard=false", "--no-progress"]
+    args = [
+        str(DEMO),
+        f"store.run_dir={run}",
+        f"model.path={tmp_path / 'model'}",
+        "trainer.versions=100000",
+        "trainer.max_wall_s=0",
+        "logging.eval_prompts=20",
+        "logging.tensorboard=false",
+        "--no-progress",
+    ]
     proc = subprocess.Popen([*CLI, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_progress(run, 4, proc)
     proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the launcher
@@ -279,14 +358,26 @@ def test_ctrl_c_checkpoints_and_stops_every_rank_cleanly(tmp_path):
     assert "versions:" in out and "staleness:" in out
     _audit(run, eta=2)
     for pid_file in (run / "logs").glob("rank*.pid"):
-        assert not Path(f"/proc/{int(pid_file.read_text())}/cmdline").exists() or not Path(f"/proc/{int(pid_file.read_text())}/cmdline").read_bytes()
+        assert (
+            not Path(f"/proc/{int(pid_file.read_text())}/cmdline").exists()
+            or not Path(f"/proc/{int(pid_file.read_text())}/cmdline").read_bytes()
+        )
 
 
 def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path):
     # two ZeRO-3 trainers: the full weights are gathered collectively before trainer 0 sends them
-    cfg = _cfg(tmp_path, "trainer.engine=deepspeed", "trainer.zero_stage=3", "cluster.n_trainers=2",
-               "cluster.n_generators=1", "trainer.versions=6", "trainer.max_wall_s=0", "trainer.checkpoint_every=3",
-               "trainer.warm_start_steps=10", "logging.eval_prompts=20")
+    cfg = _cfg(
+        tmp_path,
+        "trainer.engine=deepspeed",
+        "trainer.zero_stage=3",
+        "cluster.n_trainers=2",
+        "cluster.n_generators=1",
+        "trainer.versions=6",
+        "trainer.max_wall_s=0",
+        "trainer.checkpoint_every=3",
+        "trainer.warm_start_steps=10",
+        "logging.eval_prompts=20",
+    )
     s = launch(cfg, progress=False)
     run = tmp_path / "run"
     eaten = _audit(run, eta=2)
@@ -299,9 +390,19 @@ def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path):
 @pytest.mark.slow
 def test_vllm_generator_and_deepspeed_zero2_trainers_learn(tmp_path):
     # the production engines on CPU: vLLM's CPU build generates, two DeepSpeed ZeRO-2 trainers train
-    cfg = _cfg(tmp_path, "rollout.engine=vllm", "trainer.engine=deepspeed", "trainer.zero_stage=2",
-               "cluster.n_trainers=2", "cluster.n_generators=1", "rollout.eta=2", "trainer.versions=300",
-               "trainer.max_wall_s=300", "trainer.checkpoint_every=100", "logging.eval_every=100")
+    cfg = _cfg(
+        tmp_path,
+        "rollout.engine=vllm",
+        "trainer.engine=deepspeed",
+        "trainer.zero_stage=2",
+        "cluster.n_trainers=2",
+        "cluster.n_generators=1",
+        "rollout.eta=2",
+        "trainer.versions=300",
+        "trainer.max_wall_s=300",
+        "trainer.checkpoint_every=100",
+        "logging.eval_every=100",
+    )
     s = launch(cfg, progress=False)
     assert s["acc_init"] < 0.05
     assert round(s["acc_final"] - s["acc_start"], 6) >= 0.20, s

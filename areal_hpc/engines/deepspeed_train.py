@@ -45,8 +45,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         try:
             import deepspeed
         except ImportError:
-            raise ImportError("trainer.engine=deepspeed needs DeepSpeed: pip install deepspeed==0.19.8 "
-                              "(CPU: bash env/setup.sh installs it)") from None
+            raise ImportError(
+                "trainer.engine=deepspeed needs DeepSpeed: pip install deepspeed==0.19.8 "
+                "(CPU: bash env/setup.sh installs it)"
+            ) from None
         _ensure_process_group("gloo" if device == "cpu" else "nccl")
         if bf16:
             kwargs["dtype"] = "float32"  # DeepSpeed keeps fp32 master weights and runs bf16 itself

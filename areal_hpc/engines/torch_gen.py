@@ -124,8 +124,13 @@ class TorchGenerationEngine(GenerationEngine):
         """One token for every running row; returns the rows that finished."""
         n = len(self.rows)
         mask = torch.cat([self._mask, self._mask.new_ones((n, 1))], dim=1)
-        out = self.model(input_ids=self._next[:, None], attention_mask=mask, position_ids=self._pos[:, None],
-                         past_key_values=self._cache, use_cache=True)
+        out = self.model(
+            input_ids=self._next[:, None],
+            attention_mask=mask,
+            position_ids=self._pos[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+        )
         self._cache, self._mask, self._pos = out.past_key_values, mask, self._pos + 1
         return self._record(0, self.rows, out.logits[:, -1, :])
 
@@ -136,8 +141,8 @@ class TorchGenerationEngine(GenerationEngine):
         ids = torch.full((len(joiners), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(joiners), width), dtype=torch.long)
         for i, p in enumerate(prefixes):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
@@ -180,8 +185,9 @@ class TorchGenerationEngine(GenerationEngine):
     def _layers(self, cache):
         layers = cache.layers
         if any(getattr(layer, "is_sliding", False) for layer in layers):
-            raise RuntimeError("the torch generation engine does not support sliding-window attention; "
-                               "use rollout.engine=vllm")
+            raise RuntimeError(
+                "the torch generation engine does not support sliding-window attention; use rollout.engine=vllm"
+            )
         return layers
 
     def _merge(self, joiners: list[InFlight], cache, mask: torch.Tensor, pos: torch.Tensor) -> None:

@@ -61,8 +61,9 @@ class TorchTrainEngine(TrainEngine):
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         else:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(betas),
-                                               weight_decay=weight_decay)
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay
+            )
         self.grad_clip = grad_clip
         self.max_tokens_per_mb = max_tokens_per_mb
         self.n_minibatches = n_minibatches
@@ -154,8 +155,9 @@ class TorchTrainEngine(TrainEngine):
         return float(gnorm)
 
     # -- PPO -------------------------------------------------------------------------------------
-    def ppo_update(self, trajectories: list[Trajectory], advantages: np.ndarray,
-                   minibatches: list[list[int]] | None = None) -> dict[str, float]:
+    def ppo_update(
+        self, trajectories: list[Trajectory], advantages: np.ndarray, minibatches: list[list[int]] | None = None
+    ) -> dict[str, float]:
         """One policy version: recompute pi_prox once, then one decoupled-PPO step per minibatch.
 
         `minibatches` (indices into `trajectories`, the same count on every rank) is how the batch was
@@ -207,8 +209,14 @@ class TorchTrainEngine(TrainEngine):
                     parts["mask"].append(torch.as_tensor(t.loss_mask, dtype=lp.dtype, device=lp.device))
                 cat = {k: torch.cat(v) for k, v in parts.items()}
                 loss, stats = decoupled_ppo_loss(
-                    cat["logp"], cat["prox"], cat["behav"], cat["adv"], cat["mask"],
-                    eps_clip=self.eps_clip, behav_imp_weight_cap=self.cap, total_loss_tokens=total_tokens,
+                    cat["logp"],
+                    cat["prox"],
+                    cat["behav"],
+                    cat["adv"],
+                    cat["mask"],
+                    eps_clip=self.eps_clip,
+                    behav_imp_weight_cap=self.cap,
+                    total_loss_tokens=total_tokens,
                 )
                 self._backward(loss, last)
                 w = stats["loss_tokens"]
@@ -278,4 +286,3 @@ class TorchTrainEngine(TrainEngine):
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])
         self.version = json.loads((path / "meta.json").read_text())["version"]
-

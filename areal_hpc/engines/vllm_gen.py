@@ -11,7 +11,6 @@ from areal_hpc.engines.base import GenerationEngine, InFlight
 from areal_hpc.model import load_causal_lm
 from areal_hpc.types import GenOutput, GenRequest
 
-
 # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; close() restores it
 _TORCH_SET_NUM_THREADS = torch.set_num_threads
 
@@ -93,8 +92,9 @@ class VLLMGenerationEngine(GenerationEngine):
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         unknown = sorted(set(state_dict) - set(self.mirror))
         if unknown:
-            raise RuntimeError(f"update_weights: unexpected weight names {unknown[:3]}; "
-                               f"the model has {len(self.mirror)} others")
+            raise RuntimeError(
+                f"update_weights: unexpected weight names {unknown[:3]}; the model has {len(self.mirror)} others"
+            )
         if self._seqs:
             raise RuntimeError("update_weights with requests in flight; interrupt them or let them finish first")
         for k, v in state_dict.items():
@@ -120,9 +120,14 @@ class VLLMGenerationEngine(GenerationEngine):
     # -- requests --------------------------------------------------------------------------------
     def _params(self, max_tokens: int, greedy: bool):
         return self._vllm.SamplingParams(
-            n=1, max_tokens=max_tokens, logprobs=0, detokenize=False, output_kind=self._delta,
+            n=1,
+            max_tokens=max_tokens,
+            logprobs=0,
+            detokenize=False,
+            output_kind=self._delta,
             ignore_eos=self.ignore_eos,
-            temperature=0.0 if greedy else self.temperature, top_p=1.0 if greedy else self.top_p,
+            temperature=0.0 if greedy else self.temperature,
+            top_p=1.0 if greedy else self.top_p,
         )
 
     def add(self, requests: list[GenRequest]) -> None:

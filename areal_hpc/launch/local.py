@@ -29,8 +29,18 @@ def mpirun_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
     mpirun = shutil.which(cfg.cluster.mpirun)
     if mpirun is None:
         raise RunFailed(f"cluster.mpirun={cfg.cluster.mpirun!r} is not on PATH; install Open MPI (env/setup.sh)")
-    cmd = [mpirun, "-n", str(layout.world_size), "--oversubscribe", "--bind-to", "none",
-           sys.executable, "-m", "areal_hpc.runtime.worker", str(run_dir)]
+    cmd = [
+        mpirun,
+        "-n",
+        str(layout.world_size),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        sys.executable,
+        "-m",
+        "areal_hpc.runtime.worker",
+        str(run_dir),
+    ]
     return cmd + (["--resume"] if resume else [])
 
 
@@ -60,8 +70,11 @@ def failure_line(run_dir: Path, returncode: int) -> str:
         return f"{errors[0].read_text().strip()} (log: {run.log_of_error(errors[0]) or run.logs})"
     hint = ""
     if run.mpirun_log.exists():
-        lines = [ln.strip() for ln in run.mpirun_log.read_text(errors="replace").splitlines()
-                 if "exited on signal" in ln or "killed" in ln.lower()]
+        lines = [
+            ln.strip()
+            for ln in run.mpirun_log.read_text(errors="replace").splitlines()
+            if "exited on signal" in ln or "killed" in ln.lower()
+        ]
         hint = f": {lines[0]}" if lines else ""
     return f"mpirun exited with code {returncode}{hint} (logs: {run.logs})"
 
@@ -81,8 +94,9 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
     run_dir.progress.unlink(missing_ok=True)
     with open(run_dir.mpirun_log, "ab") as mpilog:
         # own session: a terminal's Ctrl-C reaches only this launcher, which then stops the run cleanly
-        proc = subprocess.Popen(cmd, stdout=mpilog, stderr=subprocess.STDOUT, env=rank_env(local_mpirun=True),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=mpilog, stderr=subprocess.STDOUT, env=rank_env(local_mpirun=True), start_new_session=True
+        )
     bar = tqdm(total=cfg.trainer.versions, desc="versions", disable=not progress, unit="v", dynamic_ncols=True)
     stop_asked_at = None
 

@@ -23,8 +23,24 @@ from areal_hpc.rundir import RunDir
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
 HETJOB_TEMPLATE = "areal_hetjob.sbatch.j2"
-SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.glusterfs", "glusterfs",
-             "panfs", "wekafs", "fuse.sshfs", "cifs", "smb2", "9p", "virtiofs"}
+SHARED_FS = {
+    "nfs",
+    "nfs4",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "cephfs",
+    "ceph",
+    "fuse.glusterfs",
+    "glusterfs",
+    "panfs",
+    "wekafs",
+    "fuse.sshfs",
+    "cifs",
+    "smb2",
+    "9p",
+    "virtiofs",
+}
 
 
 class SlurmError(RuntimeError):
@@ -35,7 +51,9 @@ def _run(cmd: list[str], timeout: float = 30) -> str:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
-        raise SlurmError(f"{cmd[0]} is not on PATH: is this a Slurm login node? (locally: bash env/slurm-up.sh)") from None
+        raise SlurmError(
+            f"{cmd[0]} is not on PATH: is this a Slurm login node? (locally: bash env/slurm-up.sh)"
+        ) from None
     if out.returncode != 0:
         msg = " ".join((out.stderr or out.stdout).split()) or f"exit code {out.returncode}"
         raise SlurmError(f"{' '.join(cmd[:2])} failed: {msg}")
@@ -49,8 +67,16 @@ def job_venv(cfg: Config) -> str:
 
 def component_options(sc: SlurmConfig) -> list[str]:
     """The sbatch options each component of the job repeats (a het job's components do not share them)."""
-    opts = [f"--{k}={v}" for k, v in (("partition", sc.partition), ("account", sc.account), ("qos", sc.qos),
-                                       ("constraint", sc.constraint)) if v]
+    opts = [
+        f"--{k}={v}"
+        for k, v in (
+            ("partition", sc.partition),
+            ("account", sc.account),
+            ("qos", sc.qos),
+            ("constraint", sc.constraint),
+        )
+        if v
+    ]
     opts.append(f"--cpus-per-task={sc.cpus_per_task}")
     if sc.gpus_per_node:
         opts.append(f"--gpus-per-node={sc.gpus_per_node}")
@@ -65,15 +91,28 @@ def render_sbatch(cfg: Config, source: str = "") -> str:
     run_dir = Path(cfg.store.run_dir).resolve()
     resolved = copy.deepcopy(cfg)
     resolved.store.run_dir = str(run_dir)
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined, keep_trailing_newline=True
+    )
     env.filters["shell"] = lambda s: shlex.quote(str(s))
     return env.get_template(HETJOB_TEMPLATE).render(
-        run_name=cfg.run_name, job_name=f"areal-{cfg.run_name}", run_dir=str(run_dir), source=source or "<config>",
-        n_trainers=cfg.cluster.n_trainers, n_generators=cfg.cluster.n_generators,
-        train_nodes=sc.train_nodes, gen_nodes=sc.gen_nodes, time=sc.time, requeue=sc.requeue,
-        signal_s=sc.signal_s, component_options=component_options(sc), setup=list(sc.setup),
-        venv=job_venv(cfg), config_yaml=to_yaml(resolved), paths=RunDir(run_dir), rank_env=RANK_ENV,
+        run_name=cfg.run_name,
+        job_name=f"areal-{cfg.run_name}",
+        run_dir=str(run_dir),
+        source=source or "<config>",
+        n_trainers=cfg.cluster.n_trainers,
+        n_generators=cfg.cluster.n_generators,
+        train_nodes=sc.train_nodes,
+        gen_nodes=sc.gen_nodes,
+        time=sc.time,
+        requeue=sc.requeue,
+        signal_s=sc.signal_s,
+        component_options=component_options(sc),
+        setup=list(sc.setup),
+        venv=job_venv(cfg),
+        config_yaml=to_yaml(resolved),
+        paths=RunDir(run_dir),
+        rank_env=RANK_ENV,
     )
 
 
@@ -128,27 +167,41 @@ def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
     part = partition_info(sc.partition)
     nodes = sc.train_nodes + sc.gen_nodes
     if nodes > part.nodes:
-        raise SlurmError(f"the job asks for {nodes} nodes (slurm.train_nodes={sc.train_nodes} + slurm.gen_nodes="
-                         f"{sc.gen_nodes}) but partition {part.name!r} has {part.nodes}")
-    comps = (("training", 1 + cfg.cluster.n_trainers, sc.train_nodes), ("generation", cfg.cluster.n_generators, sc.gen_nodes))
+        raise SlurmError(
+            f"the job asks for {nodes} nodes (slurm.train_nodes={sc.train_nodes} + slurm.gen_nodes="
+            f"{sc.gen_nodes}) but partition {part.name!r} has {part.nodes}"
+        )
+    comps = (
+        ("training", 1 + cfg.cluster.n_trainers, sc.train_nodes),
+        ("generation", cfg.cluster.n_generators, sc.gen_nodes),
+    )
     if not het:
         comps = (("job", 1 + cfg.cluster.n_trainers + cfg.cluster.n_generators, nodes),)
     for comp, tasks, n in comps:
         per_node = part.cpus_per_node // sc.cpus_per_task  # a task's CPUs must all be on one node
         if tasks > n * per_node:
-            raise SlurmError(f"the {comp} component needs {tasks} tasks x slurm.cpus_per_task={sc.cpus_per_task} CPUs "
-                             f"but {n} node(s) of {part.name!r} ({part.cpus_per_node} CPUs each) fit {n * per_node} such tasks")
+            raise SlurmError(
+                f"the {comp} component needs {tasks} tasks x slurm.cpus_per_task={sc.cpus_per_task} CPUs "
+                f"but {n} node(s) of {part.name!r} ({part.cpus_per_node} CPUs each) fit {n * per_node} such tasks"
+            )
     if sc.gpus_per_node > part.gpus_per_node:
-        raise SlurmError(f"slurm.gpus_per_node={sc.gpus_per_node} but nodes of partition {part.name!r} have {part.gpus_per_node} GPUs")
+        raise SlurmError(
+            f"slurm.gpus_per_node={sc.gpus_per_node} but nodes of partition {part.name!r} "
+            f"have {part.gpus_per_node} GPUs"
+        )
     run_dir = Path(cfg.store.run_dir).resolve()
     if any(c.isspace() for c in str(run_dir)):
-        raise SlurmError(f"store.run_dir={str(run_dir)!r} contains whitespace, which #SBATCH lines cannot carry; pick a path without")
+        raise SlurmError(
+            f"store.run_dir={str(run_dir)!r} contains whitespace, which #SBATCH lines cannot carry; pick a path without"
+        )
     local_only = part.hosts <= {os.uname().nodename.split(".")[0], os.uname().nodename}
     if nodes > 1 and not local_only:
         fs = _fs_type(run_dir)
         if fs not in SHARED_FS:
-            raise SlurmError(f"store.run_dir={str(run_dir)!r} is on a local filesystem ({fs}); with {nodes} nodes it must be "
-                             f"on a shared one ({', '.join(sorted(SHARED_FS)[:6])}, ...)")
+            raise SlurmError(
+                f"store.run_dir={str(run_dir)!r} is on a local filesystem ({fs}); with {nodes} nodes it must be "
+                f"on a shared one ({', '.join(sorted(SHARED_FS)[:6])}, ...)"
+            )
     if not sc.venv or Path(sc.venv).resolve() == Path(sys.prefix).resolve():  # else the nodes' venv may differ
         try:
             require_installed(cfg.rollout.engine, cfg.trainer.engine)
@@ -204,8 +257,10 @@ def save_job(run_dir: Path, info: dict) -> None:
 def load_job(run_dir: Path) -> dict:
     path = RunDir(run_dir).job_file
     if not path.exists():
-        raise SlurmError(f"{str(run_dir)!r} has no {path.relative_to(run_dir)}: it was not submitted with areal-hpc "
-                         "render+sbatch or submit")
+        raise SlurmError(
+            f"{str(run_dir)!r} has no {path.relative_to(run_dir)}: it was not submitted with areal-hpc "
+            "render+sbatch or submit"
+        )
     return json.loads(path.read_text())
 
 
@@ -216,8 +271,18 @@ def job_state(job_id: str) -> str:
     if not states:  # not in accounting yet: ask the controller
         out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True)
         return (out.stdout.split() or ["UNKNOWN"])[0]
-    for worst in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "CANCELLED", "PREEMPTED", "REQUEUED",
-                  "RUNNING", "PENDING", "COMPLETED"):
+    for worst in (
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "TIMEOUT",
+        "CANCELLED",
+        "PREEMPTED",
+        "REQUEUED",
+        "RUNNING",
+        "PENDING",
+        "COMPLETED",
+    ):
         if worst in states:
             return worst
     return states[0]

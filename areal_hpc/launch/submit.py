@@ -33,8 +33,22 @@ def srun_command(cfg: Config, run_dir: Path, het: bool = True, python: str = sys
     if not het:
         world = 1 + cfg.cluster.n_generators + cfg.cluster.n_trainers
         return [*srun, f"--ntasks={world}", cpus, *worker]
-    return [*srun, "--het-group=0", f"--ntasks={1 + cfg.cluster.n_trainers}", cpus, *worker, "--group", "train", ":",
-            "--het-group=1", f"--ntasks={cfg.cluster.n_generators}", cpus, *worker, "--group", "gen"]
+    return [
+        *srun,
+        "--het-group=0",
+        f"--ntasks={1 + cfg.cluster.n_trainers}",
+        cpus,
+        *worker,
+        "--group",
+        "train",
+        ":",
+        "--het-group=1",
+        f"--ntasks={cfg.cluster.n_generators}",
+        cpus,
+        *worker,
+        "--group",
+        "gen",
+    ]
 
 
 def _file_stamp(path: Path) -> tuple[int, int] | None:
@@ -72,8 +86,11 @@ class AsyncRun(submitit.helpers.Checkpointable):
             elif finished_at is not None and time.time() - finished_at > self.exit_grace_s:
                 # Seen once in CI: both het components' steps ended, yet srun never returned. The run
                 # is complete (rank 0 writes summary.json last), so end srun rather than hang the job.
-                print(f"[areal] srun still running {self.exit_grace_s:.0f} s after the run finished; ending it",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[areal] srun still running {self.exit_grace_s:.0f} s after the run finished; ending it",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self._proc.terminate()
                 try:
                     self._proc.wait(10)
@@ -98,7 +115,9 @@ class AsyncRun(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(AsyncRun(self.run_dir, self.cmd, self.grace_s, self.exit_grace_s))
 
 
-def make_executor(cfg: Config, folder: Path, het: bool = True, array_parallelism: int | None = None) -> submitit.AutoExecutor:
+def make_executor(
+    cfg: Config, folder: Path, het: bool = True, array_parallelism: int | None = None
+) -> submitit.AutoExecutor:
     """A submitit executor for component 0; component 1 (the generators) is added by `#SBATCH hetjob` lines
     written where sbatch still reads them (submitit has no heterogeneous-job API). het=False: one
     homogeneous allocation for every rank (job arrays)."""
@@ -116,9 +135,13 @@ def make_executor(cfg: Config, folder: Path, het: bool = True, array_parallelism
     ranks = 1 + cfg.cluster.n_trainers + (0 if het else cfg.cluster.n_generators)
     nodes = sc.train_nodes + (0 if het else sc.gen_nodes)
     params = dict(
-        name=f"areal-{cfg.run_name}", timeout_min=max(1, math.ceil(slurm_time_minutes(sc.time))),
-        nodes=nodes, tasks_per_node=1, cpus_per_task=-(-ranks // nodes) * sc.cpus_per_task,
-        slurm_setup=setup, slurm_additional_parameters=extra,
+        name=f"areal-{cfg.run_name}",
+        timeout_min=max(1, math.ceil(slurm_time_minutes(sc.time))),
+        nodes=nodes,
+        tasks_per_node=1,
+        cpus_per_task=-(-ranks // nodes) * sc.cpus_per_task,
+        slurm_setup=setup,
+        slurm_additional_parameters=extra,
         slurm_signal_delay_s=max(sc.signal_s, 1),
     )
     if sc.partition:
@@ -169,6 +192,7 @@ def submit(cfg: Config) -> submitit.Job:
     except submitit.core.utils.FailedJobError as err:
         forget_run_dir(run_dir)  # nothing was queued: let the user fix the request and submit again
         raise SlurmError(f"sbatch refused the job: {' '.join(str(err).split())[-300:]}") from None
-    save_job(run_dir, {"job_id": job.job_id, "submitted_by": "submitit", "submitit_folder": str(folder),
-                       "time": time.time()})
+    save_job(
+        run_dir, {"job_id": job.job_id, "submitted_by": "submitit", "submitit_folder": str(folder), "time": time.time()}
+    )
     return job

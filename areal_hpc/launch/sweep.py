@@ -32,8 +32,13 @@ def _point_name(i: int, params: dict) -> str:
     return f"p{i:03d}-{tag}".replace("/", "_")[:120]
 
 
-def sweep(base_config: str | Path, grid: dict[str, list], sweep_dir: str | Path,
-          overrides: list[str] | None = None, max_parallel: int | None = None) -> list:
+def sweep(
+    base_config: str | Path,
+    grid: dict[str, list],
+    sweep_dir: str | Path,
+    overrides: list[str] | None = None,
+    max_parallel: int | None = None,
+) -> list:
     """Submit one run per grid point as a Slurm job array (submitit's map_array).
 
     Each point gets RUN_DIR = sweep_dir/p{i}-{params}. Slurm has no heterogeneous job arrays, so each
@@ -46,11 +51,17 @@ def sweep(base_config: str | Path, grid: dict[str, list], sweep_dir: str | Path,
     points = grid_points(grid)
     shaped = [k for k in grid if k.startswith(("cluster.", "slurm."))]
     if shaped:  # one array = one resource request for every task
-        raise SlurmError(f"sweep grid key {shaped[0]!r} changes the job's shape; an array shares one shape (sweep it as separate submits)")
+        raise SlurmError(
+            f"sweep grid key {shaped[0]!r} changes the job's shape; an array shares one shape "
+            "(sweep it as separate submits)"
+        )
     cfgs: list[Config] = []
     for i, params in enumerate(points):
-        ov = [*(overrides or []), *(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in params.items()),
-              f"store.run_dir={sweep_dir.point(_point_name(i, params)).root}"]
+        ov = [
+            *(overrides or []),
+            *(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in params.items()),
+            f"store.run_dir={sweep_dir.point(_point_name(i, params)).root}",
+        ]
         cfgs.append(load_config(base_config, ov))
     for cfg in cfgs:  # every point is checked before anything is queued
         check_request(cfg, het=False)
@@ -63,8 +74,12 @@ def sweep(base_config: str | Path, grid: dict[str, list], sweep_dir: str | Path,
         for d in run_dirs:
             forget_run_dir(d)
         raise SlurmError(f"sbatch refused the array: {' '.join(str(err).split())[-300:]}") from None
-    doc = {"base_config": str(base_config), "grid": grid, "overrides": overrides or [],
-           "points": [{"params": p, "run_dir": str(d), "job_id": j.job_id} for p, d, j in zip(points, run_dirs, jobs)]}
+    doc = {
+        "base_config": str(base_config),
+        "grid": grid,
+        "overrides": overrides or [],
+        "points": [{"params": p, "run_dir": str(d), "job_id": j.job_id} for p, d, j in zip(points, run_dirs, jobs)],
+    }
     atomic_write_text(sweep_dir.record, json.dumps(doc, indent=1))
     return jobs
 
@@ -84,10 +99,18 @@ def collect(sweep_dir: str | Path) -> pd.DataFrame:
             status = job_state(p["job_id"])
         except SlurmError:
             status = "UNKNOWN"
-        rows.append({
-            **p["params"], "status": status, "job_id": p["job_id"], "run_dir": p["run_dir"],
-            "versions": s.get("versions"), "consumed_tokens_per_s": s.get("consumed_tokens_per_s"),
-            "acc_start": s.get("acc_start"), "acc_final": s.get("acc_final"),
-            "wall_s": s.get("wall_s"), "rl_wall_s": s.get("rl_wall_s"),
-        })
+        rows.append(
+            {
+                **p["params"],
+                "status": status,
+                "job_id": p["job_id"],
+                "run_dir": p["run_dir"],
+                "versions": s.get("versions"),
+                "consumed_tokens_per_s": s.get("consumed_tokens_per_s"),
+                "acc_start": s.get("acc_start"),
+                "acc_final": s.get("acc_final"),
+                "wall_s": s.get("wall_s"),
+                "rl_wall_s": s.get("rl_wall_s"),
+            }
+        )
     return pd.DataFrame(rows)

@@ -7,7 +7,7 @@ import math
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["math_reward", "extract_last_boxed"]
 
@@ -161,11 +161,7 @@ _ALARM_ACTIVE = False  # only touched from the main thread (signals only work th
 
 
 def _can_use_alarm() -> bool:
-    return (
-        hasattr(signal, "setitimer")
-        and threading.current_thread() is threading.main_thread()
-        and not _ALARM_ACTIVE
-    )
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread() and not _ALARM_ACTIVE
 
 
 def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float | None) -> float:

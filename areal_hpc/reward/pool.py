@@ -9,8 +9,8 @@ import multiprocessing as mp
 import pickle
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
-from typing import Sequence
 
 from areal_hpc.reward.math import Scorer, _as_reward, _bounded_call, _math_reward_unbounded
 from areal_hpc.reward.workers import _score_chunk, _WorkerGeneration
@@ -127,9 +127,7 @@ class RewardPool:
         """Queues a batch; returns at once a Future resolving to the rewards, in order."""
         completions, references = list(completions), list(references)
         if len(completions) != len(references):
-            raise ValueError(
-                f"{len(completions)} completions but {len(references)} references"
-            )
+            raise ValueError(f"{len(completions)} completions but {len(references)} references")
         # Non-strings would only score 0.0, and could fail to pickle: normalise them here.
         completions = [c if isinstance(c, str) else "" for c in completions]
         references = [r if isinstance(r, str) else "" for r in references]
@@ -175,7 +173,7 @@ class RewardPool:
                 gen.kill()
         self._closed = True
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -217,9 +215,7 @@ class RewardPool:
         if not self._in_flight:
             return True
         timeout = self._time_to_next_deadline()
-        done, _ = cf.wait(
-            list(self._in_flight) + [wake], timeout=timeout, return_when=cf.FIRST_COMPLETED
-        )
+        done, _ = cf.wait(list(self._in_flight) + [wake], timeout=timeout, return_when=cf.FIRST_COMPLETED)
         for fut in done:
             if fut is not wake and fut in self._in_flight:
                 self._collect(fut)

@@ -39,9 +39,7 @@ def _worker_ping() -> int:
     return os.getpid()
 
 
-def _score_chunk(
-    scorer: Scorer | None, pairs: list[tuple[str, str]], timeout_s: float
-) -> list[float]:
+def _score_chunk(scorer: Scorer | None, pairs: list[tuple[str, str]], timeout_s: float) -> list[float]:
     fn = _math_reward_unbounded if scorer is None else scorer
     return [_bounded_call(fn, c, r, timeout_s) for c, r in pairs]
 

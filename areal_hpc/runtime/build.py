@@ -17,8 +17,15 @@ def build_generation_engine(cfg: Config, model_dir: Path, seed: int) -> Generati
     rc = cfg.rollout
     extra = {"kv_cache_gib": rc.kv_cache_gib} if rc.engine == "vllm" else {}
     return make_generation_engine(
-        rc.engine, model_path=str(model_dir), temperature=rc.temperature, top_p=rc.top_p, dtype=cfg.model.dtype,
-        seed=seed, device=cfg.cluster.device, max_num_seqs=rc.max_num_seqs, **extra,
+        rc.engine,
+        model_path=str(model_dir),
+        temperature=rc.temperature,
+        top_p=rc.top_p,
+        dtype=cfg.model.dtype,
+        seed=seed,
+        device=cfg.cluster.device,
+        max_num_seqs=rc.max_num_seqs,
+        **extra,
     )
 
 
@@ -26,11 +33,23 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> Trai
     rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
     extra = {"zero_stage": tc.zero_stage, "bf16": tc.bf16} if tc.engine == "deepspeed" else {}
     return make_train_engine(
-        tc.engine, model_path=str(model_dir), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay,
-        grad_clip=tc.grad_clip, max_tokens_per_mb=tc.max_tokens_per_mb, n_minibatches=pc.n_minibatches,
-        eps_clip=pc.eps_clip, behav_imp_weight_cap=pc.behav_imp_weight_cap or None, prox=pc.prox,
-        temperature=rc.temperature, dtype=cfg.model.dtype, seed=tc.seed, process_group=process_group,
-        device=cfg.cluster.device, **extra,
+        tc.engine,
+        model_path=str(model_dir),
+        lr=tc.lr,
+        betas=tc.betas,
+        weight_decay=tc.weight_decay,
+        grad_clip=tc.grad_clip,
+        max_tokens_per_mb=tc.max_tokens_per_mb,
+        n_minibatches=pc.n_minibatches,
+        eps_clip=pc.eps_clip,
+        behav_imp_weight_cap=pc.behav_imp_weight_cap or None,
+        prox=pc.prox,
+        temperature=rc.temperature,
+        dtype=cfg.model.dtype,
+        seed=tc.seed,
+        process_group=process_group,
+        device=cfg.cluster.device,
+        **extra,
     )
 
 

@@ -1,4 +1,4 @@
-"""A generator rank: keep the engine full of granted groups, score each as it finishes, write shards, take new weights."""
+"""A generator rank: keep the engine full of granted groups, score each as it finishes, write shards, load weights."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ from areal_hpc.config import Config, concurrent_groups
 from areal_hpc.data import Problem, load_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import RewardPool
-from areal_hpc.rundir import RunDir
 from areal_hpc.rollout import completion_texts, final_rewards, group_requests, to_trajectory
 from areal_hpc.runtime.build import build_generation_engine
 from areal_hpc.runtime.layout import Layout
-from areal_hpc.runtime.protocol import Mailbox, Tag
+from areal_hpc.runtime.protocol import Tag
 from areal_hpc.runtime.role_loop import Handler, RoleLoop
-from areal_hpc.runtime.timeline import EngineMeter, Timeline
+from areal_hpc.runtime.timeline import EngineMeter
 from areal_hpc.runtime.weight_sync import WeightReceiver, state_nbytes, weights_checksum
 from areal_hpc.store import next_seq, write_shard
 from areal_hpc.types import EvalId, GenOutput, GenRequest, Trajectory, parse_request_id
@@ -74,11 +73,7 @@ class Generator(RoleLoop):
     listen_to = 0
 
     def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
-        self.cfg, self.run_dir, self.layout, self.resume = cfg, RunDir(run_dir), layout, resume
-        self.rank = comm.Get_rank()
-        self.index = layout.index(self.rank)
-        super().__init__(Mailbox(comm))
-        self.timeline = Timeline(self.run_dir, self.rank, "generator")
+        super().__init__(cfg, run_dir, comm, layout, resume)
         self.engine = build_generation_engine(cfg, model_dir, seed=cfg.trainer.seed + 1000 * self.rank)
         self.meter = EngineMeter(self.run_dir, self.rank, self.engine.capacity)
         self.tokenizer = load_tokenizer(model_dir)
@@ -86,8 +81,9 @@ class Generator(RoleLoop):
         self.train, self.heldout = dataset.train, dataset.heldout[: cfg.logging.eval_prompts]
         self.pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
         sc = cfg.sync
-        self.receiver = WeightReceiver(sc.method, sync_group, self.run_dir, self.engine.state_dict(), sc.bucket_mb,
-                                       cfg.cluster.device)
+        self.receiver = WeightReceiver(
+            sc.method, sync_group, self.run_dir, self.engine.state_dict(), sc.bucket_mb, cfg.cluster.device
+        )
         if sync_group is not None:  # paired with trainer 0's measurement at start-up
             sync_group.raw_bandwidth(state_nbytes(self.engine.state_dict()), cfg.cluster.device)
         self.rollout_dir = self.run_dir.rollouts
@@ -139,8 +135,9 @@ class Generator(RoleLoop):
 
     def _weights_ok(self, version: int, checksum: int | None, load_s: float | None) -> None:
         """Tell rank 0 weights `version` arrived: loaded in load_s seconds, or (None) skipped for newer ones."""
-        self.mail.send(0, Tag.WEIGHTS_OK, {"version": version, "checksum": checksum, "load_s": load_s,
-                                           "skipped": load_s is None})
+        self.mail.send(
+            0, Tag.WEIGHTS_OK, {"version": version, "checksum": checksum, "load_s": load_s, "skipped": load_s is None}
+        )
 
     def _admitting(self) -> bool:
         """New requests may join the engine now (without interruption, not while a weight load waits)."""
@@ -198,8 +195,9 @@ class Generator(RoleLoop):
         for idx, gid in prompts:
             p = self.train[idx]
             self.groups[gid] = _Group(p, now)
-            reqs += group_requests(self.tokenizer.encode(p.prompt), gid, self.cfg.rollout.n_samples,
-                                   self.cfg.rollout.max_new_tokens)
+            reqs += group_requests(
+                self.tokenizer.encode(p.prompt), gid, self.cfg.rollout.n_samples, self.cfg.rollout.max_new_tokens
+            )
         self._submit(reqs)
 
     def _submit(self, reqs: list[GenRequest]) -> None:
@@ -248,18 +246,25 @@ class Generator(RoleLoop):
         for s in done:
             self.timeline.add("reward", s.t_submit, now)
             rewards = final_rewards(s.future.result(), s.outputs)
-            trajs = [to_trajectory(o, s.group.problem.prompt_id, r, self.rank, s.group.t_start, s.group.t_end[k])
-                     for k, (o, r) in enumerate(zip(s.outputs, rewards))]
+            trajs = [
+                to_trajectory(o, s.group.problem.prompt_id, r, self.rank, s.group.t_start, s.group.t_end[k])
+                for k, (o, r) in enumerate(zip(s.outputs, rewards))
+            ]
             if not self.scored:
                 self.scored_since = now
-            self.scored.append((trajs, {
-                "prompt_id": s.group.problem.prompt_id,
-                "group_id": s.group_id,
-                "n_tokens": int(sum(len(t.input_ids) for t in trajs)),
-                "gen_tokens": int(sum(t.gen_len for t in trajs)),
-                "version_start": int(min(t.version_start for t in trajs)),
-                "uniform": len(set(rewards)) == 1,  # no learning signal; rank 0 may reject it
-            }))
+            self.scored.append(
+                (
+                    trajs,
+                    {
+                        "prompt_id": s.group.problem.prompt_id,
+                        "group_id": s.group_id,
+                        "n_tokens": int(sum(len(t.input_ids) for t in trajs)),
+                        "gen_tokens": int(sum(t.gen_len for t in trajs)),
+                        "version_start": int(min(t.version_start for t in trajs)),
+                        "uniform": len(set(rewards)) == 1,  # no learning signal; rank 0 may reject it
+                    },
+                )
+            )
         return True
 
     def _write_scored(self) -> None:
@@ -268,8 +273,12 @@ class Generator(RoleLoop):
         if not self.scored:
             return
         st = self.cfg.store
-        due = (len(self.scored) >= st.shard_max_groups or time.time() - self.scored_since >= st.shard_max_wait_s
-               or not (self.groups or self.scoring) or self.stopping)
+        due = (
+            len(self.scored) >= st.shard_max_groups
+            or time.time() - self.scored_since >= st.shard_max_wait_s
+            or not (self.groups or self.scoring)
+            or self.stopping
+        )
         if not due:
             return
         self._end_generate_span()
@@ -301,8 +310,12 @@ class Generator(RoleLoop):
             return
         self.eval = _Eval(tag, self.engine.version, time.time())
         mnt = self.cfg.rollout.max_new_tokens
-        self._submit([GenRequest(str(EvalId(i)), self.tokenizer.encode(p.prompt), mnt, greedy=True)
-                      for i, p in enumerate(self.heldout)])
+        self._submit(
+            [
+                GenRequest(str(EvalId(i)), self.tokenizer.encode(p.prompt), mnt, greedy=True)
+                for i, p in enumerate(self.heldout)
+            ]
+        )
 
     def _score_eval(self) -> None:
         ev = self.eval
@@ -317,8 +330,11 @@ class Generator(RoleLoop):
         self.eval = None
         self.timeline.add("eval", ev.t_start, time.time())
         newest = max((v for o in ev.ordered for v in o.output_versions), default=ev.version)
-        self.mail.send(0, Tag.EVAL_RESULT, {"tag": ev.tag, "version": ev.version, "version_end": newest,
-                                            "acc": sum(rewards) / len(rewards)})
+        self.mail.send(
+            0,
+            Tag.EVAL_RESULT,
+            {"tag": ev.tag, "version": ev.version, "version_end": newest, "acc": sum(rewards) / len(rewards)},
+        )
 
     # -- the loop -------------------------------------------------------------------------------
     def handlers(self) -> dict[Tag, Handler]:

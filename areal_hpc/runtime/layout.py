@@ -20,19 +20,20 @@ class Layout:
     roles: tuple[str, ...]
 
     @classmethod
-    def from_counts(cls, n_generators: int, n_trainers: int) -> "Layout":
+    def from_counts(cls, n_generators: int, n_trainers: int) -> Layout:
         return cls((SCHEDULER,) + (GENERATOR,) * n_generators + (TRAINER,) * n_trainers)
 
     @classmethod
-    def from_groups(cls, groups: list[str]) -> "Layout":
+    def from_groups(cls, groups: list[str]) -> Layout:
         """groups[r] is rank r's het-job component: 'train' (scheduler + trainers) or 'gen'."""
         bad = sorted({g for g in groups if g not in (TRAIN_GROUP, GEN_GROUP)})
         if bad:
             raise ValueError(f"unknown rank group(s) {bad}; each rank is 'train' or 'gen'")
         if not groups or groups[0] != TRAIN_GROUP:
             raise ValueError("rank 0 must belong to the training component (het group 0: scheduler + trainers)")
-        return cls(tuple(SCHEDULER if r == 0 else (TRAINER if g == TRAIN_GROUP else GENERATOR)
-                         for r, g in enumerate(groups)))
+        return cls(
+            tuple(SCHEDULER if r == 0 else (TRAINER if g == TRAIN_GROUP else GENERATOR) for r, g in enumerate(groups))
+        )
 
     @property
     def world_size(self) -> int:
@@ -70,8 +71,13 @@ class Layout:
 
     def check(self, world_size: int, n_generators: int, n_trainers: int) -> None:
         """The world must hold exactly the ranks the config asks for."""
-        if (world_size, self.n_generators, self.n_trainers) != (1 + n_generators + n_trainers, n_generators, n_trainers):
+        if (world_size, self.n_generators, self.n_trainers) != (
+            1 + n_generators + n_trainers,
+            n_generators,
+            n_trainers,
+        ):
             raise ValueError(
-                f"MPI world has {world_size} ranks ({self.n_generators} generators, {self.n_trainers} trainers) but the "
-                f"config needs {1 + n_generators + n_trainers} (1 scheduler + {n_generators} generators + {n_trainers} trainers)"
+                f"MPI world has {world_size} ranks ({self.n_generators} generators, {self.n_trainers} trainers) "
+                f"but the config needs {1 + n_generators + n_trainers} "
+                f"(1 scheduler + {n_generators} generators + {n_trainers} trainers)"
             )

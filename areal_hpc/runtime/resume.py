@@ -22,7 +22,9 @@ def load_scheduler_state(run_dir: Path, version: int) -> dict:
     return json.loads(RunDir(run_dir).scheduler_state(version).read_text())
 
 
-def unconsumed_groups(run_dir: Path, consumed: dict, skip_uniform: bool = False) -> tuple[list[tuple[ReadyGroup, int]], int]:
+def unconsumed_groups(
+    run_dir: Path, consumed: dict, skip_uniform: bool = False
+) -> tuple[list[tuple[ReadyGroup, int]], int]:
     """Every group in the store none of whose trajectories the ledger lists, oldest first, each with the
     newest version among its tokens (a resume must not reuse tokens of versions it rolled back).
     `skip_uniform` leaves out groups whose rewards are all equal (the scheduler rejected those).
@@ -49,7 +51,10 @@ def unconsumed_groups(run_dir: Path, consumed: dict, skip_uniform: bool = False)
             if skip_uniform and len({float(s.reward[i]) for i in idx}) == 1:
                 continue
             group = ReadyGroup(
-                shard=path.name, indices=idx, prompt_id=int(s.prompt_id[idx[0]]), group_id=int(gid),
+                shard=path.name,
+                indices=idx,
+                prompt_id=int(s.prompt_id[idx[0]]),
+                group_id=int(gid),
                 n_tokens=int(sum(int(lengths[i]) for i in idx)),
                 version_start=int(min(int(s.version_start[i]) for i in idx)),
             )

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
+from areal_hpc.config import Config
+from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Mailbox, Tag
+from areal_hpc.runtime.timeline import Timeline
 
 Handler = Callable[[int, dict], None]  # (source rank, message body)
 
@@ -20,8 +24,12 @@ class RoleLoop:
     role = "rank"
     listen_to: int | None = None  # None: every rank (rank 0); 0: only the scheduler
 
-    def __init__(self, mail: Mailbox):
-        self.mail = mail
+    def __init__(self, cfg: Config, run_dir: RunDir, comm, layout: Layout, resume: bool):
+        self.cfg, self.run_dir, self.layout, self.resume = cfg, RunDir(run_dir), layout, resume
+        self.rank = comm.Get_rank()
+        self.index = layout.index(self.rank)  # among the ranks of this role
+        self.mail = Mailbox(comm)
+        self.timeline = Timeline(self.run_dir, self.rank, self.role)
         self._handlers: dict[Tag, Handler] | None = None  # built on first use, once the role is set up
 
     def handlers(self) -> dict[Tag, Handler]:

@@ -55,13 +55,18 @@ class RunReport:
             self.samples_consumed = state.get("samples_consumed", 0)
             self.evals = dict(state.get("evals", {}))
             self.dropped_on_resume = state.get("dropped_on_resume", 0)
-        self.metrics = MetricsLogger(self.run_dir, self.cfg.logging.tensorboard,
-                                     keep_upto=start_version if resumed else None)
+        self.metrics = MetricsLogger(
+            self.run_dir, self.cfg.logging.tensorboard, keep_upto=start_version if resumed else None
+        )
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the report (the rest is per launch)."""
-        return {"tokens_consumed": self.tokens_consumed, "samples_consumed": self.samples_consumed,
-                "evals": self.evals, "dropped_on_resume": self.dropped_on_resume}
+        return {
+            "tokens_consumed": self.tokens_consumed,
+            "samples_consumed": self.samples_consumed,
+            "evals": self.evals,
+            "dropped_on_resume": self.dropped_on_resume,
+        }
 
     # -- the parts of a row -----------------------------------------------------------------------
     def expect(self, v: int, parts: set) -> None:
@@ -77,7 +82,7 @@ class RunReport:
     def published(self, v: int, values: dict) -> None:
         """Trainer 0 is sending weights v: the row waits for the sync and every generator's load."""
         self.rows.setdefault(v, {}).update(values)
-        self.expect(v, {"sync"} | {f"weights{g}" for g in self.layout.generator_ranks})
+        self.expect(v, {"sync"} | {f"load{g}" for g in self.layout.generator_ranks})
 
     def sync_done(self, body: dict) -> None:
         gbps = body["bytes"] / max(body["sync_s"], 1e-9) / 1e9
@@ -96,7 +101,7 @@ class RunReport:
             row[f"skipped_gen{g}"] = 1
         else:
             row[f"load_s_gen{g}"] = body["load_s"]
-        self.got(body["version"], f"weights{src}", row)
+        self.got(body["version"], f"load{src}", row)
 
     def eval_result(self, body: dict) -> None:
         tag, acc = body["tag"], body["acc"]
@@ -107,7 +112,11 @@ class RunReport:
             row = {}
             if acc is not None:
                 # the weights its tokens came from: an evaluation that spans a weight load ends on the newer
-                row = {"heldout_acc": acc, "heldout_version": body["version"], "heldout_version_end": body["version_end"]}
+                row = {
+                    "heldout_acc": acc,
+                    "heldout_version": body["version"],
+                    "heldout_version_end": body["version_end"],
+                }
             self.got(int(tag[1:]), "eval", row)
 
     def trained(self, v: int, parts: list[dict]) -> None:
@@ -172,12 +181,17 @@ class RunReport:
         elapsed = now - (self.t_rl or self.t0)
         last = self.metrics.rows[-1] if self.metrics and self.metrics.rows else {}
         doc = {
-            "state": state, "version": self.core.version, "versions": self.cfg.trainer.versions,
+            "state": state,
+            "version": self.core.version,
+            "versions": self.cfg.trainer.versions,
             "start_version": self.start_version,
-            "reward_mean": last.get("reward_mean"), "heldout_acc": self.evals.get(self.last_eval_tag()),
+            "reward_mean": last.get("reward_mean"),
+            "heldout_acc": self.evals.get(self.last_eval_tag()),
             "consumed_tokens_per_s": self.tokens_consumed / max(elapsed, 1e-9),
-            "elapsed_s": now - self.t0, "dropped_stale": self.core.dropped_stale,
-            "rejected_uniform": self.core.rejected, "time": now,
+            "elapsed_s": now - self.t0,
+            "dropped_stale": self.core.dropped_stale,
+            "rejected_uniform": self.core.rejected,
+            "time": now,
         }
         atomic_write_text(self.run_dir.progress, json.dumps(doc))
 

@@ -10,12 +10,11 @@ from areal_hpc.config import Config
 from areal_hpc.data import load_dataset
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.layout import Layout
-from areal_hpc.runtime.protocol import Mailbox, Tag
+from areal_hpc.runtime.protocol import Tag
 from areal_hpc.runtime.resume import clean_temporaries, load_scheduler_state, save_scheduler_state, unconsumed_groups
 from areal_hpc.runtime.role_loop import Handler, RoleLoop
 from areal_hpc.runtime.run_report import RunReport
 from areal_hpc.runtime.scheduler_core import BatchPlan, ReadyGroup, SchedulerCore, fair_shares
-from areal_hpc.runtime.timeline import Timeline
 from areal_hpc.store import Ledger
 
 log = logging.getLogger("areal_hpc.scheduler")
@@ -27,17 +26,21 @@ class Scheduler(RoleLoop):
     role = "scheduler"
 
     def __init__(self, cfg: Config, run_dir: RunDir, comm, layout: Layout, resume: bool, stop_flag):
-        self.cfg, self.run_dir, self.layout, self.resume = cfg, RunDir(run_dir), layout, resume
+        super().__init__(cfg, run_dir, comm, layout, resume)
         self.stop_flag = stop_flag  # set by a signal handler (SIGTERM/SIGUSR1 from Slurm, Ctrl-C)
-        super().__init__(Mailbox(comm))
         rc = cfg.rollout
-        self.core = SchedulerCore(n_prompts=len(load_dataset(cfg.data).train), batch_prompts=rc.batch_prompts,
-                                  eta=rc.eta, n_trainers=layout.n_trainers, n_minibatches=cfg.ppo.n_minibatches,
-                                  max_running=rc.max_running or None, seed=cfg.data.seed,
-                                  reject_uniform=cfg.ppo.drop_uniform_groups)
+        self.core = SchedulerCore(
+            n_prompts=len(load_dataset(cfg.data).train),
+            batch_prompts=rc.batch_prompts,
+            eta=rc.eta,
+            n_trainers=layout.n_trainers,
+            n_minibatches=cfg.ppo.n_minibatches,
+            max_running=rc.max_running or None,
+            seed=cfg.data.seed,
+            reject_uniform=cfg.ppo.drop_uniform_groups,
+        )
         self.report = RunReport(cfg, self.run_dir, layout, self.core)
         self.ledger = Ledger(self.run_dir)
-        self.timeline = Timeline(self.run_dir, 0, "scheduler")
         self.want = {g: 0 for g in layout.generator_ranks}  # prompts each generator asked for, not granted yet
         self.next_group_id = 0
         self.started = False  # trainer 0 has published the starting weights
@@ -79,8 +82,13 @@ class Scheduler(RoleLoop):
         self.next_group_id = max(state["next_group_id"], max_gid + 1)
         self.report.open(n, resumed=True, state=state)
         self.report.dropped_on_resume += stale
-        log.info("resumed from checkpoint v%d: ledger versions %s dropped, %d stored groups reused, %d dropped",
-                 n, removed, reused, stale)
+        log.info(
+            "resumed from checkpoint v%d: ledger versions %s dropped, %d stored groups reused, %d dropped",
+            n,
+            removed,
+            reused,
+            stale,
+        )
         return n
 
     # -- messages -------------------------------------------------------------------------------
@@ -163,8 +171,12 @@ class Scheduler(RoleLoop):
         if self.ckpt_acks < self.layout.n_trainers:
             return
         v = self.ckpt_pending
-        state = {"version": v, "core": self.core.state_dict(), "next_group_id": self.next_group_id,
-                 **self.report.state_dict()}
+        state = {
+            "version": v,
+            "core": self.core.state_dict(),
+            "next_group_id": self.next_group_id,
+            **self.report.state_dict(),
+        }
         save_scheduler_state(self.run_dir, v, state)
         self.last_ckpt, self.ckpt_pending = v, None
         log.info("checkpoint v%d complete", v)
@@ -192,8 +204,10 @@ class Scheduler(RoleLoop):
         self.ledger.record(plan.version, plan.entries())  # durable before any trainer sees the batch
         self.batch = plan
         for t, share in zip(self.layout.trainer_ranks, plan.shares):
-            body = {"version": plan.version,
-                    "share": [[(plan.groups[i].shard, plan.groups[i].indices) for i in mb] for mb in share]}
+            body = {
+                "version": plan.version,
+                "share": [[(plan.groups[i].shard, plan.groups[i].indices) for i in mb] for mb in share],
+            }
             self.mail.send(t, Tag.BATCH, body)
 
     # -- stopping -------------------------------------------------------------------------------
@@ -228,8 +242,13 @@ class Scheduler(RoleLoop):
 
     def finished(self) -> bool:
         """Stopping, nothing training, and the checkpoint of the current version complete."""
-        return (self.stopping and self.batch is None and not self.train_done and self.ckpt_pending is None
-                and self.last_ckpt == self.core.version)
+        return (
+            self.stopping
+            and self.batch is None
+            and not self.train_done
+            and self.ckpt_pending is None
+            and self.last_ckpt == self.core.version
+        )
 
     def run(self) -> dict:
         start = self._restore() if self.resume else 0

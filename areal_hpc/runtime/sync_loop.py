@@ -20,8 +20,8 @@ from areal_hpc.evaluation import heldout_accuracy
 from areal_hpc.metrics import MetricsLogger
 from areal_hpc.model import ensure_model, load_tokenizer
 from areal_hpc.reward import RewardPool
-from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.rollout import group_requests, score_outputs, to_trajectory
+from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.runtime.build import build_generation_engine, build_train_engine, warm_start
 from areal_hpc.store import Ledger, read_shard, write_shard
 from areal_hpc.utils import seed_everything
@@ -118,8 +118,11 @@ def run_sync(cfg: Config) -> RunSummary:
                 "heldout_acc": math.nan,
                 "groups_kept": int(keep.sum()) // rc.n_samples,
                 "gen_tokens": int(sum(t.gen_len for t in batch)),
-                "t_generate": t_rew - t_gen, "t_reward": t_write - t_rew, "t_store": t_train - t_write,
-                "t_train": t_sync - t_train, "t_sync": t_end - t_sync,
+                "t_generate": t_rew - t_gen,
+                "t_reward": t_write - t_rew,
+                "t_store": t_train - t_write,
+                "t_train": t_sync - t_train,
+                "t_sync": t_end - t_sync,
                 "wall_s": t_end - t0,
                 **{k: v for k, v in stats.items()},
             }
@@ -137,4 +140,6 @@ def run_sync(cfg: Config) -> RunSummary:
         rl_wall = time.time() - t_rl
     trainer.save_checkpoint(run_dir.trainer_checkpoint(trainer.version))
     metrics.close()
-    return RunSummary(run_dir.root, trainer.version, acc_before, acc, acc_warm, time.time() - t0, rl_wall, metrics.tb_dir)
+    return RunSummary(
+        run_dir.root, trainer.version, acc_before, acc, acc_warm, time.time() - t0, rl_wall, metrics.tb_dir
+    )

@@ -97,8 +97,17 @@ class EngineMeter:
     def flush(self, t: float | None = None) -> None:
         t = time.time() if t is None else t
         if self.steps:
-            self._w.writerow([self.rank, f"{self.t0:.6f}", f"{t:.6f}", self.steps, self.seq_steps, f"{self.seq_s:.6f}",
-                              self.capacity])
+            self._w.writerow(
+                [
+                    self.rank,
+                    f"{self.t0:.6f}",
+                    f"{t:.6f}",
+                    self.steps,
+                    self.seq_steps,
+                    f"{self.seq_s:.6f}",
+                    self.capacity,
+                ]
+            )
             self._f.flush()
         self._reset(t)
 
@@ -111,8 +120,7 @@ def load_engine_samples(run_dir: Path):
     """Every generator's EngineMeter rows as one DataFrame."""
     import pandas as pd
 
-    frames = [pd.read_csv(p, on_bad_lines="skip").dropna()
-              for p in RunDir(run_dir).engine_logs()]
+    frames = [pd.read_csv(p, on_bad_lines="skip").dropna() for p in RunDir(run_dir).engine_logs()]
     if not frames:
         return pd.DataFrame(columns=EngineMeter.FIELDS)
     return pd.concat(frames, ignore_index=True)

@@ -30,5 +30,10 @@ def init_trainer_group(trainer_comm, timeout_s: float, backend: str = "gloo") ->
     import torch.distributed as dist
 
     store = store_over_mpi(trainer_comm, timeout_s)
-    dist.init_process_group(backend, store=dist.PrefixStore("trainers", store), rank=trainer_comm.Get_rank(),
-                            world_size=trainer_comm.Get_size(), timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("trainers", store),
+        rank=trainer_comm.Get_rank(),
+        world_size=trainer_comm.Get_size(),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

@@ -15,12 +15,10 @@ from areal_hpc.algo.advantages import batch_advantages
 from areal_hpc.config import Config
 from areal_hpc.data import load_dataset
 from areal_hpc.model import load_tokenizer
-from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.build import build_train_engine, warm_start
 from areal_hpc.runtime.layout import Layout
-from areal_hpc.runtime.protocol import Mailbox, Tag
+from areal_hpc.runtime.protocol import Tag
 from areal_hpc.runtime.role_loop import Handler, RoleLoop
-from areal_hpc.runtime.timeline import Timeline
 from areal_hpc.runtime.weight_sync import WeightSender, state_nbytes
 from areal_hpc.store import read_shard
 from areal_hpc.types import Trajectory
@@ -57,17 +55,18 @@ class Trainer(RoleLoop):
     listen_to = 0
 
     def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
-        self.cfg, self.run_dir, self.layout, self.resume = cfg, RunDir(run_dir), layout, resume
-        self.rank = comm.Get_rank()
-        self.index = layout.index(self.rank)
-        super().__init__(Mailbox(comm))
-        self.timeline = Timeline(self.run_dir, self.rank, "trainer")
+        super().__init__(cfg, run_dir, comm, layout, resume)
         self.engine = build_train_engine(cfg, model_dir)  # the default torch group = the trainers
         self.model_dir = model_dir
         self.sync_group = sync_group
         sc = cfg.sync
-        self.sender = WeightSender(sc.method, sync_group, self.run_dir, sc.bucket_mb, sc.checksum,
-                                   sc.keep_versions, cfg.cluster.device) if self.index == 0 else None
+        self.sender = (
+            WeightSender(
+                sc.method, sync_group, self.run_dir, sc.bucket_mb, sc.checksum, sc.keep_versions, cfg.cluster.device
+            )
+            if self.index == 0
+            else None
+        )
         fault = os.environ.get(FAULT_ENV, "")
         self.fault_version = int(fault.split("@")[1]) if fault.startswith("trainer@") and self.index == 0 else None
         self.stopping = False
@@ -83,7 +82,9 @@ class Trainer(RoleLoop):
                 self.engine.load_checkpoint(self.run_dir.trainer_checkpoint(v))
         elif self.cfg.trainer.warm_start_steps:
             with self.timeline.span("train"):
-                warm_start(self.engine, load_tokenizer(self.model_dir), load_dataset(self.cfg.data), self.cfg, progress=False)
+                warm_start(
+                    self.engine, load_tokenizer(self.model_dir), load_dataset(self.cfg.data), self.cfg, progress=False
+                )
         body = {"version": self.engine.version, "raw_gbps": None}
         # gathered once per publish (collective under ZeRO-3: every trainer calls weights() once here)
         state = self.engine.weights() if (self.sender is not None or self.engine.collective_weights) else None

@@ -140,8 +140,16 @@ class WeightSender:
     a publish has completed (the time from posting to the last bucket delivered).
     """
 
-    def __init__(self, method: str, group: SyncGroup | None, run_dir: Path, bucket_mb: int,
-                 checksum: bool, keep_versions: int, device: str = "cpu"):
+    def __init__(
+        self,
+        method: str,
+        group: SyncGroup | None,
+        run_dir: Path,
+        bucket_mb: int,
+        checksum: bool,
+        keep_versions: int,
+        device: str = "cpu",
+    ):
         self.method, self.group, self.run_dir = method, group, Path(run_dir)
         self.bucket_bytes = bucket_mb << 20
         self.checksum, self.keep_versions, self.device = checksum, keep_versions, device
@@ -159,7 +167,14 @@ class WeightSender:
             nbytes = save_weights(self.run_dir, state_dict, version)
             prune_weights(self.run_dir, self.keep_versions)
             t1 = time.time()
-            self._pending = {"version": version, "sync_s": t1 - t0, "bytes": nbytes, "checksum": crc, "t_start": t0, "t_end": t1}
+            self._pending = {
+                "version": version,
+                "sync_s": t1 - t0,
+                "bytes": nbytes,
+                "checksum": crc,
+                "t_start": t0,
+                "t_end": t1,
+            }
             return previous
         if self.plan is None:
             self.plan = BucketPlan(state_dict, self.bucket_bytes, self.device)
@@ -168,8 +183,11 @@ class WeightSender:
         self._pending = {"version": version, "bytes": self.plan.nbytes, "checksum": crc, "t_start": time.time()}
         self._done_at = []
         # Work.wait() releases the GIL: this thread only notes when the transfer ended
-        self._waiter = threading.Thread(target=lambda: ([w.wait() for w in works], self._done_at.append(time.time())),
-                                        name="weight-send", daemon=True)
+        self._waiter = threading.Thread(
+            target=lambda: ([w.wait() for w in works], self._done_at.append(time.time())),
+            name="weight-send",
+            daemon=True,
+        )
         self._waiter.start()
         return previous
 
@@ -197,8 +215,15 @@ class WeightSender:
 class WeightReceiver:
     """A generator's side: receive version v into reused buffers (or read its files)."""
 
-    def __init__(self, method: str, group: SyncGroup | None, run_dir: Path, template: dict[str, torch.Tensor],
-                 bucket_mb: int, device: str = "cpu"):
+    def __init__(
+        self,
+        method: str,
+        group: SyncGroup | None,
+        run_dir: Path,
+        template: dict[str, torch.Tensor],
+        bucket_mb: int,
+        device: str = "cpu",
+    ):
         self.method, self.group, self.run_dir = method, group, Path(run_dir)
         self.plan = BucketPlan(template, bucket_mb << 20, device) if method == "broadcast" else None
 

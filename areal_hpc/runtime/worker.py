@@ -43,8 +43,14 @@ def _pin_one_gpu() -> None:
     Open MPI's local rank, so both read 0 in this process; MPI read its own copy at start-up.
     """
     local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("SLURM_STEP_GPUS") or os.environ.get("SLURM_JOB_GPUS")
-    gpus = visible.split(",") if visible else sorted((p.name[len("nvidia"):] for p in Path("/dev").glob("nvidia[0-9]*")), key=int)
+    visible = (
+        os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("SLURM_STEP_GPUS") or os.environ.get("SLURM_JOB_GPUS")
+    )
+    gpus = (
+        visible.split(",")
+        if visible
+        else sorted((p.name[len("nvidia") :] for p in Path("/dev").glob("nvidia[0-9]*")), key=int)
+    )
     if not gpus:
         raise RuntimeError("cluster.device=cuda but this node shows no GPU (no CUDA_VISIBLE_DEVICES, no /dev/nvidiaN)")
     os.environ["CUDA_VISIBLE_DEVICES"] = gpus[local % len(gpus)]
@@ -87,12 +93,15 @@ def main(argv: list[str] | None = None) -> int:
             layout = Layout.from_counts(cfg.cluster.n_generators, cfg.cluster.n_trainers)
         role = layout.role(rank) if rank < layout.world_size else "rank"
         _redirect_output(run_dir.rank_log(rank, role))
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format=f"%(asctime)s rank{rank} {role} %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s rank{rank} {role} %(name)s: %(message)s"
+        )
         run_dir.rank_pid(rank).write_text(str(os.getpid()))
         layout.check(comm.Get_size(), cfg.cluster.n_generators, cfg.cluster.n_trainers)
         # decided once, by rank 0: every rank must agree even if a shared filesystem's caches do not
-        resume = comm.bcast("--resume" in opts or ("--resume-auto" in opts and run_dir.latest_checkpoint() is not None), root=0)
+        resume = comm.bcast(
+            "--resume" in opts or ("--resume-auto" in opts and run_dir.latest_checkpoint() is not None), root=0
+        )
         # A signal (Slurm's --signal, submitit's USR2, scancel, a terminal) asks for a checkpoint and a clean stop;
         # rank 0 acts on it, the others wait for its STOP.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):

@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 from areal_hpc.rundir import RunDir
-from areal_hpc.utils import atomic_write_text, fsync_dir as _fsync_dir
+from areal_hpc.utils import atomic_write_text
+from areal_hpc.utils import fsync_dir as _fsync_dir
 
 _VERSION_RE = re.compile(r"^v(\d{8,})\.json$")
 
@@ -71,9 +72,7 @@ class Ledger:
                 raise LedgerError(f"unreadable ledger file {p}: {type(e).__name__}: {e}") from None
             for e in entries:
                 if e in self._consumed:
-                    raise LedgerError(
-                        f"ledger file {p}: entry {e} already consumed by version {self._consumed[e]}"
-                    )
+                    raise LedgerError(f"ledger file {p}: entry {e} already consumed by version {self._consumed[e]}")
                 self._consumed[e] = version
             self._entries[version] = entries
 

@@ -13,8 +13,8 @@ import h5py
 import numpy as np
 from h5py import h5d, h5s
 
-from areal_hpc.utils import fsync_dir as _fsync_dir
 from areal_hpc.types import Trajectory
+from areal_hpc.utils import fsync_dir as _fsync_dir
 
 SCHEMA_VERSION = 1
 SHARD_SUFFIX = ".h5"
@@ -48,7 +48,8 @@ TRAJ_FIELDS: dict[str, np.dtype] = {
 STORED_AS_GIVEN = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name not in TOKEN_FIELDS)
 DERIVED_FIELDS = ("gen_len", "version_start", "version_end")
 if set(TRAJ_FIELDS) != {*STORED_AS_GIVEN, *DERIVED_FIELDS} or set(TOKEN_FIELDS) - {
-        f.name for f in dataclasses.fields(Trajectory)}:
+    f.name for f in dataclasses.fields(Trajectory)
+}:
     raise ImportError("areal_hpc.store.shards: TRAJ_FIELDS/TOKEN_FIELDS disagree with the Trajectory dataclass")
 # Published shards are immutable and temporaries private, so HDF5 file locks buy nothing and fail with
 # errno 38 on some shared filesystems: files are opened with locking=False.
@@ -323,8 +324,7 @@ def read_shard(path: os.PathLike | str) -> list[Trajectory]:
     rows = [dict(zip(cols, values)) for values in zip(*cols.values())]
     # Per-token arrays are views into the shard's concatenated arrays (no copy).
     return [
-        Trajectory(**row, **{k: a[k][s:e] for k in TOKEN_FIELDS})
-        for row, (s, e) in zip(rows, zip(off[:-1], off[1:]))
+        Trajectory(**row, **{k: a[k][s:e] for k in TOKEN_FIELDS}) for row, (s, e) in zip(rows, zip(off[:-1], off[1:]))
     ]
 
 

@@ -35,8 +35,10 @@ def main(out: str) -> None:
             mine = {"checksum": info["checksum"], "buckets": len(sender.plan.buffers), "bytes": info["bytes"]}
         else:
             got = recv.receive(version)
-            mine = {"checksum": weights_checksum(got),
-                    "equal": all(torch.equal(got[k], sd[k]) and got[k].dtype == sd[k].dtype for k in sd)}
+            mine = {
+                "checksum": weights_checksum(got),
+                "equal": all(torch.equal(got[k], sd[k]) and got[k].dtype == sd[k].dtype for k in sd),
+            }
         results.append(comm.gather(mine, root=0))
     group.close()
     if comm.Get_rank() == 0:

@@ -1,4 +1,4 @@
-"""Under mpirun -n 2: DeepSpeed ZeRO trainers take one PPO step on a shared batch; then checkpoint, step, restore, step."""
+"""Under mpirun -n 2: DeepSpeed ZeRO trainers take a PPO step on one batch; then checkpoint, step, restore, step."""
 
 import pickle
 import sys
@@ -28,8 +28,16 @@ def main(model_dir: str, out: str, stage: int) -> None:
     share, share_adv = [trajs[i] for i in mine], adv[mine]
 
     def engine(optimizer):
-        return DeepSpeedTrainEngine(model_dir, zero_stage=stage, lr=0.1 if optimizer == "sgd" else 1e-3,
-                                    optimizer=optimizer, weight_decay=0.0, grad_clip=0.0, n_minibatches=2, seed=0)
+        return DeepSpeedTrainEngine(
+            model_dir,
+            zero_stage=stage,
+            lr=0.1 if optimizer == "sgd" else 1e-3,
+            optimizer=optimizer,
+            weight_decay=0.0,
+            grad_clip=0.0,
+            n_minibatches=2,
+            seed=0,
+        )
 
     a = engine("sgd")
     a.ppo_update(share, share_adv, minibatches)
