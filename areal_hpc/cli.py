@@ -1,4 +1,4 @@
-"""The `areal-hpc` command line: print configs, run the demo loop."""
+"""The `areal-hpc` command line: configs, local runs, Slurm render/submit/sweep/status, the reference loop."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from areal_hpc.algo.staleness import StalenessGate
 
 
 def reference_loss(logp, prox, behav, adv, mask, eps, cap, total):
-    """Token-by-token transcription of DESIGN.md's formula, with python floats for the constants."""
+    """Token-by-token transcription of docs/algorithm.md's formula, with python floats for the constants."""
     terms, kept = [], 0.0
     for t in range(len(logp)):
         w = float(torch.exp(prox[t] - behav[t]))

@@ -158,3 +158,28 @@ def test_fair_shares_follow_free_capacity_not_rank_order():
     assert fair_shares({1: 3, 2: 4}, 1) == {1: 0, 2: 1}  # the one with more free room first
     shares = fair_shares({1: 7, 2: 0, 3: 7, 4: 7}, 10)
     assert sum(shares.values()) == 10 and max(shares.values()) - min(shares.values()) <= 1 and 2 not in shares
+
+
+def test_restore_reuses_fresh_stored_groups_and_drops_the_rest():
+    core = SchedulerCore(n_prompts=50, batch_prompts=2, eta=1, seed=3)
+    core.grant(4)
+    state = json.loads(json.dumps(core.state_dict()))  # a checkpoint at version 0, 4 prompts in flight
+    # what the store holds after a crash at version 3 that rolled back to 3: (group, newest token version)
+    stored = [
+        (_group(10, version_start=2), 3),  # fresh for v3 and sampled by kept versions: reused
+        (_group(11, version_start=1), 2),  # 3 - 1 > eta: too stale
+        (_group(12, version_start=3), 4),  # has tokens of version 4, which the resume rolled back
+        (_group(13, version_start=3), 3),  # reused
+    ]
+    fresh = SchedulerCore(n_prompts=50, batch_prompts=2, eta=1, seed=3)
+    assert fresh.restore(3, state, stored) == (2, 2)
+    assert fresh.version == 3 and fresh.cursor == 4
+    assert [g.group_id for g in fresh.ready] == [10, 13] and sorted(fresh.dropped_ids) == [11, 12]
+    # 3 trained versions x B plus the two reused groups count as accepted; nothing is running any more
+    assert fresh.gate.accepted == 3 * 2 + 2 and fresh.gate.running == 0
+    assert fresh.gate.capacity() == (3 + 1 + 1) * 2 - 8
+    plan = fresh.next_batch()
+    assert plan is not None and plan.version == 3 and [g.group_id for g in plan.groups] == [10, 13]
+    # a group dropped before the checkpoint is not brought back by a later restore
+    again = SchedulerCore(n_prompts=50, batch_prompts=2, eta=1, seed=3)
+    assert again.restore(3, fresh.state_dict(), [(_group(11, 1), 2)]) == (0, 0)

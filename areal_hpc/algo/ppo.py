@@ -64,7 +64,7 @@ def loglinear_prox_logp(
     behav_versions: torch.Tensor,
     current_version: int,
 ) -> torch.Tensor:
-    """Approximate log pi_prox without an extra forward pass (DESIGN.md).
+    """Approximate log pi_prox without an extra forward pass (docs/algorithm.md).
 
     logp_prox ~= logp_behav + alpha * (logp_theta - logp_behav) with
     alpha = (v_theta - 1 - v_behav) / (v_theta - v_behav): the proximal policy (version v_theta - 1)

@@ -1,1 +1,1 @@
-"""Launchers: local mpirun today; Slurm (sbatch templates, submitit) builds on the same run dir."""
+"""Launchers over one run dir: local mpirun, the sbatch script, submitit jobs and job-array sweeps."""

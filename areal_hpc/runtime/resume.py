@@ -1,4 +1,4 @@
-"""Checkpoint bookkeeping on disk: which checkpoint is complete, and the ready queue rebuilt from the store."""
+"""Resume bookkeeping: rank 0's checkpoint state, the ready queue rebuilt from the store, temporaries cleaned."""
 
 from __future__ import annotations
 
