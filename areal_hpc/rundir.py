@@ -33,6 +33,9 @@ class RunDir:
     def __repr__(self) -> str:
         return f"RunDir({str(self.root)!r})"
 
+    def __str__(self) -> str:
+        return str(self.root)
+
     # -- files at the top -------------------------------------------------------------------------
     @property
     def config(self) -> Path:
@@ -180,15 +183,16 @@ class RunDir:
         """Data, checkpoints or a submitted job are here: a new run must not reuse the folder."""
         return any(p.exists() for p in (self.rollouts, self.ledger, self.checkpoints, self.job_file))
 
-    def create(self, cfg) -> RunDir:
-        """A new run: refuse a folder that holds one, then write the resolved config (store.run_dir absolute)."""
+    def create(self, cfg, queued: bool = False, hint: str = "pick another run_name=... or store.run_dir=...") -> RunDir:
+        """A new run: refuse a folder that holds one, then write the resolved config (store.run_dir absolute).
+
+        `queued`: the run is submitted to start later (Slurm), so a config already here may belong to a
+        job still waiting in the queue: refuse it too. `hint` ends the refusal: what the user can do.
+        """
         from areal_hpc.config import save_config
 
-        if self.holds_run():
-            raise RunDirError(
-                f"run dir {str(self.root)!r} already holds a run; resume it with --resume or pick "
-                "another run_name=... or store.run_dir=..."
-            )
+        if self.holds_run() or (queued and self.config.exists()):
+            raise RunDirError(f"run dir {str(self.root)!r} already holds a run; {hint}")
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         cfg.store.run_dir = str(self.root)

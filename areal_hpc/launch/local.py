@@ -55,7 +55,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
             run.require_checkpoint()
             save_config(cfg, run.config)  # a resume may change settings (more versions, a new time limit)
         else:
-            run.create(cfg)
+            run.create(cfg, hint="resume it with --resume or pick another run_name=...")
     except RunDirError as err:
         raise RunFailed(str(err)) from None
     ensure_model(cfg.model)  # built once here, never by several ranks at once

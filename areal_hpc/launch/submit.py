@@ -174,7 +174,7 @@ def new_run_dir(cfg: Config) -> Path:
     from areal_hpc.launch.local import RunFailed
 
     try:
-        return RunDir(Path(cfg.store.run_dir).resolve()).create(cfg).root
+        return RunDir(Path(cfg.store.run_dir).resolve()).create(cfg, queued=True).root
     except RunDirError as err:
         raise RunFailed(str(err)) from None
 

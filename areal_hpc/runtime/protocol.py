@@ -39,7 +39,7 @@ scheduler -> any
 Ordering: MPI keeps the order of messages between one pair of ranks, so a generator always handles
 NEW_VERSION v before a later GRANT, EVAL or STOP.
 
-`FIELDS` below is this table in code: every send is checked against it (tests/test_protocol.py checks
+`FIELDS` below is this table in code: every send is checked against it (tests/test_house_order.py checks
 the table against this text), so the documentation cannot drift from what is sent.
 """
 
