@@ -192,7 +192,12 @@ def submit(cfg: Config) -> submitit.Job:
     except submitit.core.utils.FailedJobError as err:
         forget_run_dir(run_dir)  # nothing was queued: let the user fix the request and submit again
         raise SlurmError(f"sbatch refused the job: {' '.join(str(err).split())[-300:]}") from None
+    record_job(run_dir, job, folder)
+    return job
+
+
+def record_job(run_dir: Path, job: submitit.Job, folder: Path) -> None:
+    """RUN_DIR's slurm/job.json for a job submitit queued: `areal-hpc status` and `cancel` read it."""
     save_job(
         run_dir, {"job_id": job.job_id, "submitted_by": "submitit", "submitit_folder": str(folder), "time": time.time()}
     )
-    return job

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from pathlib import Path
 
 import pandas as pd
 import submitit
 
 from areal_hpc.config import Config, load_config
-from areal_hpc.launch.slurm import SlurmError, check_request, job_state, save_job
-from areal_hpc.launch.submit import AsyncRun, forget_run_dir, make_executor, new_run_dir, srun_command
+from areal_hpc.launch.slurm import SlurmError, check_request, job_state
+from areal_hpc.launch.submit import AsyncRun, forget_run_dir, make_executor, new_run_dir, record_job, srun_command
 from areal_hpc.rundir import RunDir, SweepDir
 from areal_hpc.utils import atomic_write_text
 
@@ -76,15 +75,7 @@ def sweep(
             forget_run_dir(d)
         raise SlurmError(f"sbatch refused the array: {' '.join(str(err).split())[-300:]}") from None
     for d, j in zip(run_dirs, jobs):  # each point answers `areal-hpc status` like a submitted run
-        save_job(
-            d,
-            {
-                "job_id": j.job_id,
-                "submitted_by": "submitit",
-                "submitit_folder": str(sweep_dir.submitit),
-                "time": time.time(),
-            },
-        )
+        record_job(d, j, sweep_dir.submitit)
     doc = {
         "base_config": str(base_config),
         "grid": grid,
