@@ -19,34 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from _runs import launch_run  # benchmarks/ is on the path when a benchmark runs as a script
+from _runs import BASE_WORKLOAD, VARIANTS, launch_run  # benchmarks/ is on the path when a benchmark runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-WORKLOAD = [
-    "cluster.n_generators=1",
-    "cluster.n_trainers=1",
-    "cluster.threads_per_rank=1",
-    "rollout.max_new_tokens=128",
-    "rollout.batch_prompts=16",
-    "rollout.n_samples=8",
-    "rollout.max_concurrent_groups=32",
-    "trainer.warm_start_steps=0",
-    "trainer.lr=1e-5",
-    "ppo.drop_uniform_groups=false",
-    "trainer.max_wall_s=0",
-    "trainer.checkpoint_every=0",
-    "logging.eval_prompts=20",
-    "logging.eval_every=0",
-    "logging.tensorboard=false",
-    "logging.progress=false",
-]
-VARIANTS = {
-    "eta0": ["rollout.eta=0", "rollout.interrupt=true"],
-    "eta4": ["rollout.eta=4", "rollout.interrupt=true"],
-    "eta4_no_interrupt": ["rollout.eta=4", "rollout.interrupt=false"],
-}
+WORKLOAD = [*BASE_WORKLOAD, "rollout.max_new_tokens=128", "rollout.max_concurrent_groups=32", "logging.eval_prompts=20"]
 
 
 def busy_fractions(run_dir: Path) -> dict[str, float]:

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from _runs import launch_run  # benchmarks/ is on the path when a benchmark runs as a script
+from _runs import BASE_WORKLOAD, VARIANTS, launch_run  # benchmarks/ is on the path when a benchmark runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,27 +35,7 @@ from areal_hpc.rundir import RunDir  # noqa: E402 (after the path: runs from a c
 
 RESULTS = ROOT / "benchmarks" / "results"
 
-WORKLOAD = [
-    "cluster.n_generators=1",
-    "cluster.n_trainers=1",
-    "cluster.threads_per_rank=1",
-    "rollout.batch_prompts=16",
-    "rollout.n_samples=8",
-    "trainer.warm_start_steps=0",
-    "trainer.lr=1e-5",
-    "ppo.drop_uniform_groups=false",
-    "trainer.max_wall_s=0",
-    "trainer.checkpoint_every=0",
-    "logging.eval_prompts=4",
-    "logging.eval_every=0",
-    "logging.tensorboard=false",
-    "logging.progress=false",
-]
-VARIANTS = {
-    "eta0": ["rollout.eta=0", "rollout.interrupt=true"],
-    "eta4": ["rollout.eta=4", "rollout.interrupt=true"],
-    "eta4_no_interrupt": ["rollout.eta=4", "rollout.interrupt=false"],
-}
+WORKLOAD = [*BASE_WORKLOAD, "logging.eval_prompts=4"]
 
 
 def _overlap(starts, ends, lo: float, hi: float) -> float:

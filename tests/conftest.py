@@ -23,3 +23,24 @@ def tiny_qwen_dir(tmp_path_factory):
     from areal_hpc.model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ppo_batch(tiny_model_dir):
+    """16 sampled trajectories (4 groups of 4) with mixed rewards and spread advantages, for PPO steps."""
+    import numpy as np
+
+    from areal_hpc.engines.base import generate
+    from areal_hpc.engines.torch_gen import TorchGenerationEngine
+    from areal_hpc.model import load_tokenizer
+    from areal_hpc.rollout import group_requests, to_trajectory
+
+    tok = load_tokenizer(tiny_model_dir)
+    gen = TorchGenerationEngine(str(tiny_model_dir), seed=3)
+    reqs = [
+        r
+        for g, q in enumerate(["03+04=", "11+09=", "05+05=", "19+01="])
+        for r in group_requests(tok.encode(q), g, 4, 6)
+    ]
+    trajs = [to_trajectory(o, 0, float(i % 3 == 0), 1, 0, 0) for i, o in enumerate(generate(gen, reqs))]
+    return trajs, np.linspace(-1, 1, len(trajs)).astype(np.float32)

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,21 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def batch(tiny_model_dir):
-    from areal_hpc.engines.base import generate
-    from areal_hpc.engines.torch_gen import TorchGenerationEngine
-    from areal_hpc.model import load_tokenizer
-    from areal_hpc.rollout import group_requests, to_trajectory
-
-    tok = load_tokenizer(tiny_model_dir)
-    gen = TorchGenerationEngine(str(tiny_model_dir), seed=3)
-    reqs = [
-        r
-        for g, q in enumerate(["03+04=", "11+09=", "05+05=", "19+01="])
-        for r in group_requests(tok.encode(q), g, 4, 6)
-    ]
-    trajs = [to_trajectory(o, 0, float(i % 3 == 0), 1, 0, 0) for i, o in enumerate(generate(gen, reqs))]
-    return trajs, np.linspace(-1, 1, len(trajs)).astype(np.float32)
+def batch(ppo_batch):
+    return ppo_batch
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -74,22 +73,10 @@ def test_bucketed_broadcast_delivers_exact_weights(tmp_path):
     assert results[0][0]["checksum"] != results[1][0]["checksum"]  # two different versions went through
 
 
-def test_two_trainers_under_mpirun_match_one(tiny_model_dir, tmp_path):
-    from areal_hpc.engines.base import generate
-    from areal_hpc.engines.torch_gen import TorchGenerationEngine
+def test_two_trainers_under_mpirun_match_one(tiny_model_dir, ppo_batch, tmp_path):
     from areal_hpc.engines.torch_train import TorchTrainEngine
-    from areal_hpc.model import load_tokenizer
-    from areal_hpc.rollout import group_requests, to_trajectory
 
-    tok = load_tokenizer(tiny_model_dir)
-    gen = TorchGenerationEngine(str(tiny_model_dir), seed=3)
-    reqs = [
-        r
-        for g, q in enumerate(["03+04=", "11+09=", "05+05=", "19+01="])
-        for r in group_requests(tok.encode(q), g, 4, 6)
-    ]
-    trajs = [to_trajectory(o, 0, float(i % 3 == 0), 1, 0, 0) for i, o in enumerate(generate(gen, reqs))]
-    adv = np.linspace(-1, 1, len(trajs)).astype(np.float32)
+    trajs, adv = ppo_batch
     with open(tmp_path / "batch.pkl", "wb") as f:
         pickle.dump((trajs, adv), f)
     r = _mpirun(2, str(ROOT / "tests" / "mpi" / "trainer_dp.py"), str(tiny_model_dir), str(tmp_path))
