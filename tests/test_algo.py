@@ -68,6 +68,28 @@ def test_cap_masks_tokens():
     assert float(loss.detach()) == pytest.approx(-(0.5 + 1.0) / 2)
 
 
+@pytest.mark.parametrize("how", ["masked", "capped"])
+@pytest.mark.parametrize("last_logp", [0.0, 100.0])  # 100: its ratio exp(logp - prox) overflows as well
+def test_an_overflowing_masked_or_capped_token_leaves_every_gradient_finite(how, last_logp):
+    # a token whose behaviour logprob is -1e4: its weight exp(prox - behav) overflows to inf in fp32; with a
+    # negative advantage the unclipped branch is the one taken, so its backward meets 0 * inf
+    logp = torch.tensor([-1.0, -2.0, -0.5, last_logp], requires_grad=True)
+    prox = torch.tensor([-1.1, -2.1, -0.4, -1.0])
+    behav = torch.tensor([-1.0, -2.0, -0.5, -1e4])
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0 if how == "masked" else 1.0])
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_imp_weight_cap=5.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), logp.grad
+    assert logp.grad[3] == 0  # the token takes no part in the step
+    # the other tokens' gradients are those of the loss without the token
+    ref = logp.detach()[:3].clone().requires_grad_(True)
+    ref_loss, _ = decoupled_ppo_loss(ref, prox[:3], behav[:3], adv[:3], torch.ones(3), behav_imp_weight_cap=5.0)
+    ref_loss.backward()
+    torch.testing.assert_close(logp.grad[:3], ref.grad)
+    assert stats["capped_frac"] == (0.25 if how == "capped" else 0.0)
+
+
 def test_on_policy_reduces_to_policy_gradient():
     g = torch.Generator().manual_seed(1)
     n = 32

@@ -346,3 +346,19 @@ def test_loglinear_prox_treats_current_weights_as_the_proximal_policy(tiny_model
     tr.ppo_update(trajs, np.linspace(-1, 1, len(trajs)).astype(np.float32))
     # the weights being trained become version 5; tokens of version 4 are on-policy (alpha = 0)
     assert seen and set(seen) == {5}
+
+
+def test_proximal_recompute_runs_without_dropout(tiny_model_dir):
+    from areal_hpc.engines.torch_train import TorchTrainEngine
+
+    tr = TorchTrainEngine(str(tiny_model_dir), lr=1e-3)
+    for layer in tr.model.model.layers:  # a model trained with attention dropout
+        layer.self_attn.attention_dropout = 0.5
+    seqs = [np.array([1, 5, 7, 9, 11, 4, 6]), np.array([2, 8, 3])]
+    first, second = tr.compute_logprobs(seqs), tr.compute_logprobs(seqs)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)  # deterministic: no dropout mask
+    assert tr.model.training  # training mode is back for the PPO steps
+    with torch.no_grad():  # and in training mode the same forward is noisy, so the test can tell
+        noisy = [lp.numpy() for lp in tr._token_logprobs(seqs)]
+    assert any(not np.allclose(a, b) for a, b in zip(first, noisy))

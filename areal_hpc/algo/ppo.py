@@ -34,15 +34,19 @@ def decoupled_ppo_loss(
         mask = mask * (behav_w <= behav_imp_weight_cap).to(mask.dtype)
     else:
         capped = torch.zeros_like(mask)
-
-    ratio = torch.exp(logp - prox_logp)
+    # Masked and capped tokens are zeroed *before* anything multiplies: a where() around the product alone
+    # keeps the forward finite, but its backward still meets 0 * inf (an overflowing ratio or weight) = NaN,
+    # and one NaN gradient spoils every weight that is then published.
+    keep = mask > 0
+    zero = torch.zeros_like(logp)
+    behav_w = torch.where(keep, behav_w, zero)
+    ratio = torch.exp(torch.where(keep, logp - prox_logp, zero))
     surr1 = ratio * advantages
     surr2 = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip) * advantages
     per_token = -behav_w * torch.minimum(surr1, surr2)
 
     denom = float(total_loss_tokens) if total_loss_tokens is not None else mask.sum().clamp(min=1.0)
-    # where(), not a product: an overflowing weight on a masked token must not turn the sum into NaN
-    loss = torch.where(mask > 0, per_token, torch.zeros_like(per_token)).sum() / denom
+    loss = per_token.sum() / denom
 
     with torch.no_grad():
         n_in = loss_mask.to(logp.dtype).sum().clamp(min=1.0)

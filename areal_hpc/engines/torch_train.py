@@ -96,6 +96,15 @@ class TorchTrainEngine(TrainEngine):
 
     @torch.no_grad()
     def compute_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
+        # eval mode: the proximal logprobs must be the weights' own, not those of a random dropout mask
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._logprobs_no_grad(sequences)
+        finally:
+            self.model.train(was_training)
+
+    def _logprobs_no_grad(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
         out: list[np.ndarray | None] = [None] * len(sequences)
         mbs: list = pack_microbatches([len(s) for s in sequences], self.max_tokens_per_mb) if sequences else []
         if self.lockstep:  # every rank runs as many forwards as the busiest one (agreed before any forward)
