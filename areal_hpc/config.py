@@ -283,11 +283,12 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"config {key}={val!r} is out of range; it must be {op} {low}")
     if cfg.rollout.top_p > 1:
         raise ConfigError(f"config rollout.top_p={cfg.rollout.top_p!r} is out of range; it must be in (0, 1]")
-    if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
-        # vLLM's processed logprobs renormalise over the top-p set; the trainer recomputes softmax(logits / T)
+    if cfg.rollout.top_p < 1:
+        # the trainer recomputes logprobs under the full softmax(logits / T): a truncated sampler would make
+        # every importance weight exp(prox - behav) wrong (vLLM renormalises over the top-p set; so would we)
         raise ConfigError(
-            f"config rollout.top_p={cfg.rollout.top_p!r} is not supported with rollout.engine=vllm "
-            "(its logprobs would not match the trainer's); use top_p=1.0 or engine=torch"
+            f"config rollout.top_p={cfg.rollout.top_p!r} is not supported: the trainer's logprobs are those of "
+            "the full distribution; use top_p=1.0"
         )
     if cfg.data.kind in ("jsonl", "parquet") and not cfg.data.path:
         raise ConfigError(f"config data.path is empty; data.kind={cfg.data.kind} needs a dataset file")

@@ -37,6 +37,7 @@ def test_demo_config_loads_with_overrides():
         ("rollout.eta", "must look like key=value"),
         ("model.num_heads=3", "divisible"),
         ("data.kind=jsonl", "data.path"),
+        ("rollout.top_p=0.9", "rollout.top_p=0.9 is not supported"),  # both engines: logprobs of the full softmax
     ],
 )
 def test_bad_values_give_one_clear_line(override, needle):

@@ -46,6 +46,8 @@ class TorchGenerationEngine(GenerationEngine):
         device: str = "cpu",
         max_num_seqs: int = 256,
     ):
+        if top_p < 1:  # the recorded logprobs are those of the full distribution, which is what is sampled
+            raise ValueError(f"top_p={top_p} is not supported: behaviour logprobs are of the full distribution")
         super().__init__(max_num_seqs, temperature, top_p)
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype).to(self.device).eval()
@@ -172,11 +174,6 @@ class TorchGenerationEngine(GenerationEngine):
         tok = logp.argmax(dim=-1)
         if not bool(greedy.all()):
             probs = logp.exp()
-            if self.top_p < 1.0:
-                sorted_p, idx = probs.sort(dim=-1, descending=True)
-                # keep the smallest prefix whose mass reaches top_p (always at least one token)
-                drop = sorted_p.cumsum(-1) - sorted_p >= self.top_p
-                probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
             sampled = torch.multinomial(probs[~greedy], 1, generator=self.generator).squeeze(-1)
             tok = tok.masked_scatter(~greedy, sampled)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
