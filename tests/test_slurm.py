@@ -237,3 +237,30 @@ def test_slurm_times_and_sweep_shapes_are_checked(tmp_path):
     with pytest.raises(SlurmError, match="changes the job's shape"):
         sweep(DEMO, {"cluster.n_generators": [1, 2]}, tmp_path / "sw")
     assert not (tmp_path / "sw").exists()  # nothing written, nothing queued
+
+
+def test_batch_script_ends_an_srun_that_outlives_a_finished_run(tmp_path):
+    # Seen once in CI: every rank exited and both steps ended, yet srun never returned. A real srun
+    # cannot be made to hang on demand, so a stand-in `srun` plays one: it writes the run's summary
+    # (what rank 0 does last) and then ignores TERM. A second one fails without a summary.
+    r = _cli("render", str(DEMO), *_args(tmp_path))
+    assert r.returncode == 0, r.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(r.stdout)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "SLURM_JOB_ID": "0", "AREAL_EXIT_GRACE_S": "1", "HOME": str(tmp_path)}
+    summary = RunDir(tmp_path / "run").summary
+
+    (fake / "srun").write_text(f"#!/bin/bash\ntrap '' TERM\necho '{{}}' > {summary}\nexec sleep 600\n")
+    (fake / "srun").chmod(0o755)
+    t0 = time.time()
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "srun still running 1 s after the run finished; ending it" in out.stdout
+    assert "srun ended with code 0" in out.stdout and time.time() - t0 < 60
+
+    summary.unlink()
+    (fake / "srun").write_text("#!/bin/bash\nsleep 1\nexit 3\n")
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3 and "srun ended with code 3" in out.stdout and "ending it" not in out.stdout
