@@ -94,7 +94,10 @@ class TrainerConfig:
     checkpoint_every: int = 0  # versions between checkpoints (0 = only at the end)
     seed: int = 1
     zero_stage: int = 2  # trainer.engine=deepspeed: ZeRO stage 1, 2 or 3
-    bf16: bool = False  # trainer.engine=deepspeed: bf16 compute with fp32 master weights
+    bf16: bool = False  # bf16 compute on fp32 master weights (torch: autocast; deepspeed: its bf16 mode)
+    packing: bool = True  # padding-free micro-batches (false: right-padded, the old path, for comparison)
+    logprob_chunk_tokens: int = 1024  # positions whose full-vocabulary logits exist at once
+    gradient_checkpointing: bool = False  # recompute each layer's activations in backward
 
 
 @dataclass
@@ -222,6 +225,7 @@ _LOWER = {
     "trainer.weight_decay": (0, True),
     "trainer.grad_clip": (0, True),
     "trainer.max_tokens_per_mb": (1, True),
+    "trainer.logprob_chunk_tokens": (1, True),
     "trainer.versions": (1, True),
     "trainer.max_wall_s": (0, True),
     "trainer.warm_start_steps": (0, True),

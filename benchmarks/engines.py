@@ -60,7 +60,7 @@ def make_train(kind: str, model: Path, args):
     if kind == "torch":
         from areal_hpc.engines.torch_train import TorchTrainEngine
 
-        return TorchTrainEngine(str(model), dtype=args.dtype, **common)
+        return TorchTrainEngine(str(model), bf16=args.dtype == "bfloat16", **common)
     from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
 
     return DeepSpeedTrainEngine(str(model), zero_stage=args.zero_stage, bf16=args.dtype == "bfloat16", **common)

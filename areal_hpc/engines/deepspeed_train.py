@@ -50,9 +50,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
                 "(CPU: bash env/setup.sh installs it)"
             ) from None
         _ensure_process_group("gloo" if device == "cpu" else "nccl")
-        if bf16:
-            kwargs["dtype"] = "float32"  # DeepSpeed keeps fp32 master weights and runs bf16 itself
         super().__init__(model_path, device="cpu", **kwargs)  # deepspeed.initialize places the model
+        self.autocast = False  # with bf16, DeepSpeed keeps fp32 master weights and runs the module in bf16
         self.zero_stage = zero_stage
         self.collective_weights = zero_stage == 3
         config = {

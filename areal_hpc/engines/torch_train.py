@@ -1,4 +1,4 @@
-"""Training engine in plain torch: packed micro-batches, proximal recompute, decoupled PPO, checkpoints."""
+"""Training engine in plain torch: padding-free micro-batches, proximal recompute, decoupled PPO, checkpoints."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
 from areal_hpc.algo.ppo import decoupled_ppo_loss, loglinear_prox_logp
+from areal_hpc.engines import forward
 from areal_hpc.engines.base import TrainEngine
 from areal_hpc.model import load_causal_lm, load_tokenizer, no_hf_progress_bars
 from areal_hpc.types import Trajectory
@@ -29,6 +30,11 @@ class TorchTrainEngine(TrainEngine):
 
     Subclasses (the DeepSpeed engine) override the hooks _backward, _optimizer_step and _fwd; with
     `lockstep` every rank runs the same number of micro-batches (ZeRO-3 gathers parameters in forward).
+
+    The weights and the optimizer state are fp32 whatever the model folder holds: AdamW updates at small
+    learning rates round away in bf16. `bf16` computes the forward and backward in bf16 (autocast) on
+    top of them. Micro-batches are packed without padding (`packing`), log-probabilities are computed
+    `logprob_chunk_tokens` at a time, and `gradient_checkpointing` recomputes each layer in backward.
     """
 
     lockstep = False  # collective_weights and collective_checkpoint keep TrainEngine's False
@@ -46,17 +52,26 @@ class TorchTrainEngine(TrainEngine):
         behav_imp_weight_cap: float | None = None,
         prox: str = "recompute",
         temperature: float = 1.0,
-        dtype: str = "float32",
         seed: int = 1,
         process_group: dist.ProcessGroup | None = None,
         optimizer: str = "adamw",  # adamw | sgd (sgd: linear in the gradient, for exact comparisons)
         device: str = "cpu",
+        bf16: bool = False,
+        packing: bool = True,
+        logprob_chunk_tokens: int = 1024,
+        gradient_checkpointing: bool = False,
     ):
         torch.manual_seed(seed)
         self.model_path = str(model_path)
         self.device = torch.device(device)
-        self.model = load_causal_lm(model_path, dtype).to(self.device)
+        self.model = load_causal_lm(model_path, "float32").to(self.device)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
+        self.autocast = bf16  # the DeepSpeed engine runs bf16 itself and turns this off
+        self.packing = packing
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.positions = self.padding = 0  # token positions computed, and how many were padding (per step)
         self.pad_token_id = self.model.config.pad_token_id or 0
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -77,22 +92,21 @@ class TorchTrainEngine(TrainEngine):
         self._fwd = self.model  # what a forward pass calls
 
     # -- forward ---------------------------------------------------------------------------------
-    def _pad(self, seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.as_tensor(np.asarray(s), dtype=torch.long)
-            mask[i, : len(s)] = 1
-        return ids.to(self.device), mask.to(self.device)
+    def _forward(self, seqs: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per sequence: each token's logprob given its prefix under softmax(logits / T), and the entropy."""
+        if self.packing:
+            mb = forward.packed(seqs, self.device)
+        else:
+            mb = forward.padded(seqs, self.pad_token_id, self.device)
+        self.positions += mb.positions
+        self.padding += mb.padding
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return forward.token_logprobs(
+                self._fwd, self.model.get_output_embeddings(), mb, self.temperature, self.logprob_chunk_tokens
+            )
 
     def _token_logprobs(self, seqs: list[np.ndarray]) -> list[torch.Tensor]:
-        """Logprob of every token given its prefix under softmax(logits / T); position 0 gets 0."""
-        ids, mask = self._pad(seqs)  # right padding: positions stay 0..L-1, no position_ids needed
-        logits = self._fwd(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / self.temperature
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
-        return [lp[i, : len(s)] for i, s in enumerate(seqs)]
+        return self._forward(seqs)[0]
 
     @torch.no_grad()
     def compute_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
@@ -138,7 +152,9 @@ class TorchTrainEngine(TrainEngine):
 
     def _zero_loss(self) -> torch.Tensor:
         """A forward that contributes nothing, for a rank with fewer micro-batches under lockstep."""
-        return self._token_logprobs([np.array([self.pad_token_id, self.pad_token_id])])[0].sum() * 0.0
+        loss = self._token_logprobs([np.array([self.pad_token_id, self.pad_token_id])])[0].sum() * 0.0
+        self.padding += 2  # all of it is waste
+        return loss
 
     def _allreduce_grads(self) -> None:
         if self.world == 1:
@@ -174,6 +190,7 @@ class TorchTrainEngine(TrainEngine):
         Every rank must call this (possibly with an empty share) so the collectives line up.
         """
         seqs = [t.input_ids for t in trajectories]
+        self.positions = self.padding = 0
         if self.prox == "recompute" and (seqs or self.lockstep):
             prox_all = [torch.as_tensor(x, device=self.device) for x in self.compute_logprobs(seqs)]
         else:
@@ -200,9 +217,10 @@ class TorchTrainEngine(TrainEngine):
                     self._backward(self._zero_loss(), last)
                     continue
                 idx = [mb_idx[j] for j in micro]
-                logps = self._token_logprobs([seqs[i] for i in idx])
+                logps, entropies = self._forward([seqs[i] for i in idx])
                 parts = {k: [] for k in ("logp", "prox", "behav", "adv", "mask")}
-                for i, lp in zip(idx, logps):
+                entropy_sum = 0.0
+                for i, lp, ent in zip(idx, logps, entropies):
                     t = trajectories[i]
                     behav = torch.as_tensor(t.behav_logprobs, dtype=lp.dtype, device=lp.device)
                     if prox_all[i] is not None:
@@ -216,6 +234,7 @@ class TorchTrainEngine(TrainEngine):
                     parts["behav"].append(behav)
                     parts["adv"].append(torch.full_like(lp, float(advantages[i])))
                     parts["mask"].append(torch.as_tensor(t.loss_mask, dtype=lp.dtype, device=lp.device))
+                    entropy_sum += float((ent * parts["mask"][-1]).sum())
                 cat = {k: torch.cat(v) for k, v in parts.items()}
                 loss, stats = decoupled_ppo_loss(
                     cat["logp"],
@@ -232,15 +251,17 @@ class TorchTrainEngine(TrainEngine):
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
                 for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac"):
                     totals[k] = totals.get(k, 0.0) + stats[k] * w
+                totals["entropy"] = totals.get("entropy", 0.0) + entropy_sum
                 totals["_w"] = totals.get("_w", 0.0) + w
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._optimizer_step() / len(minibatches)
         self.version += 1
         if "loss" in totals:
             totals["loss"] /= len(minibatches)  # mean minibatch loss
         w = max(totals.pop("_w", 0.0), 1.0)
-        for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac"):
+        for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac", "entropy"):
             if k in totals:
                 totals[k] /= w
+        totals["fwd_positions"], totals["fwd_padding"] = self.positions, self.padding
         return totals
 
     def supervised_step(self, sequences: list[np.ndarray], loss_masks: list[np.ndarray], lr: float) -> float:

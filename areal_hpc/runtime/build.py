@@ -31,7 +31,7 @@ def build_generation_engine(cfg: Config, model_dir: Path, seed: int) -> Generati
 
 def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> TrainEngine:
     rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
-    extra = {"zero_stage": tc.zero_stage, "bf16": tc.bf16} if tc.engine == "deepspeed" else {}
+    extra = {"zero_stage": tc.zero_stage} if tc.engine == "deepspeed" else {}
     return make_train_engine(
         tc.engine,
         model_path=str(model_dir),
@@ -45,10 +45,13 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> Trai
         behav_imp_weight_cap=pc.behav_imp_weight_cap or None,
         prox=pc.prox,
         temperature=rc.temperature,
-        dtype=cfg.model.dtype,
         seed=tc.seed,
         process_group=process_group,
         device=cfg.cluster.device,
+        bf16=tc.bf16,
+        packing=tc.packing,
+        logprob_chunk_tokens=tc.logprob_chunk_tokens,
+        gradient_checkpointing=tc.gradient_checkpointing,
         **extra,
     )
 

@@ -17,7 +17,7 @@ from areal_hpc.utils import atomic_write_text
 log = logging.getLogger("areal_hpc.scheduler")
 
 # stats a trainer reports per token of loss, averaged over trainers weighted by their loss tokens
-_PER_LOSS_TOKEN = ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac")
+_PER_LOSS_TOKEN = ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac", "entropy")
 
 
 class RunReport:
@@ -144,6 +144,8 @@ class RunReport:
             "t_train": max(x["t_train"] for x in s),
             "loss": sum(x.get("loss", 0.0) for x in s),
             "grad_norm": s[0].get("grad_norm", math.nan),
+            # share of the token positions the trainers' forwards computed that were padding
+            "pad_frac": sum(x.get("fwd_padding", 0) for x in s) / max(sum(x.get("fwd_positions", 0) for x in s), 1),
             "consumed_tokens_per_s": self.tokens_consumed / max(elapsed, 1e-9),
             "gen_tokens_per_s": self.tokens_generated / max(elapsed, 1e-9),
         }
