@@ -156,9 +156,12 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # model.dtype -> torch
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype = DTYPES[dtype]
     with no_hf_progress_bars():
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")

@@ -73,6 +73,17 @@ def test_bucketed_broadcast_delivers_exact_weights(tmp_path):
     assert results[0][0]["checksum"] != results[1][0]["checksum"]  # two different versions went through
 
 
+def test_published_weights_are_cast_at_the_sender_and_a_layout_mismatch_is_one_line(tmp_path):
+    r = _mpirun(3, str(ROOT / "tests" / "mpi" / "weight_layout.py"), str(tmp_path), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    trainer, *gens = json.loads((tmp_path / "result.json").read_text())
+    for g in gens:
+        assert g["exact"] and g["checksum"] == trainer["checksum"]  # bf16 on the wire, checksummed as sent
+    wider, fp32 = gens[0]["refused"], gens[1]["refused"]
+    assert "\n" not in wider and "'w': trainer bfloat16 [40, 30], generator bfloat16 [40, 31]" in wider
+    assert "2 tensor(s) differ" in fp32 and "trainer bfloat16 [30], generator float32 [30]" in fp32
+
+
 def test_two_trainers_under_mpirun_match_one(tiny_model_dir, ppo_batch, tmp_path):
     from areal_hpc.engines.torch_train import TorchTrainEngine
 

@@ -20,7 +20,7 @@ from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
 from areal_hpc.runtime.role_loop import Handler, RoleLoop
 from areal_hpc.runtime.timeline import EngineMeter
-from areal_hpc.runtime.weight_sync import WeightReceiver, state_nbytes, weights_checksum
+from areal_hpc.runtime.weight_sync import WeightReceiver, weights_checksum
 from areal_hpc.store import next_seq, write_shard
 from areal_hpc.types import EvalId, GenOutput, GenRequest, Trajectory, parse_request_id
 
@@ -84,8 +84,9 @@ class Generator(RoleLoop):
         self.receiver = WeightReceiver(
             sc.method, sync_group, self.run_dir, self.engine.state_dict(), sc.bucket_mb, cfg.cluster.device
         )
-        if sync_group is not None:  # paired with trainer 0's measurement at start-up
-            sync_group.raw_bandwidth(state_nbytes(self.engine.state_dict()), cfg.cluster.device)
+        if sync_group is not None:  # paired with trainer 0's layout check and measurement at start-up
+            sync_group.check_layout(self.receiver.plan.layout, cfg.cluster.device)
+            sync_group.raw_bandwidth(self.receiver.plan.nbytes, cfg.cluster.device)
         self.rollout_dir = self.run_dir.rollouts
         self.seq = next_seq(self.rollout_dir, self.rank)
         self.max_groups = concurrent_groups(cfg.rollout)

@@ -14,12 +14,12 @@ import torch
 from areal_hpc.algo.advantages import batch_advantages
 from areal_hpc.config import Config
 from areal_hpc.data import load_dataset
-from areal_hpc.model import load_tokenizer
+from areal_hpc.model import DTYPES, load_tokenizer
 from areal_hpc.runtime.build import build_train_engine, warm_start
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
 from areal_hpc.runtime.role_loop import Handler, RoleLoop
-from areal_hpc.runtime.weight_sync import WeightSender, state_nbytes
+from areal_hpc.runtime.weight_sync import WeightSender
 from areal_hpc.store import read_shard
 from areal_hpc.types import Trajectory
 
@@ -62,7 +62,14 @@ class Trainer(RoleLoop):
         sc = cfg.sync
         self.sender = (
             WeightSender(
-                sc.method, sync_group, self.run_dir, sc.bucket_mb, sc.checksum, sc.keep_versions, cfg.cluster.device
+                sc.method,
+                sync_group,
+                self.run_dir,
+                sc.bucket_mb,
+                sc.checksum,
+                sc.keep_versions,
+                cfg.cluster.device,
+                DTYPES[cfg.model.dtype],  # the trainer's weights are fp32 masters; generators hold model.dtype
             )
             if self.index == 0
             else None
@@ -89,8 +96,11 @@ class Trainer(RoleLoop):
         # gathered once per publish (collective under ZeRO-3: every trainer calls weights() once here)
         state = self.engine.weights() if (self.sender is not None or self.engine.collective_weights) else None
         if self.sender is not None and self.sync_group is not None:
-            # both ends run this once, right after start-up: the ceiling the bucketed sync is measured against
-            body["raw_gbps"] = self.sync_group.raw_bandwidth(state_nbytes(state), self.cfg.cluster.device)
+            # both ends run these once, right after start-up: the generators check that what will be sent
+            # fits their buffers, then the ceiling the bucketed sync is measured against
+            plan = self.sender.plan_for(state)
+            self.sync_group.check_layout(plan.layout, self.cfg.cluster.device)
+            body["raw_gbps"] = self.sync_group.raw_bandwidth(plan.nbytes, self.cfg.cluster.device)
         self._announce_and_publish(Tag.READY, body, state)
 
     def _announce_and_publish(self, tag: Tag, body: dict, state: dict | None = None) -> None:

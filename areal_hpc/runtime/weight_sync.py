@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import shutil
 import threading
 import time
@@ -32,6 +33,40 @@ def state_nbytes(state_dict: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state_dict.values())
 
 
+def cast_floating(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The state dict with its floating-point tensors in `dtype` (None: as they are)."""
+    if dtype is None:
+        return state_dict
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+
+
+class WeightLayoutMismatch(ValueError):
+    """What trainer 0 would publish does not fit a generator's receive buffers: refused before any broadcast."""
+
+
+def layout_mismatch(sent: list, mine: list) -> str | None:
+    """One line naming how two layouts ([name, shape, dtype] per tensor) differ; None when they are equal."""
+    theirs, ours = {n: (tuple(s), d) for n, s, d in sent}, {n: (tuple(s), d) for n, s, d in mine}
+    if theirs == ours:
+        return None
+    only_sent, only_mine = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
+    differ = sorted(n for n in set(theirs) & set(ours) if theirs[n] != ours[n])
+    parts = []
+    if differ:
+        n = differ[0]
+        (s1, d1), (s2, d2) = theirs[n], ours[n]
+        parts.append(f"{len(differ)} tensor(s) differ, first {n!r}: trainer {d1} {list(s1)}, generator {d2} {list(s2)}")
+    if only_sent:
+        parts.append(f"{len(only_sent)} only at the trainer (first {only_sent[0]!r})")
+    if only_mine:
+        parts.append(f"{len(only_mine)} only at the generator (first {only_mine[0]!r})")
+    return (
+        "the weights trainer 0 publishes do not match this generator's model: "
+        + "; ".join(parts)
+        + " (both must load the same model folder; model.dtype sets the published dtype)"
+    )
+
+
 @dataclass
 class _Slot:
     name: str
@@ -39,38 +74,52 @@ class _Slot:
     offset: int
     shape: tuple[int, ...]
     numel: int
+    dtype: torch.dtype
 
 
 class BucketPlan:
     """Packs a state dict into a few large pre-allocated flat buffers, one dtype per bucket.
 
     Both ends build the same plan from the same model layout (sorted names, shapes, dtypes), so only
-    the buffers travel. Buffers are allocated once and reused every version: re-allocating them
-    costs more than the broadcast itself on small models.
+    the buffers travel; `layout` is what they compare at start-up. With `dtype`, floating-point tensors
+    are held in it (the sender casts while packing). Buffers are allocated once and reused every
+    version: re-allocating them costs more than the broadcast itself on small models.
     """
 
-    def __init__(self, state_dict: dict[str, torch.Tensor], bucket_bytes: int, device: str = "cpu"):
+    def __init__(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        bucket_bytes: int,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+    ):
         self.slots: list[_Slot] = []
         sizes: list[int] = []
         dtypes: list[torch.dtype] = []
         open_bucket: dict[torch.dtype, int] = {}
         for name in sorted(state_dict):
             t = state_dict[name]
-            b = open_bucket.get(t.dtype)
+            held = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+            b = open_bucket.get(held)
             # a new bucket when this dtype has none yet or the tensor would overflow it (a tensor
             # bigger than a bucket gets a bucket of its own)
-            if b is None or (sizes[b] > 0 and (sizes[b] + t.numel()) * t.element_size() > bucket_bytes):
+            itemsize = torch.empty(0, dtype=held).element_size()
+            if b is None or (sizes[b] > 0 and (sizes[b] + t.numel()) * itemsize > bucket_bytes):
                 b = len(sizes)
                 sizes.append(0)
-                dtypes.append(t.dtype)
-                open_bucket[t.dtype] = b
-            self.slots.append(_Slot(name, b, sizes[b], tuple(t.shape), t.numel()))
+                dtypes.append(held)
+                open_bucket[held] = b
+            self.slots.append(_Slot(name, b, sizes[b], tuple(t.shape), t.numel(), held))
             sizes[b] += t.numel()
         self.buffers = [torch.empty(n, dtype=dt, device=device) for n, dt in zip(sizes, dtypes)]
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    @property
+    def layout(self) -> list:
+        return [[s.name, list(s.shape), str(s.dtype).removeprefix("torch.")] for s in self.slots]
 
     def pack(self, state_dict: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -107,6 +156,21 @@ class SyncGroup:
         """Post the broadcast and return its Work; the backend's own threads (gloo) or stream (NCCL) move it."""
         return self.pg.broadcast(tensor, 0)
 
+    def check_layout(self, layout: list, device: str = "cpu") -> None:
+        """Collective, once at start-up: every generator compares trainer 0's layout with its own and raises
+        WeightLayoutMismatch (one line) if they differ, before a mismatched broadcast could hang or garble."""
+        blob = json.dumps(layout).encode()
+        n = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+        self.broadcast(n)
+        buf = torch.zeros(int(n), dtype=torch.uint8, device=device)
+        if self.rank == 0:
+            buf.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        self.broadcast(buf)
+        if self.rank != 0:
+            problem = layout_mismatch(json.loads(bytes(buf.cpu().numpy())), layout)
+            if problem:
+                raise WeightLayoutMismatch(problem)
+
     def raw_bandwidth(self, nbytes: int, device: str = "cpu", repeats: int = 3) -> float:
         """GB/s of one flat buffer of `nbytes` broadcast as is: the ceiling bucketing is measured against."""
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
@@ -137,7 +201,8 @@ class WeightSender:
     A broadcast is posted and left to the backend: the trainer goes on training while the generators
     join at their next engine step, so it never waits for them. The bucket buffers are reused, so the
     next publish first waits for the previous one; `poll()` / `wait()` return the SYNC_DONE figures once
-    a publish has completed (the time from posting to the last bucket delivered).
+    a publish has completed (the time from posting to the last bucket delivered). Floating-point weights
+    are cast to `dtype` (the generators' model.dtype) here, at the sender; the checksum is of what is sent.
     """
 
     def __init__(
@@ -149,10 +214,11 @@ class WeightSender:
         checksum: bool,
         keep_versions: int,
         device: str = "cpu",
+        dtype: torch.dtype | None = None,
     ):
         self.method, self.group, self.run_dir = method, group, Path(run_dir)
         self.bucket_bytes = bucket_mb << 20
-        self.checksum, self.keep_versions, self.device = checksum, keep_versions, device
+        self.checksum, self.keep_versions, self.device, self.dtype = checksum, keep_versions, device, dtype
         self.plan: BucketPlan | None = None
         self._pending: dict | None = None  # the publish in flight: its SYNC_DONE body, until delivered
         self._done_at: list[float] = []  # set by the waiter thread when the last bucket is delivered
@@ -161,8 +227,9 @@ class WeightSender:
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> dict | None:
         """Start publishing; returns the previous publish's SYNC_DONE body if nobody collected it yet."""
         previous = self.wait()  # the buffers are about to be refilled
-        crc = weights_checksum(state_dict) if self.checksum else None
         if self.method == "disk":
+            state_dict = cast_floating(state_dict, self.dtype)
+            crc = weights_checksum(state_dict) if self.checksum else None
             t0 = time.time()
             nbytes = save_weights(self.run_dir, state_dict, version)
             prune_weights(self.run_dir, self.keep_versions)
@@ -176,9 +243,8 @@ class WeightSender:
                 "t_end": t1,
             }
             return previous
-        if self.plan is None:
-            self.plan = BucketPlan(state_dict, self.bucket_bytes, self.device)
-        self.plan.pack(state_dict)
+        self.plan_for(state_dict).pack(state_dict)
+        crc = weights_checksum(self.plan.views()) if self.checksum else None
         works = [self.group.broadcast_async(buf) for buf in self.plan.buffers]
         self._pending = {"version": version, "bytes": self.plan.nbytes, "checksum": crc, "t_start": time.time()}
         self._done_at = []
@@ -190,6 +256,12 @@ class WeightSender:
         )
         self._waiter.start()
         return previous
+
+    def plan_for(self, state_dict: dict[str, torch.Tensor]) -> BucketPlan:
+        """The bucket plan (built on first use): what the generators' receive buffers must match."""
+        if self.plan is None:
+            self.plan = BucketPlan(state_dict, self.bucket_bytes, self.device, self.dtype)
+        return self.plan
 
     def poll(self) -> dict | None:
         """The SYNC_DONE body of a publish that has completed since the last call, else None."""
