@@ -54,6 +54,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         self.autocast = False  # with bf16, DeepSpeed keeps fp32 master weights and runs the module in bf16
         self.zero_stage = zero_stage
         self.collective_weights = zero_stage == 3
+        if zero_stage == 3:  # every call of the head gathers its parameters: all ranks make as many
+            self.fixed_chunks = -(-self.max_tokens_per_mb // self.logprob_chunk_tokens)
         config = {
             "train_micro_batch_size_per_gpu": 1,  # micro-batches are packed by token budget here
             "gradient_accumulation_steps": 1,  # accumulation boundaries are set explicitly per minibatch

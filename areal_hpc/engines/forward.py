@@ -82,6 +82,7 @@ def token_logprobs(
     mb: MicroBatch,
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
+    n_chunks: int | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per sequence: the log-probability of each token given its prefix under softmax(logits / T), and the
     entropy of that distribution; position 0 gets 0 for both.
@@ -101,9 +102,11 @@ def token_logprobs(
     src, tgt = _predicting_rows(mb)
     targets = mb.input_ids.reshape(-1)[tgt]
     logps, ents = [], []
-    for a in range(0, len(src), chunk_tokens):
-        h = hidden[src[a : a + chunk_tokens]]
-        t = targets[a : a + chunk_tokens]
+    step = chunk_tokens if n_chunks is None else max(1, -(-len(src) // n_chunks))
+    starts = range(0, len(src), step) if n_chunks is None else [i * step for i in range(n_chunks)]
+    for a in starts:
+        h = hidden[src[a : a + step]]
+        t = targets[a : a + step]
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_chunk_logprobs, h, t, head, temperature, use_reentrant=False)
         else:

@@ -71,6 +71,7 @@ class TorchTrainEngine(TrainEngine):
         self.autocast = bf16  # the DeepSpeed engine runs bf16 itself and turns this off
         self.packing = packing
         self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.fixed_chunks: int | None = None  # set under ZeRO-3: the same number of head calls on every rank
         self.positions = self.padding = 0  # token positions computed, and how many were padding (per step)
         self.pad_token_id = self.model.config.pad_token_id or 0
         if optimizer == "sgd":
@@ -102,7 +103,12 @@ class TorchTrainEngine(TrainEngine):
         self.padding += mb.padding
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return forward.token_logprobs(
-                self._fwd, self.model.get_output_embeddings(), mb, self.temperature, self.logprob_chunk_tokens
+                self._fwd,
+                self.model.get_output_embeddings(),
+                mb,
+                self.temperature,
+                self.logprob_chunk_tokens,
+                self.fixed_chunks,
             )
 
     def _token_logprobs(self, seqs: list[np.ndarray]) -> list[torch.Tensor]:

@@ -37,6 +37,11 @@ def main(model_dir: str, out: str, stage: int) -> None:
             grad_clip=0.0,
             n_minibatches=2,
             seed=0,
+            # stages 2 and 3 also recompute activations, pack into smaller micro-batches and take
+            # log-probabilities 7 positions at a time: the same update either way
+            gradient_checkpointing=stage > 1,
+            max_tokens_per_mb=128 if stage > 1 else 4096,
+            logprob_chunk_tokens=7 if stage > 1 else 1024,
         )
 
     a = engine("sgd")
