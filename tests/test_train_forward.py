@@ -32,6 +32,13 @@ def _reference(model, seqs, temperature):
     )
 
 
+def _packed_model(path):
+    """The model as the trainer runs it: its attention keeps packed sequences apart."""
+    model = load_causal_lm(path)
+    assert forward.use_packed_attention(model, CPU) == forward.PACKED_SDPA
+    return model
+
+
 def _grads(model, loss) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     loss.backward()
@@ -40,7 +47,7 @@ def _grads(model, loss) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch_dir", ["tiny_model_dir", "tiny_qwen_dir"])
 def test_packed_and_padded_logprobs_agree_with_gradients(arch_dir, request):
-    model = load_causal_lm(request.getfixturevalue(arch_dir))
+    model = _packed_model(request.getfixturevalue(arch_dir))
     head = model.get_output_embeddings()
     vocab = model.config.vocab_size
     for seed, lengths in enumerate([(5, 17, 9, 2), (31, 3, 12), (8,)]):
@@ -56,7 +63,7 @@ def test_packed_and_padded_logprobs_agree_with_gradients(arch_dir, request):
 
 
 def test_no_attention_crosses_a_sequence_boundary(tiny_model_dir):
-    model = load_causal_lm(tiny_model_dir)
+    model = _packed_model(tiny_model_dir)
     head = model.get_output_embeddings()
     seqs = _random_seqs(model.config.vocab_size, (6, 11, 7), seed=3)
     with torch.no_grad():
@@ -86,13 +93,41 @@ def test_chunked_logprobs_and_entropy_equal_the_full_computation(tiny_qwen_dir, 
     assert all(float(e[1:].min()) > 0 for e in ref_ent)  # a real entropy, not zeros on both sides
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_loss_and_gradients_equal_the_full_computation(tiny_qwen_dir, temperature):
+    # the training path: each chunk's gradient is taken in the forward; the reference keeps full logits
+    seqs = _random_seqs(load_causal_lm(tiny_qwen_dir).config.vocab_size, (13, 4, 22, 9), seed=5)
+    weights = torch.randn(sum(len(s) for s in seqs))
+
+    def loss_fn(lp, index):  # a per-token loss, nonlinear in the log-probability as PPO's is
+        return (weights[index] * torch.exp(lp).clamp(max=0.5) + 0.1 * lp).sum()
+
+    ref_model = load_causal_lm(tiny_qwen_dir)
+    ref_lp, ref_ent = _reference(ref_model, seqs, temperature)
+    ref_loss = sum(
+        loss_fn(lp[1:], torch.arange(1, len(lp)) + sum(len(x) for x in seqs[:i])) for i, lp in enumerate(ref_lp)
+    )
+    ref_grad = _grads(ref_model, ref_loss)
+    model = _packed_model(tiny_qwen_dir)
+    for chunk in (1, 7, 4096):
+        loss, lps, ents = forward.chunked_loss(
+            model, model.get_output_embeddings(), forward.packed(seqs, CPU), loss_fn, temperature, chunk
+        )
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(_grads(model, loss), ref_grad, atol=1e-5, rtol=1e-4)
+        for a, b in zip(lps, ref_lp):
+            torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=1e-5)
+        for a, b in zip(ents, ref_ent):
+            torch.testing.assert_close(a, b.detach(), atol=2e-5, rtol=1e-5)
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
     grads = []
     for ckpt in (False, True):
         tr = TorchTrainEngine(str(tiny_model_dir), gradient_checkpointing=ckpt, seed=0)
         assert tr.model.is_gradient_checkpointing == ckpt
         seqs = _random_seqs(tr.model.config.vocab_size, (9, 14, 5), seed=2)
-        grads.append(_grads(tr.model, sum(lp.sum() for lp in tr._token_logprobs(seqs))))
+        grads.append(_grads(tr.model, tr._loss(seqs, lambda lp, index: (lp * index).sum())[0]))
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
 
 
@@ -108,8 +143,7 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir):
     assert 1e-6 < diff < 0.1  # computed in bf16 (it differs), close to fp32
     # an update at a small learning rate lands in the fp32 weights; in bf16 it would round away
     before = {k: v.clone() for k, v in bf16.model.state_dict().items()}
-    loss = -sum(lp.sum() for lp in bf16._token_logprobs(seqs))
-    bf16._backward(loss, True)
+    bf16._backward(bf16._loss(seqs, lambda lp, index: -lp.sum())[0], True)
     bf16._optimizer_step()
     after = bf16.model.state_dict()
     moved = torch.cat([(before[k] != after[k]).reshape(-1) for k in before])

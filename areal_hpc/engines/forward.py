@@ -1,22 +1,27 @@
 """One training forward over a micro-batch: padding-free packing (or right padding), chunked log-probabilities.
 
-Packed: the sequences are laid end to end in one row, position ids restart at 0 at each sequence, and no
-attention mask is passed, so transformers derives a block-diagonal causal mask from the position ids (a
-varlen kernel under flash attention on GPUs; an explicit mask with sdpa on CPU). No token attends across a
-sequence boundary, and no position is padding.
+Packed: the sequences are laid end to end in one row and position ids restart at 0 at each sequence.
+Attention never crosses a boundary: flash attention's varlen kernel reads the boundaries from the position
+ids on GPUs; elsewhere `PACKED_SDPA` runs causal sdpa once per sequence (no mask, no cross-sequence work).
 
-The vocabulary projection never runs on the whole micro-batch: log-probabilities (and the entropy) are
-computed `chunk_tokens` positions at a time under activation checkpointing, so at most one chunk of
-full-vocabulary logits exists at once, in the forward and in the backward pass.
+The vocabulary projection never runs on the whole micro-batch. With a loss (`chunked_loss`), each chunk of
+`chunk_tokens` positions is projected once: its log-probabilities go through the loss, and the gradients
+of the hidden states and of the head are taken then and there, so at most one chunk of full-vocabulary
+logits ever exists and nothing is recomputed in backward. This needs a loss that is a sum over tokens,
+which the PPO and cross-entropy losses are. Without a loss (`token_logprobs`), chunks are checkpointed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+PACKED_SDPA = "areal_packed_sdpa"
 
 
 @dataclass
@@ -32,6 +37,28 @@ class MicroBatch:
     @property
     def padding(self) -> int:
         return self.positions - sum(self.lengths)
+
+    def predicting_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat model positions that predict a next token of their own sequence, that token's position, and
+        its index in the sequences laid end to end (what per-token loss inputs are indexed by)."""
+        width = self.input_ids.shape[1]
+        src, index, offset = [], [], 0
+        for i, n in enumerate(self.lengths):
+            start = offset if self.position_ids is not None else i * width
+            src.append(torch.arange(start, start + n - 1))
+            index.append(torch.arange(offset + 1, offset + n))
+            offset += n
+        device = self.input_ids.device
+        src_t = torch.cat(src).to(device)
+        return src_t, src_t + 1, torch.cat(index).to(device)
+
+    def per_sequence(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Rows in predicting order -> one tensor per sequence, position 0 (no prefix) set to 0."""
+        out, k = [], 0
+        for n in self.lengths:
+            out.append(torch.cat([flat.new_zeros(1), flat[k : k + n - 1]]))
+            k += n - 1
+        return out
 
 
 def packed(seqs: list[np.ndarray], device: torch.device) -> MicroBatch:
@@ -53,15 +80,63 @@ def padded(seqs: list[np.ndarray], pad_token_id: int, device: torch.device) -> M
     return MicroBatch(ids.to(device), None, mask.to(device), lengths, len(seqs) * width)
 
 
-def _predicting_rows(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat indices of the positions that predict a next token of their own sequence, and of that token."""
-    width = mb.input_ids.shape[1]
-    src = []
-    for i, n in enumerate(mb.lengths):
-        start = i * width if mb.position_ids is None else sum(mb.lengths[:i])
-        src.append(torch.arange(start, start + n - 1))
-    src_t = torch.cat(src).to(mb.input_ids.device)
-    return src_t, src_t + 1
+# -- attention over packed rows --------------------------------------------------------------------------
+def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal sdpa per sequence of a packed row ([1, heads, N, d]); the boundaries are where positions restart.
+
+    transformers passes no mask to an attention it does not know, so a padded batch (right padding, where
+    causal attention alone keeps real tokens off the padding) takes the plain causal path."""
+    pos = kwargs.get("position_ids")
+    gqa = query.shape[1] != key.shape[1]
+    if pos is None or query.shape[0] != 1:
+        starts = [0]
+    else:
+        starts = torch.nonzero(pos[0] == 0).flatten().tolist() or [0]
+    bounds = [*starts, query.shape[2]]
+    parts = [
+        F.scaled_dot_product_attention(
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            is_causal=True,
+            dropout_p=dropout if module.training else 0.0,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+def use_packed_attention(model: torch.nn.Module, device: torch.device) -> str:
+    """Switch `model` to an attention that keeps packed sequences apart; returns its name."""
+    from transformers import AttentionInterface
+
+    name = PACKED_SDPA
+    if device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            name = "flash_attention_2"  # varlen from the position ids
+    if name == PACKED_SDPA:
+        AttentionInterface.register(PACKED_SDPA, _packed_sdpa)
+    model.set_attn_implementation(name)
+    return name
+
+
+# -- log-probabilities without a loss: checkpointed chunks -------------------------------------------------
+def _hidden_rows(model: torch.nn.Module, mb: MicroBatch):
+    out = model(
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        output_hidden_states=True,
+        logits_to_keep=1,  # the head is applied here, in chunks
+        use_cache=False,
+    )
+    last = out.hidden_states[-1]
+    src, tgt, index = mb.predicting_rows()
+    return last.reshape(-1, last.shape[-1])[src], mb.input_ids.reshape(-1)[tgt], index
 
 
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float):
@@ -89,24 +164,16 @@ def token_logprobs(
 
     `model` is what a forward calls (a transformers causal LM, or DeepSpeed's engine around one); it is asked
     for the last hidden states and one position of logits, and `head` (its output embedding) is applied here.
+    Under grad each chunk is checkpointed (recomputed in backward). `n_chunks` fixes how many times `head`
+    is called (chunks of equal size, some possibly empty), whatever the micro-batch's length: under ZeRO-3
+    each call gathers the head's parameters, so every trainer must make the same number of calls.
     """
-    out = model(
-        input_ids=mb.input_ids,
-        attention_mask=mb.attention_mask,
-        position_ids=mb.position_ids,
-        output_hidden_states=True,
-        logits_to_keep=1,
-        use_cache=False,
-    )
-    hidden = out.hidden_states[-1].reshape(-1, out.hidden_states[-1].shape[-1])
-    src, tgt = _predicting_rows(mb)
-    targets = mb.input_ids.reshape(-1)[tgt]
+    hidden, targets, _ = _hidden_rows(model, mb)
+    step = chunk_tokens if n_chunks is None else max(1, -(-len(hidden) // n_chunks))
+    starts = range(0, len(hidden), step) if n_chunks is None else [i * step for i in range(n_chunks)]
     logps, ents = [], []
-    step = chunk_tokens if n_chunks is None else max(1, -(-len(src) // n_chunks))
-    starts = range(0, len(src), step) if n_chunks is None else [i * step for i in range(n_chunks)]
     for a in starts:
-        h = hidden[src[a : a + step]]
-        t = targets[a : a + step]
+        h, t = hidden[a : a + step], targets[a : a + step]
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_chunk_logprobs, h, t, head, temperature, use_reentrant=False)
         else:
@@ -115,10 +182,92 @@ def token_logprobs(
         ents.append(ent)
     flat_lp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
     flat_ent = torch.cat(ents) if ents else flat_lp.detach()
-    per_lp, per_ent, k = [], [], 0
-    for n in mb.lengths:
-        zero = flat_lp.new_zeros(1)
-        per_lp.append(torch.cat([zero, flat_lp[k : k + n - 1]]))
-        per_ent.append(torch.cat([zero, flat_ent[k : k + n - 1]]))
-        k += n - 1
-    return per_lp, per_ent
+    return mb.per_sequence(flat_lp), mb.per_sequence(flat_ent)
+
+
+# -- a loss over tokens, its gradient taken chunk by chunk in the forward ----------------------------------
+# loss_fn(logp, index) -> summed loss of these rows; `index` says which tokens of the laid-out sequences
+# they are. It must be a sum over tokens: each chunk's part of the gradient is then its own.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _entropy(logsm: torch.Tensor, rows: int = 64) -> torch.Tensor:
+    """-sum(p * log p) per row, a few rows at a time: no second chunk-sized buffer."""
+    return torch.cat([-(r.exp() * r).sum(-1) for r in logsm.split(rows)]) if len(logsm) else logsm.new_zeros(0)
+
+
+class _HeadLoss(torch.autograd.Function):
+    """loss(log_softmax(hidden @ W.T / T)[targets]) whose backward hands over gradients computed in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, index, temperature, chunk_tokens, loss_fn, record):
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled() else weight.dtype
+        w = weight.detach().to(dtype)
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for a in range(0, len(hidden), chunk_tokens):
+            h = hidden[a : a + chunk_tokens].detach().to(dtype)
+            t = targets[a : a + chunk_tokens]
+            logits = (h @ w.T).float()
+            if temperature != 1.0:
+                logits.div_(temperature)
+            lse = torch.cat([torch.logsumexp(r, dim=-1) for r in logits.split(64)])  # small temporaries
+            logsm = logits.sub_(lse[:, None])  # in place: the chunk's log-softmax
+            logp = logsm.gather(-1, t[:, None]).squeeze(-1)
+            with torch.enable_grad():
+                lp = logp.detach().requires_grad_()
+                loss = loss_fn(lp, index[a : a + chunk_tokens])
+                (g,) = torch.autograd.grad(loss, lp, allow_unused=True, materialize_grads=True)
+            total += loss.detach().float()
+            record(logp, _entropy(logsm))
+            p = logsm.exp_()  # in place again: one chunk-sized buffer all along
+            del logsm, logits
+            # d logp / d logits = onehot(target) - softmax, then through the division by T
+            grad_z = p.mul_(-g[:, None])
+            grad_z.scatter_add_(1, t[:, None], g[:, None].to(grad_z.dtype))
+            if temperature != 1.0:
+                grad_z.div_(temperature)
+            gz = grad_z.to(dtype)
+            grad_h[a : a + chunk_tokens] = (gz @ w).to(hidden.dtype)
+            if gz.dtype == grad_w.dtype:
+                grad_w.addmm_(gz.T, h)  # in place: no head-sized temporary
+            else:
+                grad_w += (gz.T @ h).float()
+            del p, grad_z, gz
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None
+
+
+def chunked_loss(
+    model: torch.nn.Module,
+    head: torch.nn.Module,
+    mb: MicroBatch,
+    loss_fn: LossFn,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    n_chunks: int | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The summed loss of a micro-batch (differentiable), and per sequence the log-probabilities and entropies
+    (detached). `n_chunks` (ZeRO-3) takes the checkpointed path, where every head call is a module call."""
+    if n_chunks is not None:
+        logps, ents = token_logprobs(model, head, mb, temperature, chunk_tokens, n_chunks)
+        _, _, index = mb.predicting_rows()
+        flat = torch.cat([lp[1:] for lp in logps])
+        return loss_fn(flat, index), [lp.detach() for lp in logps], ents
+    hidden, targets, index = _hidden_rows(model, mb)
+    lps, ents = [], []
+
+    def record(lp, ent):
+        lps.append(lp)
+        ents.append(ent)
+
+    loss = _HeadLoss.apply(hidden, head.weight, targets, index, temperature, chunk_tokens, loss_fn, record)
+    flat_lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
+    flat_ent = torch.cat(ents) if ents else flat_lp
+    return loss, mb.per_sequence(flat_lp), mb.per_sequence(flat_ent)

@@ -19,6 +19,8 @@ from areal_hpc.model import load_causal_lm, load_tokenizer, no_hf_progress_bars
 from areal_hpc.types import Trajectory
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
+_PPO_STATS = ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac")  # per loss token
+
 
 class TorchTrainEngine(TrainEngine):
     """Data-parallel PPO trainer on plain torch.
@@ -65,6 +67,10 @@ class TorchTrainEngine(TrainEngine):
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, "float32").to(self.device)
+        if self.model.get_output_embeddings().bias is not None:
+            raise ValueError(f"model {model_path}: an output layer with a bias is not supported (Llama, Qwen2: none)")
+        if packing:
+            forward.use_packed_attention(self.model, self.device)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -93,26 +99,32 @@ class TorchTrainEngine(TrainEngine):
         self._fwd = self.model  # what a forward pass calls
 
     # -- forward ---------------------------------------------------------------------------------
-    def _forward(self, seqs: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per sequence: each token's logprob given its prefix under softmax(logits / T), and the entropy."""
-        if self.packing:
-            mb = forward.packed(seqs, self.device)
-        else:
-            mb = forward.padded(seqs, self.pad_token_id, self.device)
+    def _micro_batch(self, seqs: list[np.ndarray]) -> forward.MicroBatch:
+        mb = forward.packed(seqs, self.device) if self.packing else forward.padded(seqs, self.pad_token_id, self.device)
         self.positions += mb.positions
         self.padding += mb.padding
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return forward.token_logprobs(
-                self._fwd,
-                self.model.get_output_embeddings(),
-                mb,
-                self.temperature,
-                self.logprob_chunk_tokens,
-                self.fixed_chunks,
-            )
+        return mb
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
     def _token_logprobs(self, seqs: list[np.ndarray]) -> list[torch.Tensor]:
-        return self._forward(seqs)[0]
+        """Per sequence: each token's logprob given its prefix under softmax(logits / T)."""
+        with self._autocast():
+            head = self.model.get_output_embeddings()
+            mb = self._micro_batch(seqs)
+            return forward.token_logprobs(
+                self._fwd, head, mb, self.temperature, self.logprob_chunk_tokens, self.fixed_chunks
+            )[0]
+
+    def _loss(self, seqs: list[np.ndarray], loss_fn: forward.LossFn):
+        """A summed per-token loss over these sequences; also their logprobs and entropies (detached)."""
+        with self._autocast():
+            head = self.model.get_output_embeddings()
+            mb = self._micro_batch(seqs)
+            return forward.chunked_loss(
+                self._fwd, head, mb, loss_fn, self.temperature, self.logprob_chunk_tokens, self.fixed_chunks
+            )
 
     @torch.no_grad()
     def compute_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
@@ -158,7 +170,7 @@ class TorchTrainEngine(TrainEngine):
 
     def _zero_loss(self) -> torch.Tensor:
         """A forward that contributes nothing, for a rank with fewer micro-batches under lockstep."""
-        loss = self._token_logprobs([np.array([self.pad_token_id, self.pad_token_id])])[0].sum() * 0.0
+        loss = self._loss([np.array([self.pad_token_id, self.pad_token_id])], lambda lp, index: lp.sum() * 0.0)[0]
         self.padding += 2  # all of it is waste
         return loss
 
@@ -223,39 +235,11 @@ class TorchTrainEngine(TrainEngine):
                     self._backward(self._zero_loss(), last)
                     continue
                 idx = [mb_idx[j] for j in micro]
-                logps, entropies = self._forward([seqs[i] for i in idx])
-                parts = {k: [] for k in ("logp", "prox", "behav", "adv", "mask")}
-                entropy_sum = 0.0
-                for i, lp, ent in zip(idx, logps, entropies):
-                    t = trajectories[i]
-                    behav = torch.as_tensor(t.behav_logprobs, dtype=lp.dtype, device=lp.device)
-                    if prox_all[i] is not None:
-                        prox = prox_all[i]
-                    else:
-                        # the weights being trained become version+1; pi_prox is the current version
-                        versions = torch.as_tensor(t.versions, device=lp.device)
-                        prox = loglinear_prox_logp(lp, behav, versions, self.version + 1)
-                    parts["logp"].append(lp)
-                    parts["prox"].append(prox)
-                    parts["behav"].append(behav)
-                    parts["adv"].append(torch.full_like(lp, float(advantages[i])))
-                    parts["mask"].append(torch.as_tensor(t.loss_mask, dtype=lp.dtype, device=lp.device))
-                    entropy_sum += float((ent * parts["mask"][-1]).sum())
-                cat = {k: torch.cat(v) for k, v in parts.items()}
-                loss, stats = decoupled_ppo_loss(
-                    cat["logp"],
-                    cat["prox"],
-                    cat["behav"],
-                    cat["adv"],
-                    cat["mask"],
-                    eps_clip=self.eps_clip,
-                    behav_imp_weight_cap=self.cap,
-                    total_loss_tokens=total_tokens,
-                )
+                loss, stats, entropy_sum = self._ppo_micro(trajectories, advantages, prox_all, idx, total_tokens)
                 self._backward(loss, last)
                 w = stats["loss_tokens"]
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
-                for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac"):
+                for k in _PPO_STATS:
                     totals[k] = totals.get(k, 0.0) + stats[k] * w
                 totals["entropy"] = totals.get("entropy", 0.0) + entropy_sum
                 totals["_w"] = totals.get("_w", 0.0) + w
@@ -264,20 +248,59 @@ class TorchTrainEngine(TrainEngine):
         if "loss" in totals:
             totals["loss"] /= len(minibatches)  # mean minibatch loss
         w = max(totals.pop("_w", 0.0), 1.0)
-        for k in ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac", "entropy"):
+        for k in (*_PPO_STATS, "entropy"):
             if k in totals:
                 totals[k] /= w
         totals["fwd_positions"], totals["fwd_padding"] = self.positions, self.padding
         return totals
 
+    def _ppo_micro(self, trajectories, advantages, prox_all, idx, total_tokens):
+        """Decoupled-PPO loss of one micro-batch (a sum over its tokens / the global token count) and its stats."""
+        cat = {k: [] for k in ("prox", "behav", "adv", "mask", "versions")}
+        for i in idx:
+            t = trajectories[i]
+            n = len(t.input_ids)
+            cat["behav"].append(torch.as_tensor(t.behav_logprobs, dtype=torch.float32))
+            cat["adv"].append(torch.full((n,), float(advantages[i])))
+            cat["mask"].append(torch.as_tensor(t.loss_mask, dtype=torch.float32))
+            cat["versions"].append(torch.as_tensor(t.versions))
+            cat["prox"].append(prox_all[i].float().cpu() if prox_all[i] is not None else torch.zeros(n))
+        cat = {k: torch.cat(v).to(self.device) for k, v in cat.items()}
+        parts: list[dict] = []
+
+        def loss_fn(lp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            behav = cat["behav"][index]
+            if prox_all[idx[0]] is not None:
+                prox = cat["prox"][index]
+            else:  # the weights being trained become version+1; pi_prox is the current version
+                prox = loglinear_prox_logp(lp, behav, cat["versions"][index], self.version + 1)
+            loss, stats = decoupled_ppo_loss(
+                lp,
+                prox,
+                behav,
+                cat["adv"][index],
+                cat["mask"][index],
+                eps_clip=self.eps_clip,
+                behav_imp_weight_cap=self.cap,
+                total_loss_tokens=total_tokens,
+            )
+            parts.append(stats)
+            return loss
+
+        loss, _, entropies = self._loss([trajectories[i].input_ids for i in idx], loss_fn)
+        w = sum(p["loss_tokens"] for p in parts)  # chunks' stats, weighted by their loss tokens
+        stats = {k: sum(p[k] * p["loss_tokens"] for p in parts) / max(w, 1.0) for k in _PPO_STATS}
+        stats["loss_tokens"] = w
+        entropy_sum = float((torch.cat(entropies) * cat["mask"]).sum())
+        return loss, stats, entropy_sum
+
     def supervised_step(self, sequences: list[np.ndarray], loss_masks: list[np.ndarray], lr: float) -> float:
         """Cross-entropy on the masked tokens (the warm start); does not change the policy version."""
         for g in self.optimizer.param_groups:
             saved_lr, g["lr"] = g["lr"], lr
-        lps = self._token_logprobs(sequences)
         mask = torch.cat([torch.as_tensor(m, dtype=torch.float32, device=self.device) for m in loss_masks])
-        total = self._allreduce_sum(float(mask.sum()))
-        loss = -(torch.cat(lps) * mask).sum() / max(total, 1.0)
+        total = max(self._allreduce_sum(float(mask.sum())), 1.0)
+        loss = self._loss(sequences, lambda lp, index: -(lp * mask[index]).sum() / total)[0]
         self._backward(loss, True)
         self._optimizer_step()
         for g in self.optimizer.param_groups:
