@@ -96,7 +96,7 @@ class TrainerConfig:
     zero_stage: int = 2  # trainer.engine=deepspeed: ZeRO stage 1, 2 or 3
     bf16: bool = False  # bf16 compute on fp32 master weights (torch: autocast; deepspeed: its bf16 mode)
     packing: bool = True  # padding-free micro-batches (false: right-padded, the old path, for comparison)
-    logprob_chunk_tokens: int = 1024  # positions whose full-vocabulary logits exist at once
+    logprob_chunk_tokens: int = 256  # positions whose full-vocabulary logits exist at once
     gradient_checkpointing: bool = False  # recompute each layer's activations in backward
 
 

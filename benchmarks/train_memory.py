@@ -9,7 +9,9 @@ the figure is torch.cuda.max_memory_allocated. Cases side by side, in one run:
   a division by the temperature (another copy), log_softmax (a third);
 - `packed`: padding-free packing, the loss and its gradient taken `--chunk` positions at a time, as the
   trainers run it (engines/forward.py);
-- `packed` with `--small-chunk`: the same with almost no logits, to measure the logits' share of the peak.
+- `packed` with `--big-chunk`: the same with bigger chunks; the two peaks give the memory per chunk
+  position, hence the logits' share of the peak at `--chunk`. (Not a tiny chunk against none: buffers
+  under glibc's mmap threshold, 32 MB at most, stay in the heap and the peak RSS stops meaning tensors.)
 
 Micro-batches: `mixed` lengths (long-tailed, filling the budget) at each budget, and `equal` lengths
 (four of budget/4) for the tokens/s comparison. A child over `--mem-limit-gib` fails and is reported as
@@ -76,7 +78,7 @@ def lengths_for(kind: str, budget: int, seed: int = 0) -> list[int]:
 def padded_logprobs(engine, seqs):
     """Before this change (TorchTrainEngine._token_logprobs), kept here to measure against."""
     mb = forward.padded(seqs, engine.pad_token_id, engine.device)
-    logits = engine.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1].float()
+    logits = engine._fwd(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1].float()
     logits = logits / engine.temperature
     lp = torch.log_softmax(logits, dim=-1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
     lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
@@ -88,16 +90,22 @@ def child(case: dict) -> dict:
     limit = int(case["mem_limit_gib"] * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     torch.set_num_threads(case["threads"])
-    from areal_hpc.engines.torch_train import TorchTrainEngine
-
     cuda = case["device"] == "cuda"
-    engine = TorchTrainEngine(
-        case["model"],
+    kwargs = dict(
         device=case["device"],
         bf16=case["bf16"],
         logprob_chunk_tokens=case["chunk"],
         gradient_checkpointing=case["checkpointing"],
+        max_tokens_per_mb=max(case["budget"], 1),
     )
+    if case["engine"] == "deepspeed":
+        from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
+
+        engine = DeepSpeedTrainEngine(case["model"], zero_stage=case["zero_stage"], **kwargs)
+    else:
+        from areal_hpc.engines.torch_train import TorchTrainEngine
+
+        engine = TorchTrainEngine(case["model"], **kwargs)
     rng = np.random.default_rng(1)
     vocab = engine.model.config.vocab_size
 
@@ -113,7 +121,9 @@ def child(case: dict) -> dict:
         else:  # what TorchTrainEngine.ppo_update runs: a per-token loss, its gradient taken chunk by chunk
             mb = forward.packed(seqs, engine.device)
             loss = engine._loss(seqs, lambda lp, index: (lp * coef.to(lp.device)[index]).sum())[0]
-        loss.backward()
+        engine._backward(loss, True)  # DeepSpeed: its backward (bf16, ZeRO gradient partitioning)
+        if case["step"]:
+            engine._optimizer_step()
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - t0, mb
@@ -170,9 +180,12 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048, 8192, 16384], help="tokens per micro-batch")
     ap.add_argument("--equal-budget", type=int, default=8192, help="budget of the equal-length tokens/s case")
-    ap.add_argument("--chunk", type=int, default=1024, help="trainer.logprob_chunk_tokens of the packed path")
-    ap.add_argument("--small-chunk", type=int, default=32, help="the packed path with almost no logits")
+    ap.add_argument("--chunk", type=int, default=256, help="trainer.logprob_chunk_tokens of the packed path")
+    ap.add_argument("--big-chunk", type=int, default=1024, help="a second chunk size, for the logits' share")
+    ap.add_argument("--engine", choices=["torch", "deepspeed"], default="torch")
+    ap.add_argument("--zero-stage", type=int, default=2, help="--engine deepspeed")
     ap.add_argument("--checkpointing", action="store_true", help="trainer.gradient_checkpointing (both paths)")
+    ap.add_argument("--optimizer-step", action="store_true", help="also the AdamW step (a whole PPO step)")
     ap.add_argument("--mem-limit-gib", type=float, default=18.0, help="address-space limit of each child")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--model", type=Path, help="an existing model folder (default: build one)")
@@ -192,13 +205,16 @@ def main() -> None:
             "checkpointing": args.checkpointing,
             "mem_limit_gib": args.mem_limit_gib,
             "threads": args.threads,
+            "engine": args.engine,
+            "step": args.optimizer_step,
+            "zero_stage": args.zero_stage,
         }
         plan = []
         for budget in args.budgets:
             for path, chunk in (("padded", 0), ("packed", args.chunk)):
                 plan.append({"kind": "mixed", "budget": budget, "path": path, "chunk": chunk or args.chunk})
         if args.budgets:
-            plan.append({"kind": "mixed", "budget": max(args.budgets), "path": "packed", "chunk": args.small_chunk})
+            plan.append({"kind": "mixed", "budget": max(args.budgets), "path": "packed", "chunk": args.big_chunk})
         for path in ("padded", "packed"):
             plan.append({"kind": "equal", "budget": args.equal_budget, "path": path, "chunk": args.chunk})
         rows = []
@@ -225,10 +241,10 @@ def main() -> None:
     top = max(args.budgets) if args.budgets else None
     summary: dict = {}
     if top:
-        new, old, small = (
+        new, old, big = (
             find("mixed", top, "packed", args.chunk),
             find("mixed", top, "padded", args.chunk),
-            find("mixed", top, "packed", args.small_chunk),
+            find("mixed", top, "packed", args.big_chunk),
         )
         if new and new["status"] == "ok":
             summary["budget"] = top
@@ -237,8 +253,11 @@ def main() -> None:
             summary["padded_status"] = old["status"] if old else None
             if old and old["status"] == "ok":
                 summary["peak_ratio_packed_to_padded"] = new["peak_gib"] / old["peak_gib"]
-            if small and small["status"] == "ok":
-                summary["logits_share_of_peak"] = max(0.0, new["peak_gib"] - small["peak_gib"]) / new["peak_gib"]
+            if big and big["status"] == "ok" and args.big_chunk != args.chunk:
+                per_position = (big["peak_gib"] - new["peak_gib"]) / (args.big_chunk - args.chunk)
+                summary["logits_gib_per_chunk_position"] = per_position
+                summary["logits_gib"] = per_position * args.chunk
+                summary["logits_share_of_peak"] = per_position * args.chunk / new["peak_gib"]
     eq_new, eq_old = (find("equal", args.equal_budget, p, args.chunk) for p in ("packed", "padded"))
     if eq_new and eq_old and eq_new["status"] == eq_old["status"] == "ok":
         summary["equal_lengths_tokens_per_s_ratio"] = eq_new["tokens_per_s"] / eq_old["tokens_per_s"]

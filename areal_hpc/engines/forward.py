@@ -156,7 +156,7 @@ def token_logprobs(
     head: torch.nn.Module,
     mb: MicroBatch,
     temperature: float = 1.0,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = 256,
     n_chunks: int | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per sequence: the log-probability of each token given its prefix under softmax(logits / T), and the
@@ -250,7 +250,7 @@ def chunked_loss(
     mb: MicroBatch,
     loss_fn: LossFn,
     temperature: float = 1.0,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = 256,
     n_chunks: int | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The summed loss of a micro-batch (differentiable), and per sequence the log-probabilities and entropies

@@ -60,7 +60,7 @@ class TorchTrainEngine(TrainEngine):
         device: str = "cpu",
         bf16: bool = False,
         packing: bool = True,
-        logprob_chunk_tokens: int = 1024,
+        logprob_chunk_tokens: int = 256,
         gradient_checkpointing: bool = False,
     ):
         torch.manual_seed(seed)
