@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (under 5 minutes): the DeepSpeed training engine and the torch generation engine (and vLLM,
+# GPU check (under 15 minutes): the DeepSpeed training engine and the torch generation engine (and vLLM,
 # where importable) on one GPU, with a ~400M-parameter Llama built locally; prints tokens/s for each and
 # writes JSON. Self-contained: it needs python3 with CUDA torch, transformers and safetensors, and takes
 # DeepSpeed from the environment or from wheels carried in .whl/ (no network on GPU machines here).
@@ -45,3 +45,11 @@ export PYTHONUNBUFFERED=1
 timeout 280 "$PY" benchmarks/engines.py --device cuda --dtype bfloat16 --hidden 1024 --layers 24 --heads 16 \
   --prompts 64 --samples 8 --max-new 256 --gen "$gen" --train deepspeed,torch --zero-stage 2 \
   --tokens-per-mb 16384 --kv-cache-gib 16 --repeats 2 --out "$OUT_DIR/gpu_check.json"
+# one PPO step of a Qwen2.5-1.5B-shaped model (vocabulary 151,936, 28 layers, random weights) on 32k
+# tokens per micro-batch, packed and padded, with DeepSpeed ZeRO-2 bf16 and with the torch engine
+model="$OUT_DIR/qwen2.5-1.5b-shaped"
+for engine in deepspeed torch; do
+  timeout 290 "$PY" benchmarks/train_memory.py --device cuda --bf16 --hidden 1536 --layers 28 --heads 12 \
+    --budgets 32768 --equal-budget 0 --big-chunk 0 --engine "$engine" --optimizer-step --checkpointing \
+    --mem-limit-gib 0 --keep-model "$model" --out "$OUT_DIR/train_memory_gpu_$engine.json"
+done

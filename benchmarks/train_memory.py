@@ -17,8 +17,9 @@ Micro-batches: `mixed` lengths (long-tailed, filling the budget) at each budget,
 (four of budget/4) for the tokens/s comparison. A child over `--mem-limit-gib` fails and is reported as
 out of memory (it cannot run), not killed by the kernel.
 
-    .venv/bin/python benchmarks/train_memory.py                  # CPU, about 15 minutes
-    python3 benchmarks/train_memory.py --device cuda --hidden 1536 --layers 28 --budgets 32768
+    .venv/bin/python benchmarks/train_memory.py                  # CPU, about 12 minutes
+    python3 benchmarks/train_memory.py --device cuda --bf16 --hidden 1536 --layers 28 --heads 12 --budgets 32768 \
+        --engine deepspeed --optimizer-step --checkpointing --mem-limit-gib 0    # as benchmarks/gpu_check.sh
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def padded_logprobs(engine, seqs):
 
 def child(case: dict) -> dict:
     """One case, in this process: load, warm up on a small batch, then one timed micro-batch."""
-    limit = int(case["mem_limit_gib"] * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if case["mem_limit_gib"] > 0:  # never on a GPU: CUDA reserves far more address space than it uses
+        limit = int(case["mem_limit_gib"] * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     torch.set_num_threads(case["threads"])
     cuda = case["device"] == "cuda"
     kwargs = dict(
@@ -179,16 +181,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048, 8192, 16384], help="tokens per micro-batch")
-    ap.add_argument("--equal-budget", type=int, default=8192, help="budget of the equal-length tokens/s case")
+    ap.add_argument("--equal-budget", type=int, default=8192, help="the equal-length tokens/s case (0: none)")
     ap.add_argument("--chunk", type=int, default=256, help="trainer.logprob_chunk_tokens of the packed path")
-    ap.add_argument("--big-chunk", type=int, default=1024, help="a second chunk size, for the logits' share")
+    ap.add_argument("--big-chunk", type=int, default=1024, help="a second chunk size, for the logits' share (0: none)")
     ap.add_argument("--engine", choices=["torch", "deepspeed"], default="torch")
     ap.add_argument("--zero-stage", type=int, default=2, help="--engine deepspeed")
     ap.add_argument("--checkpointing", action="store_true", help="trainer.gradient_checkpointing (both paths)")
     ap.add_argument("--optimizer-step", action="store_true", help="also the AdamW step (a whole PPO step)")
-    ap.add_argument("--mem-limit-gib", type=float, default=18.0, help="address-space limit of each child")
+    ap.add_argument("--mem-limit-gib", type=float, default=18.0, help="address-space limit of each child (0: none)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--model", type=Path, help="an existing model folder (default: build one)")
+    ap.add_argument("--keep-model", type=Path, help="build the model here, or reuse it if it is there")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_memory.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -197,7 +200,9 @@ def main() -> None:
         return
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or build_model(Path(tmp) / "qwen2-shaped", args)
+        if args.keep_model and not args.keep_model.exists():
+            build_model(args.keep_model, args)
+        model = args.model or args.keep_model or build_model(Path(tmp) / "qwen2-shaped", args)
         common = {
             "model": str(model),
             "device": args.device,
@@ -213,9 +218,9 @@ def main() -> None:
         for budget in args.budgets:
             for path, chunk in (("padded", 0), ("packed", args.chunk)):
                 plan.append({"kind": "mixed", "budget": budget, "path": path, "chunk": chunk or args.chunk})
-        if args.budgets:
+        if args.budgets and args.big_chunk:
             plan.append({"kind": "mixed", "budget": max(args.budgets), "path": "packed", "chunk": args.big_chunk})
-        for path in ("padded", "packed"):
+        for path in ("padded", "packed") if args.equal_budget else ():
             plan.append({"kind": "equal", "budget": args.equal_budget, "path": path, "chunk": args.chunk})
         rows = []
         print(f"{'case':<28}{'tokens':>8}{'padding':>9}{'peak GiB':>10}{'tokens/s':>10}  status", flush=True)

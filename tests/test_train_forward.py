@@ -165,3 +165,19 @@ def test_ppo_step_reports_padding_and_entropy(tiny_model_dir, ppo_batch):
     assert stats[True]["fwd_positions"] == stats[False]["fwd_positions"] - stats[False]["fwd_padding"]
     assert 0 < stats[True]["entropy"] == pytest.approx(stats[False]["entropy"], rel=1e-4)
     assert stats[True]["loss"] == pytest.approx(stats[False]["loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("where", ["masked", "capped"])
+def test_an_overflowing_behaviour_logprob_leaves_the_trained_weights_finite(tiny_model_dir, ppo_batch, where):
+    import dataclasses
+
+    trajs, adv = ppo_batch
+    t = trajs[0]
+    behav = t.behav_logprobs.copy()
+    k = int(np.flatnonzero(t.loss_mask == (0 if where == "masked" else 1))[-1])
+    behav[k] = -1e4  # exp(prox - behav) overflows; capped: it is over the cap, so out of the loss
+    bad = [dataclasses.replace(t, behav_logprobs=behav), *trajs[1:]]
+    tr = TorchTrainEngine(str(tiny_model_dir), behav_imp_weight_cap=5.0, seed=0, lr=1e-3)
+    stats = tr.ppo_update(bad, adv)
+    assert np.isfinite(stats["grad_norm"]) and np.isfinite(stats["loss"])
+    assert all(torch.isfinite(v).all() for v in tr.weights().values())
