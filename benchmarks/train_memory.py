@@ -5,13 +5,15 @@ layers so it fits this machine. Each case is one forward and backward of a PPO-s
 micro-batch, in a child process of its own, so its peak resident memory (ru_maxrss) is its own; on a GPU
 the figure is torch.cuda.max_memory_allocated. Cases side by side, in one run:
 
-- `padded`: before this change: right padding to the longest sequence, the full logits, an fp32 copy,
-  a division by the temperature (another copy), log_softmax (a third);
+- `padded`: before this change: right padding to the longest sequence, transformers' sdpa with the padding
+  mask, the full logits, an fp32 copy, a division by the temperature (another copy), log_softmax (a third);
 - `packed`: padding-free packing, the loss and its gradient taken `--chunk` positions at a time, as the
   trainers run it (engines/forward.py);
 - `packed` with `--big-chunk`: the same with bigger chunks; the two peaks give the memory per chunk
   position, hence the logits' share of the peak at `--chunk`. (Not a tiny chunk against none: buffers
   under glibc's mmap threshold, 32 MB at most, stay in the heap and the peak RSS stops meaning tensors.)
+
+`--checkpointing` and `--bf16` apply to both paths (the code before had neither).
 
 Micro-batches: `mixed` lengths (long-tailed, filling the budget) at each budget, and `equal` lengths
 (four of budget/4) for the tokens/s comparison. A child over `--mem-limit-gib` fails and is reported as
@@ -99,6 +101,7 @@ def child(case: dict) -> dict:
         logprob_chunk_tokens=case["chunk"],
         gradient_checkpointing=case["checkpointing"],
         max_tokens_per_mb=max(case["budget"], 1),
+        packing=case["path"] == "packed",  # padded: transformers' own sdpa with the padding mask, as before
     )
     if case["engine"] == "deepspeed":
         from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -255,10 +256,17 @@ def test_batch_script_ends_an_srun_that_outlives_a_finished_run(tmp_path):
     (fake / "srun").write_text(f"#!/bin/bash\ntrap '' TERM\necho '{{}}' > {summary}\nexec sleep 600\n")
     (fake / "srun").chmod(0o755)
     t0 = time.time()
-    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "srun still running 1 s after the run finished; ending it" in out.stdout
-    assert "srun ended with code 0" in out.stdout and time.time() - t0 < 60
+    slow = {**env, "AREAL_EXIT_GRACE_S": "4"}
+    job = subprocess.Popen(["bash", str(script)], env=slow, stdout=subprocess.PIPE, text=True)
+    while not summary.exists() and time.time() - t0 < 60:
+        time.sleep(0.2)
+    time.sleep(1.5)  # the script has seen the new summary; the time limit's signal comes now
+    job.send_signal(signal.SIGUSR1)
+    stdout, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, stdout
+    assert "srun still running 4 s after the run finished; ending it" in stdout
+    assert "after the run finished: nothing to requeue" in stdout and "requeueing job" not in stdout
+    assert "srun ended with code 0" in stdout and time.time() - t0 < 60
 
     summary.unlink()
     (fake / "srun").write_text("#!/bin/bash\nsleep 1\nexit 3\n")

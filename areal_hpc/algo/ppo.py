@@ -57,7 +57,8 @@ def decoupled_ppo_loss(
             "ratio_mean": float((ratio * mask).sum() / n_kept),
             "behav_w_mean": float((behav_w * mask).sum() / n_kept),
             "capped_frac": float(capped.sum() / n_in),
-            "loss_tokens": float(mask.sum()),
+            "loss_tokens": float(mask.sum()),  # kept: in the loss mask and under the cap
+            "in_tokens": float(loss_mask.sum()),
         }
     return loss, stats
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from areal_hpc.engines import forward
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.model import load_tokenizer, no_hf_progress_bars
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
@@ -67,6 +68,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             "wall_clock_breakdown": False,
         }
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer, config=config)
+        if self.packing:  # chosen again for the device DeepSpeed placed the model on, in its precision
+            forward.use_packed_attention(self.model, torch.device(self.ds.device), half=bf16)
         self._deepspeed = deepspeed
         self._fwd = self.ds
         self.device = self.ds.device

@@ -108,12 +108,16 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
-def use_packed_attention(model: torch.nn.Module, device: torch.device) -> str:
-    """Switch `model` to an attention that keeps packed sequences apart; returns its name."""
+def use_packed_attention(model: torch.nn.Module, device: torch.device, half: bool = False) -> str:
+    """Switch `model` to an attention that keeps packed sequences apart; returns its name.
+
+    `half`: the model computes in bf16 (flash attention takes no fp32)."""
     from transformers import AttentionInterface
 
+    if getattr(model.config, "use_sliding_window", False):
+        raise ValueError("a model with sliding-window attention cannot be packed here; set trainer.packing=false")
     name = PACKED_SDPA
-    if device.type == "cuda":
+    if device.type == "cuda" and half:
         import importlib.util
 
         if importlib.util.find_spec("flash_attn") is not None:
@@ -201,7 +205,8 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, index, temperature, chunk_tokens, loss_fn, record):
-        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled() else weight.dtype
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         w = weight.detach().to(dtype)
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)

@@ -19,7 +19,22 @@ from areal_hpc.model import load_causal_lm, load_tokenizer, no_hf_progress_bars
 from areal_hpc.types import Trajectory
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
-_PPO_STATS = ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac")  # per loss token
+# per-token stats -> the token count each is a mean over: kept loss tokens, or loss tokens before the cap
+_PPO_STATS = {
+    "clip_frac": "loss_tokens",
+    "ratio_mean": "loss_tokens",
+    "behav_w_mean": "loss_tokens",
+    "capped_frac": "in_tokens",
+    "entropy": "in_tokens",
+}
+
+
+def _merge(parts: list[dict]) -> dict:
+    """Stats of several pieces (chunks, micro-batches) as one: each mean weighted by its own token count."""
+    out = {w: sum(p[w] for p in parts) for w in ("loss_tokens", "in_tokens")}
+    for k, w in _PPO_STATS.items():
+        out[k] = sum(p[k] * p[w] for p in parts) / max(out[w], 1.0)
+    return out
 
 
 class TorchTrainEngine(TrainEngine):
@@ -70,7 +85,7 @@ class TorchTrainEngine(TrainEngine):
         if self.model.get_output_embeddings().bias is not None:
             raise ValueError(f"model {model_path}: an output layer with a bias is not supported (Llama, Qwen2: none)")
         if packing:
-            forward.use_packed_attention(self.model, self.device)
+            forward.use_packed_attention(self.model, self.device, half=bf16)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -221,6 +236,7 @@ class TorchTrainEngine(TrainEngine):
             else:
                 minibatches = [[] for _ in range(self.n_minibatches)]
         totals: dict[str, float] = {}
+        micro_stats: list[dict] = []
         for mb_idx in minibatches:
             local_tokens = float(sum(int(trajectories[i].loss_mask.sum()) for i in mb_idx))
             total_tokens = self._allreduce_sum(local_tokens)
@@ -235,22 +251,16 @@ class TorchTrainEngine(TrainEngine):
                     self._backward(self._zero_loss(), last)
                     continue
                 idx = [mb_idx[j] for j in micro]
-                loss, stats, entropy_sum = self._ppo_micro(trajectories, advantages, prox_all, idx, total_tokens)
+                loss, stats = self._ppo_micro(trajectories, advantages, prox_all, idx, total_tokens)
                 self._backward(loss, last)
-                w = stats["loss_tokens"]
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
-                for k in _PPO_STATS:
-                    totals[k] = totals.get(k, 0.0) + stats[k] * w
-                totals["entropy"] = totals.get("entropy", 0.0) + entropy_sum
-                totals["_w"] = totals.get("_w", 0.0) + w
+                micro_stats.append(stats)
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._optimizer_step() / len(minibatches)
         self.version += 1
         if "loss" in totals:
             totals["loss"] /= len(minibatches)  # mean minibatch loss
-        w = max(totals.pop("_w", 0.0), 1.0)
-        for k in (*_PPO_STATS, "entropy"):
-            if k in totals:
-                totals[k] /= w
+        if micro_stats:
+            totals.update({k: v for k, v in _merge(micro_stats).items() if k in _PPO_STATS})
         totals["fwd_positions"], totals["fwd_padding"] = self.positions, self.padding
         return totals
 
@@ -288,11 +298,8 @@ class TorchTrainEngine(TrainEngine):
             return loss
 
         loss, _, entropies = self._loss([trajectories[i].input_ids for i in idx], loss_fn)
-        w = sum(p["loss_tokens"] for p in parts)  # chunks' stats, weighted by their loss tokens
-        stats = {k: sum(p[k] * p["loss_tokens"] for p in parts) / max(w, 1.0) for k in _PPO_STATS}
-        stats["loss_tokens"] = w
-        entropy_sum = float((torch.cat(entropies) * cat["mask"]).sum())
-        return loss, stats, entropy_sum
+        entropy = float((torch.cat(entropies) * cat["mask"]).sum()) / max(float(cat["mask"].sum()), 1.0)
+        return loss, {**_merge([{**p, "entropy": entropy} for p in parts]), "entropy": entropy}
 
     def supervised_step(self, sequences: list[np.ndarray], loss_masks: list[np.ndarray], lr: float) -> float:
         """Cross-entropy on the masked tokens (the warm start); does not change the policy version."""

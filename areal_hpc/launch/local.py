@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -64,18 +65,21 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
 
 
 def failure_line(run_dir: Path, returncode: int) -> str:
+    """One line naming why a run failed: a rank killed by a signal first (its peers' errors, such as a reset
+    connection, follow from it), else the first rank's own error, else mpirun's exit code."""
     run = RunDir(run_dir)
     errors = run.rank_errors()
-    if errors:
+    erred = {int(re.search(r"(\d+)", p.stem).group(1)) for p in errors}
+    lines = run.mpirun_log.read_text(errors="replace").splitlines() if run.mpirun_log.exists() else []
+    signalled = [
+        ln.strip()
+        for ln in lines
+        if (m := re.search(r"process rank (\d+) .*exited on signal", ln)) and int(m.group(1)) not in erred
+    ]
+    if errors and not signalled:
         return f"{errors[0].read_text().strip()} (log: {run.log_of_error(errors[0]) or run.logs})"
-    hint = ""
-    if run.mpirun_log.exists():
-        lines = [
-            ln.strip()
-            for ln in run.mpirun_log.read_text(errors="replace").splitlines()
-            if "exited on signal" in ln or "killed" in ln.lower()
-        ]
-        hint = f": {lines[0]}" if lines else ""
+    hints = signalled or [ln.strip() for ln in lines if "exited on signal" in ln or "killed" in ln.lower()]
+    hint = f": {hints[0]}" if hints else ""
     return f"mpirun exited with code {returncode}{hint} (logs: {run.logs})"
 
 
