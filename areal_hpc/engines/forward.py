@@ -143,6 +143,11 @@ def _hidden_rows(model: torch.nn.Module, mb: MicroBatch):
     return last.reshape(-1, last.shape[-1])[src], mb.input_ids.reshape(-1)[tgt], index
 
 
+def _entropy(logsm: torch.Tensor, rows: int = 64) -> torch.Tensor:
+    """-sum(p * log p) per row, a few rows at a time: no second chunk-sized buffer."""
+    return torch.cat([-(r.exp() * r).sum(-1) for r in logsm.split(rows)]) if len(logsm) else logsm.new_zeros(0)
+
+
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float):
     logits = head(hidden).float()  # a copy only when the model computes in a lower precision
     if temperature != 1.0:
@@ -150,8 +155,7 @@ def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
     with torch.no_grad():  # entropy is logged, never differentiated
-        p = (logits - lse[:, None]).exp_()
-        entropy = lse - p.mul_(logits).sum(-1)
+        entropy = _entropy(logits - lse[:, None])
     return logp, entropy
 
 
@@ -193,11 +197,6 @@ def token_logprobs(
 # loss_fn(logp, index) -> summed loss of these rows; `index` says which tokens of the laid-out sequences
 # they are. It must be a sum over tokens: each chunk's part of the gradient is then its own.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _entropy(logsm: torch.Tensor, rows: int = 64) -> torch.Tensor:
-    """-sum(p * log p) per row, a few rows at a time: no second chunk-sized buffer."""
-    return torch.cat([-(r.exp() * r).sum(-1) for r in logsm.split(rows)]) if len(logsm) else logsm.new_zeros(0)
 
 
 class _HeadLoss(torch.autograd.Function):

@@ -33,7 +33,7 @@ def _merge(parts: list[dict]) -> dict:
     """Stats of several pieces (chunks, micro-batches) as one: each mean weighted by its own token count."""
     out = {w: sum(p[w] for p in parts) for w in ("loss_tokens", "in_tokens")}
     for k, w in _PPO_STATS.items():
-        out[k] = sum(p[k] * p[w] for p in parts) / max(out[w], 1.0)
+        out[k] = sum(p.get(k, 0.0) * p[w] for p in parts) / max(out[w], 1.0)  # the loss has no entropy
     return out
 
 
@@ -266,21 +266,22 @@ class TorchTrainEngine(TrainEngine):
 
     def _ppo_micro(self, trajectories, advantages, prox_all, idx, total_tokens):
         """Decoupled-PPO loss of one micro-batch (a sum over its tokens / the global token count) and its stats."""
+        recompute = prox_all[idx[0]] is not None  # else the loglinear proximal logprobs
         cat = {k: [] for k in ("prox", "behav", "adv", "mask", "versions")}
         for i in idx:
             t = trajectories[i]
-            n = len(t.input_ids)
             cat["behav"].append(torch.as_tensor(t.behav_logprobs, dtype=torch.float32))
-            cat["adv"].append(torch.full((n,), float(advantages[i])))
+            cat["adv"].append(torch.full((len(t.input_ids),), float(advantages[i])))
             cat["mask"].append(torch.as_tensor(t.loss_mask, dtype=torch.float32))
             cat["versions"].append(torch.as_tensor(t.versions))
-            cat["prox"].append(prox_all[i].float().cpu() if prox_all[i] is not None else torch.zeros(n))
-        cat = {k: torch.cat(v).to(self.device) for k, v in cat.items()}
+            if recompute:
+                cat["prox"].append(prox_all[i].float().cpu())
+        cat = {k: torch.cat(v).to(self.device) for k, v in cat.items() if v}
         parts: list[dict] = []
 
         def loss_fn(lp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
             behav = cat["behav"][index]
-            if prox_all[idx[0]] is not None:
+            if recompute:
                 prox = cat["prox"][index]
             else:  # the weights being trained become version+1; pi_prox is the current version
                 prox = loglinear_prox_logp(lp, behav, cat["versions"][index], self.version + 1)
@@ -299,7 +300,7 @@ class TorchTrainEngine(TrainEngine):
 
         loss, _, entropies = self._loss([trajectories[i].input_ids for i in idx], loss_fn)
         entropy = float((torch.cat(entropies) * cat["mask"]).sum()) / max(float(cat["mask"].sum()), 1.0)
-        return loss, {**_merge([{**p, "entropy": entropy} for p in parts]), "entropy": entropy}
+        return loss, {**_merge(parts), "entropy": entropy}
 
     def supervised_step(self, sequences: list[np.ndarray], loss_masks: list[np.ndarray], lr: float) -> float:
         """Cross-entropy on the masked tokens (the warm start); does not change the policy version."""
