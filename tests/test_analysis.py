@@ -1,0 +1,101 @@
+"""areal_hpc.analysis on two real runs (eta=0 and eta=2 under mpirun): loaders, speedup, staleness, utilisation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from areal_hpc import analysis
+from areal_hpc.config import load_config
+from areal_hpc.launch.local import launch
+from areal_hpc.rundir import RunDirError
+from areal_hpc.store import load_trajectories
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """A synchronous and an asynchronous run of the same short workload, evaluated every 2 versions."""
+    root = tmp_path_factory.mktemp("analysis")
+    paths = []
+    for eta in (0, 2):
+        cfg = load_config(
+            ROOT / "jobs" / "demo.yaml",
+            [
+                f"store.run_dir={root / f'eta{eta}'}",
+                f"model.path={root / 'model'}",
+                f"run_name=eta{eta}",
+                f"rollout.eta={eta}",
+                "cluster.n_generators=1",
+                "rollout.batch_prompts=8",
+                "trainer.warm_start_steps=20",
+                "trainer.versions=6",
+                "trainer.max_wall_s=0",
+                "logging.eval_every=2",
+                "logging.eval_prompts=20",
+                "logging.progress=false",
+                "logging.tensorboard=false",
+            ],
+        )
+        launch(cfg, progress=False)
+        paths.append(root / f"eta{eta}")
+    return paths
+
+
+def test_loaders_give_one_tidy_table_with_the_differing_parameters(two_runs, tmp_path):
+    runs = [analysis.load_run(p) for p in two_runs]
+    tidy = analysis.load_runs(runs)
+    assert analysis.varying(runs) == ["rollout.eta"]  # run_name and run_dir differ by construction
+    assert len(tidy) == sum(len(r.metrics) for r in runs)
+    assert tidy.groupby("run")["rollout.eta"].first().to_dict() == {"eta0": 0, "eta2": 2}
+    assert {"version", "wall_s", "reward_mean", "heldout_acc"} <= set(tidy.columns)
+    # a sweep directory's record names its points; the grid's key is the parameter column
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    points = [{"params": {"rollout.eta": e}, "run_dir": str(p), "job_id": "0"} for e, p in zip((0, 2), two_runs)]
+    (sweep / "sweep.json").write_text(json.dumps({"points": points}))
+    swept = analysis.load_sweep(sweep)
+    assert set(swept["run"]) == {"eta0", "eta2"} and len(swept) == len(tidy)
+    with pytest.raises(RunDirError, match="not a run directory"):
+        analysis.load_run(tmp_path)
+    with pytest.raises(RunDirError, match="not a sweep directory"):
+        analysis.load_sweep(tmp_path)
+
+
+def test_speedup_staleness_utilisation_and_curves_agree_with_the_raw_files(two_runs):
+    sync, asyn = (analysis.load_run(p) for p in two_runs)
+    target = float(np.nanmin([sync.metrics["heldout_acc"].max(), asyn.metrics["heldout_acc"].max()]))
+    table = analysis.speedup_table([sync, asyn], baseline=two_runs[0], target_acc=target)
+    assert table.loc["eta0", "throughput_speedup"] == 1.0
+    ratio = asyn.summary["consumed_tokens_per_s"] / sync.summary["consumed_tokens_per_s"]
+    assert table.loc["eta2", "throughput_speedup"] == pytest.approx(ratio)
+    m = pd.read_csv(two_runs[1] / "metrics.csv")
+    assert table.loc["eta2", "time_to_target_s"] == m.loc[m.heldout_acc >= target, "wall_s"].iloc[0]
+    with pytest.raises(ValueError, match="is none of the runs"):
+        analysis.speedup_table([sync, asyn], baseline="nope")
+
+    dist = analysis.staleness_distribution([sync, asyn])
+    for run, path in zip(("eta0", "eta2"), two_runs):
+        t = load_trajectories(path)
+        d = dist[dist.run == run]
+        assert d.trajectories.sum() == (t.consumed_version >= 0).sum() and d.share.sum() == pytest.approx(1)
+    assert set(dist[dist.run == "eta0"].staleness) == {0} and dist[dist.run == "eta2"].staleness.max() <= 2
+
+    u = analysis.utilisation(asyn, bin_s=0.5)
+    assert u.busy.between(0, 1 + 1e-9).all() and set(u.role) == {"generator", "trainer"}
+    for role, event in (("generator", "generate"), ("trainer", "train")):
+        spans = asyn.timeline[(asyn.timeline.role == role) & (asyn.timeline.event == event)]
+        r = u[u.role == role]
+        assert (r.busy * 0.5 * r.ranks).sum() == pytest.approx(spans.duration.sum(), rel=1e-6)
+
+    curves = analysis.learning_curves([sync, asyn])
+    assert len(curves) == len(sync.metrics) + len(asyn.metrics)
+    assert (
+        curves.heldout_acc.notna().sum()
+        == sync.metrics.heldout_acc.notna().sum() + asyn.metrics.heldout_acc.notna().sum()
+    )
