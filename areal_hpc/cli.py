@@ -205,6 +205,25 @@ def collect_cmd(sweep_dir: str) -> None:
     click.echo(df.drop(columns=["run_dir"]).to_string(index=False))
 
 
+@main.command("report")
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.option(
+    "--baseline", type=click.Path(file_okay=False, exists=True), help="run the ratios are to (default: the first)"
+)
+@click.option("--target-acc", type=float, help="held-out accuracy whose wall time to reach is compared")
+@click.option("-o", "--output", default="report.html", show_default=True, type=click.Path(dir_okay=False))
+def report_cmd(run_dirs: tuple[str, ...], baseline: str | None, target_acc: float | None, output: str) -> None:
+    """Compare runs (or a sweep's points) in one self-contained HTML file: speedup, curves, staleness, configs."""
+    from areal_hpc.analysis.report import write_report
+    from areal_hpc.rundir import RunDirError
+
+    try:
+        out = write_report(list(run_dirs), output, baseline=baseline, target_acc=target_acc)
+    except (RunDirError, ValueError) as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"wrote {out}")
+
+
 @main.command("status")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 def status_cmd(run_dir: str) -> None:

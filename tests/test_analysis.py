@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +101,57 @@ def test_speedup_staleness_utilisation_and_curves_agree_with_the_raw_files(two_r
         curves.heldout_acc.notna().sum()
         == sync.metrics.heldout_acc.notna().sum() + asyn.metrics.heldout_acc.notna().sum()
     )
+
+
+NOTEBOOK_FIGURES = {
+    "speedup": {"speedup.png", "learning_wall.png", "learning_version.png"},
+    "staleness": {"staleness.png"},
+    "utilisation": {"utilisation_0.png", "utilisation_1.png"},
+}
+
+
+def test_notebooks_run_on_real_runs_and_write_every_figure(two_runs, tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    for name, expected in NOTEBOOK_FIGURES.items():
+        nb = nbformat.read(ROOT / "analysis" / f"{name}.ipynb", as_version=4)
+        params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+        figs = tmp_path / name
+        params.source = (
+            f"RUNS = {[str(p) for p in two_runs]!r}\nSWEEP = None\nBASELINE = None\nTARGET_ACC = 0.0\n"
+            f"FIGURES = {str(figs)!r}\n"
+        )
+        client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
+        client.execute()
+        assert {p.name for p in figs.iterdir()} == expected, name
+        assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000 for p in figs.iterdir())
+        sources = "".join(c.source for c in nb.cells if c.cell_type == "code")
+        assert "import pandas" not in sources and "read_csv" not in sources  # only areal_hpc.analysis
+
+
+def _report(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "areal_hpc.cli", "report", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_report_compares_runs_or_a_sweep_in_one_html_file(two_runs, tmp_path):
+    out = tmp_path / "report.html"
+    r = _report(str(two_runs[1]), "--baseline", str(two_runs[0]), "--target-acc", "0", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    # speedup, two learning-curve figures, staleness, one utilisation figure per run: all inline
+    assert text.count('src="data:image/png;base64,') == 6
+    assert "throughput_speedup" in text and "time_to_target_s" in text
+    assert "<tr class=differs><td>rollout.eta</td><td>0</td><td>2</td></tr>" in text  # the baseline joins first
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    points = [{"params": {"rollout.eta": e}, "run_dir": str(p), "job_id": "0"} for e, p in zip((0, 2), two_runs)]
+    (sweep / "sweep.json").write_text(json.dumps({"points": points}))
+    r = _report(str(sweep), "-o", str(tmp_path / "sweep.html"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "sweep.html").read_text().count('src="data:image/png;base64,') == 6
+    r = _report(str(tmp_path / "sweep" / ".."), "-o", str(tmp_path / "bad.html"))
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "not a run directory" in r.stderr
+    assert not (tmp_path / "bad.html").exists()

@@ -69,7 +69,7 @@ def varying(runs: list[Run]) -> list[str]:
     return [k for k in keys if k not in skip and len({repr(r.config.get(k)) for r in runs}) > 1]
 
 
-def _as_runs(runs) -> list[Run]:
+def as_runs(runs) -> list[Run]:
     out = [r if isinstance(r, Run) else load_run(r) for r in runs]
     names = [r.name for r in out]
     if len(set(names)) != len(names):  # two runs with one run_name: tell them apart by folder
@@ -81,7 +81,7 @@ def _as_runs(runs) -> list[Run]:
 def load_runs(runs) -> pd.DataFrame:
     """Every run's metrics as one tidy table: one row per (run, version), with a `run` column and a
     column for each config key that differs between the runs."""
-    runs = _as_runs(runs)
+    runs = as_runs(runs)
     keys = varying(runs)
     frames = []
     for r in runs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from areal_hpc.analysis.runs import Run, _as_runs
+from areal_hpc.analysis.runs import Run, as_runs
 
 # the spans that are a role's own work; others (a group's lifetime, its scoring, an evaluation in the
 # stream) overlap these and would count twice
@@ -34,7 +34,7 @@ def speedup_table(runs, baseline=None, target_acc: float | None = None) -> pd.Da
 
     Throughput is consumed tokens per second of RL (summary.json), so runs of different lengths compare.
     """
-    runs = _as_runs(runs)
+    runs = as_runs(runs)
     if not runs:
         raise ValueError("speedup_table needs at least one run")
     rows = []
@@ -76,7 +76,7 @@ def _baseline_name(runs: list[Run], baseline) -> str:
 def staleness_distribution(runs) -> pd.DataFrame:
     """Consumed trajectories per (run, staleness): how many versions behind the weights that trained on them."""
     frames = []
-    for r in _as_runs(runs):
+    for r in as_runs(runs):
         eaten = r.trajectories[r.trajectories["consumed_version"] >= 0]
         counts = eaten["staleness"].astype(int).value_counts().sort_index()
         frames.append(
@@ -91,7 +91,7 @@ def staleness_distribution(runs) -> pd.DataFrame:
 def utilisation(run, bin_s: float = 1.0) -> pd.DataFrame:
     """Busy share per role over time: for each `bin_s` window since the run's first event, the fraction
     its ranks of that role spent in their own work (generate, train), averaged over the role's ranks."""
-    (r,) = _as_runs([run])
+    (r,) = as_runs([run])
     tl = r.timeline
     if tl.empty:
         return pd.DataFrame(columns=["t", "role", "ranks", "busy"])
@@ -114,7 +114,7 @@ def utilisation(run, bin_s: float = 1.0) -> pd.DataFrame:
 def learning_curves(runs) -> pd.DataFrame:
     """Reward and held-out accuracy per (run, version), with the wall time at that version."""
     frames = []
-    for r in _as_runs(runs):
+    for r in as_runs(runs):
         m = r.metrics
         frames.append(
             pd.DataFrame(

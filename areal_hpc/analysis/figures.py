@@ -1,0 +1,69 @@
+"""Matplotlib figures, each made from the DataFrame one function of `analysis.tables` returns."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+
+def _figure(ncols: int = 1, width: float = 6.0, height: float = 3.5):
+    import matplotlib
+
+    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        matplotlib.use("Agg")  # figures are written to files; no display on a cluster's login node
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return fig, axes[0]
+
+
+def speedup_figure(table: pd.DataFrame):
+    """Bars of throughput (and time to the target accuracy) relative to the baseline, from `speedup_table`."""
+    cols = [c for c in ("throughput_speedup", "time_to_target_speedup") if c in table]
+    fig, axes = _figure(len(cols))
+    titles = {
+        "throughput_speedup": "consumed tokens/s vs baseline",
+        "time_to_target_speedup": f"time to accuracy {table.attrs.get('target_acc')} vs baseline",
+    }
+    for ax, col in zip(axes, cols, strict=True):
+        table[col].plot.barh(ax=ax, color="tab:blue")
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_title(titles[col])
+        ax.set_xlabel(f"x {table.attrs.get('baseline', 'baseline')}")
+    fig.tight_layout()
+    return fig
+
+
+def staleness_figure(dist: pd.DataFrame):
+    """Share of consumed trajectories per staleness, one group of bars per run, from `staleness_distribution`."""
+    fig, (ax,) = _figure()
+    dist.pivot_table(index="staleness", columns="run", values="share", fill_value=0).plot.bar(ax=ax)
+    ax.set_xlabel("versions behind the weights that trained on it")
+    ax.set_ylabel("share of consumed trajectories")
+    ax.set_title("staleness")
+    fig.tight_layout()
+    return fig
+
+
+def utilisation_figure(util: pd.DataFrame, title: str = "busy share per role"):
+    """Each role's busy share over time, from `utilisation`."""
+    fig, (ax,) = _figure(width=8)
+    util.pivot_table(index="t", columns="role", values="busy").plot(ax=ax, ylim=(0, 1.05))
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("busy share")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def learning_figure(curves: pd.DataFrame, x: str = "wall_s"):
+    """Reward and held-out accuracy against wall time (or `x="version"`), one line per run, from `learning_curves`."""
+    fig, axes = _figure(2)
+    for ax, y in zip(axes, ("reward_mean", "heldout_acc"), strict=True):
+        for run, c in curves.groupby("run", sort=False):
+            c = c.dropna(subset=[y])
+            ax.plot(c[x], c[y], marker="o" if y == "heldout_acc" else None, label=run)
+        ax.set_xlabel({"wall_s": "wall seconds", "version": "version"}.get(x, x))
+        ax.set_title({"reward_mean": "batch reward", "heldout_acc": "held-out accuracy"}[y])
+        ax.legend()
+    fig.tight_layout()
+    return fig
