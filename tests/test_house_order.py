@@ -120,3 +120,18 @@ def test_a_message_with_other_fields_is_refused_before_it_is_sent():
             assert tag.name in str(err)
         else:
             raise AssertionError(f"{tag.name} {body} was accepted")
+
+
+def test_an_idle_rank_backs_off_between_polls_and_wakes_fast_again_after_work():
+    import time
+
+    b = protocol.Backoff(0.002, 0.01)
+    naps = []
+    for _ in range(5):
+        naps.append(b.nap)
+        t = time.perf_counter()
+        b.sleep()
+        assert time.perf_counter() - t >= naps[-1] * 0.9
+    assert naps == [0.002, 0.004, 0.008, 0.01, 0.01]  # 5x fewer wake-ups than 2 ms polling once idle
+    b.reset()
+    assert b.nap == 0.002

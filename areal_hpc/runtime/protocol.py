@@ -103,20 +103,42 @@ def check_fields(tag: Tag, body: dict) -> None:
                 raise ProtocolError(f"GROUPS_DONE group carries {sorted(g)}, the protocol says {sorted(GROUP_FIELDS)}")
 
 
+class Backoff:
+    """The sleep between polls that found nothing: from `min_s`, doubling up to `max_s`; `reset` after work.
+
+    Ranks are not pinned and share a node's cores, so each wake-up of an idle rank can preempt a busy
+    one on its core: two ranks waking every 2 ms cost a generator on this 2-core machine 4-9% of its
+    engine's throughput. Backing off to 10 ms wakes idle ranks 5x less often and delays a message to
+    an idle rank by at most 10 ms.
+    """
+
+    def __init__(self, min_s: float = 0.002, max_s: float = 0.01):
+        self.min_s, self.max_s = min_s, max(min_s, max_s)
+        self.nap = min_s
+
+    def sleep(self) -> None:
+        time.sleep(self.nap)
+        self.nap = min(2 * self.nap, self.max_s)
+
+    def reset(self) -> None:
+        self.nap = self.min_s
+
+
 class Mailbox:
     """Non-blocking sends (requests kept until complete) and polled receives on one communicator.
 
-    Polling with Iprobe plus a short sleep, not a blocking receive: a busy-waiting rank would steal
-    the cores the generators and trainers need.
+    Polling with Iprobe plus a sleep that backs off while nothing comes (`Backoff`), not a blocking
+    receive: a busy-waiting rank would steal the cores the generators and trainers need.
     """
 
-    def __init__(self, comm, idle_sleep_s: float = 0.002):
+    def __init__(self, comm, idle_sleep_s: float = 0.002, idle_sleep_max_s: float = 0.01):
         from mpi4py import MPI
 
         self._MPI = MPI
         self.comm = comm
         self.rank = comm.Get_rank()
-        self.idle_sleep_s = idle_sleep_s
+        self.idle_sleep_s, self.idle_sleep_max_s = idle_sleep_s, idle_sleep_max_s
+        self.backoff = Backoff(idle_sleep_s, idle_sleep_max_s)  # the role loop's, between its idle turns
         self._pending: list = []
 
     def send(self, dest: int, tag: Tag, body: dict | None = None) -> None:
@@ -138,13 +160,14 @@ class Mailbox:
     def wait(self, source: int | None = None, timeout_s: float | None = None) -> tuple[int, Tag, dict]:
         """Block (politely) until a message arrives."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
+        nap = Backoff(self.idle_sleep_s, self.idle_sleep_max_s)
         while True:
             msg = self.poll(source)
             if msg is not None:
                 return msg
             if end is not None and time.monotonic() > end:
                 raise TimeoutError(f"rank {self.rank}: no message within {timeout_s} s")
-            time.sleep(self.idle_sleep_s)
+            nap.sleep()
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every send has completed: before exit, and before blocking outside MPI (a gloo

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from areal_hpc.config import Config
@@ -60,5 +59,7 @@ class RoleLoop:
         while not self.finished():
             busy = self.drain()
             busy = self.tick() or busy
-            if not busy:
-                time.sleep(self.mail.idle_sleep_s)
+            if busy:
+                self.mail.backoff.reset()
+            else:
+                self.mail.backoff.sleep()

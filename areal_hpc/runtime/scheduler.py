@@ -264,7 +264,7 @@ class Scheduler(RoleLoop):
             self.mail.send(r, Tag.STOP)
         while self.byes < self.layout.world_size - 1:
             if not self.drain():
-                time.sleep(self.mail.idle_sleep_s)
+                self.mail.backoff.sleep()
         self.mail.flush()
         summary = self.report.finish(self.stop_reason)
         self.timeline.close()
