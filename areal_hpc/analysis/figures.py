@@ -6,14 +6,12 @@ import pandas as pd
 
 
 def _figure(ncols: int = 1, width: float = 6.0, height: float = 3.5):
-    import matplotlib
+    """A Figure outside pyplot: no backend is chosen or changed (a login node has no display, a user's
+    session keeps its own); notebooks display it, and savefig writes it."""
+    from matplotlib.figure import Figure
 
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg")  # figures are written to files; no display on a cluster's login node
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
-    return fig, axes[0]
+    fig = Figure(figsize=(width * ncols, height))
+    return fig, fig.subplots(1, ncols, squeeze=False)[0]
 
 
 def speedup_figure(table: pd.DataFrame):

@@ -40,11 +40,8 @@ Throughput is tokens trained on per second of RL.</p>
 
 
 def _png(fig) -> str:
-    import matplotlib.pyplot as plt
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
 
