@@ -13,9 +13,9 @@ the staleness gate by design (`--slots 16` shows that regime).
 The ceiling: after each run, the same engine (same slots, same thread count) generates the run's own
 stored requests (each prompt with exactly its stored answer length, EOS ignored), all added at once and
 stepped to completion with no runtime around it. On this 2-core machine the trainer shares the
-generator's cache and memory bandwidth, which slows the engine itself (about 5% at a quarter duty);
-so the ceiling is also measured with the run's own training replayed beside it, for the share of the
-generating time the trainer was training: the loop's own cost is the stream against that figure.
+generator's cache and memory bandwidth, so the ceiling is also measured with the run's own training
+replayed beside it, for the share of the generating time the trainer was training (0-5% lower here,
+inside this machine's noise): the loop's own cost is the stream against that figure.
 
     .venv/bin/python benchmarks/streaming.py                    # both engines, about 10 minutes on 2 cores
     .venv/bin/python benchmarks/streaming.py --engines torch --versions 15

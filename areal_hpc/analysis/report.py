@@ -79,10 +79,11 @@ def write_report(
         if all(r.path.resolve() != base_path for r in runs):  # a baseline outside the compared runs joins them
             runs = as_runs([load_run(base_path), *runs])
     speedup = tables.speedup_table(runs, baseline=baseline, target_acc=target_acc)
+    curves = tables.learning_curves(runs)
     images = [
         ("Speedup", _png(figures.speedup_figure(speedup))),
-        ("Learning curves (wall time)", _png(figures.learning_figure(tables.learning_curves(runs), x="wall_s"))),
-        ("Learning curves (version)", _png(figures.learning_figure(tables.learning_curves(runs), x="version"))),
+        ("Learning curves (wall time)", _png(figures.learning_figure(curves, x="wall_s"))),
+        ("Learning curves (version)", _png(figures.learning_figure(curves, x="version"))),
         ("Staleness", _png(figures.staleness_figure(tables.staleness_distribution(runs)))),
     ]
     for r in runs:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
@@ -41,7 +43,7 @@ def speedup_table(runs, baseline=None, target_acc: float | None = None) -> pd.Da
     for r in runs:
         row = {
             "run": r.name,
-            "versions": _final(r, "versions") if "versions" in r.summary else len(r.metrics),
+            "versions": r.summary.get("versions", len(r.metrics)),
             "eta": r.config.get("rollout.eta"),
             "consumed_tokens_per_s": _final(r, "consumed_tokens_per_s"),
             "rl_wall_s": r.summary.get("rl_wall_s"),
@@ -68,7 +70,7 @@ def _baseline_name(runs: list[Run], baseline) -> str:
     if str(baseline) in names:
         return str(baseline)
     for r in runs:
-        if r.path.resolve() == type(r.path)(baseline).resolve():
+        if r.path.resolve() == Path(baseline).resolve():
             return r.name
     raise ValueError(f"baseline {baseline!r} is none of the runs ({sorted(names)})")
 
