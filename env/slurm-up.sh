@@ -186,7 +186,8 @@ if ! alive "$STATE/run/slurmdbd.pid" slurmdbd; then
   for _ in $(seq 1 100); do timeout 2 sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.2; done
 fi
 sacctmgr -n list cluster format=cluster | grep -qw areal || sacctmgr -i add cluster areal >/dev/null
-alive "$STATE/run/slurmctld.pid" slurmctld || slurmctld
+fresh_ctld=0
+alive "$STATE/run/slurmctld.pid" slurmctld || { slurmctld; fresh_ctld=1; }
 for i in $(seq 1 "$NODES"); do
   alive "$STATE/run/slurmd-n$i.pid" slurmd || slurmd -N "n$i"
 done
@@ -197,6 +198,18 @@ if ! alive "$STATE/run/nudge.pid" bash; then
   nohup bash -c "while sleep 10; do SLURM_CONF=$CONF scontrol update partitionname=debug state=up >/dev/null 2>&1; done" \
     >/dev/null 2>&1 &
   echo $! > "$STATE/run/nudge.pid"
+fi
+
+# A controller started anew recovers the jobs in its state folder; after a reboot or a killed
+# machine their processes are gone, yet they would hold nodes (state "mixed") until they time out.
+if ((fresh_ctld)); then
+  for _ in $(seq 1 100); do squeue -h >/dev/null 2>&1 && break; sleep 0.1; done
+  left="$(squeue -h -t RUNNING,COMPLETING,PENDING,SUSPENDED -o '%A' 2>/dev/null | sort -u | tr '\n' ' ')"
+  if [[ -n "${left// /}" ]]; then
+    say "cancelling jobs left from before the cluster last stopped: $left"
+    # shellcheck disable=SC2086
+    scancel $left 2>/dev/null || true
+  fi
 fi
 
 for _ in $(seq 1 300); do
