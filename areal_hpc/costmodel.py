@@ -1,0 +1,138 @@
+"""What generation, training and weight sync cost on a GPU cluster: a cost model with presets (pure, no I/O).
+
+The emulated engines sleep for these times instead of computing, and the simulator advances its clock
+by them. Each preset is derived from the model's shape and the GPU's datasheet figures, with the
+efficiencies stated; docs/emulation.md writes the arithmetic out and checks it against AReaL's figures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, replace
+from statistics import NormalDist
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-GPU costs. Decode is memory-bound: each step reads the weights once and every running
+    sequence's KV cache; prefill and training are compute-bound."""
+
+    name: str
+    weight_bytes: float  # bf16 weights, read once per decode step
+    kv_bytes_per_token: float  # K and V of every layer for one token of context
+    mem_bytes_per_s: float  # achieved HBM bandwidth in decode
+    step_overhead_s: float  # per decode step: scheduling, sampling, launches
+    prefill_tokens_per_s: float  # compute-bound prompt (and resumed partial) processing
+    train_tokens_per_s: float  # PPO: forward + backward + the proximal logprob pass, per trainer GPU
+    sync_s: float  # one version's weights over the network and loaded into a generator
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """One step of `batch` running sequences holding `context_tokens` of KV cache in all."""
+        if batch <= 0:
+            return 0.0
+        read = self.weight_bytes + self.kv_bytes_per_token * context_tokens
+        return self.step_overhead_s + read / self.mem_bytes_per_s
+
+    def prefill_s(self, tokens: int) -> float:
+        return tokens / self.prefill_tokens_per_s
+
+    def train_s(self, tokens: int) -> float:
+        return tokens / self.train_tokens_per_s
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops: float  # dense
+    net_bytes_per_s: float  # to each generator, for the weight broadcast
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    params: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+
+# Datasheet figures. H800 SXM: HBM3 3.35 TB/s and 989 TFLOPS dense bf16 as H100 SXM; its interconnect is cut,
+# so 200 Gb/s InfiniBand (25 GB/s) per generator is assumed for the weight broadcast.
+H800 = Gpu("H800", hbm_bytes_per_s=3.35e12, bf16_flops=989e12, net_bytes_per_s=25e9)
+# DeepSeek-R1-Distill-Qwen (AReaL's base models): Qwen2.5 shapes with grouped-query attention
+QWEN_1P5B = ModelShape("1.5B", params=1.54e9, layers=28, kv_heads=2, head_dim=128)
+QWEN_7B = ModelShape("7B", params=7.62e9, layers=28, kv_heads=4, head_dim=128)
+
+# Efficiencies assumed (vLLM and Megatron/DeepSpeed class software on Hopper)
+DECODE_MEM_EFF = 0.70  # of HBM bandwidth reached by paged attention + GEMV-shaped decode
+DECODE_OVERHEAD_S = 3e-3  # per step with CUDA graphs: scheduler, sampler, detokenizer
+PREFILL_MFU = 0.50
+TRAIN_MFU = 0.35  # long packed sequences, ZeRO with activation checkpointing
+TRAIN_FLOPS_PER_PARAM = 8  # forward 2 + backward 4 + the proximal-logprob forward 2
+LOAD_S = 0.5  # a generator swapping in received weights and resetting its prefix cache
+
+
+def derive(model: ModelShape, gpu: Gpu) -> CostModel:
+    """The cost model of `model` on `gpu` from their figures and the efficiencies above."""
+    weight_bytes = 2 * model.params
+    return CostModel(
+        name=f"{model.name}-{gpu.name}",
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        mem_bytes_per_s=DECODE_MEM_EFF * gpu.hbm_bytes_per_s,
+        step_overhead_s=DECODE_OVERHEAD_S,
+        prefill_tokens_per_s=PREFILL_MFU * gpu.bf16_flops / (2 * model.params),
+        train_tokens_per_s=TRAIN_MFU * gpu.bf16_flops / (TRAIN_FLOPS_PER_PARAM * model.params),
+        sync_s=weight_bytes / gpu.net_bytes_per_s + LOAD_S,
+    )
+
+
+PRESETS: dict[str, CostModel] = {m.name: derive(m, H800) for m in (QWEN_1P5B, QWEN_7B)}  # on an H800
+
+
+def preset(name: str) -> CostModel:
+    if name not in PRESETS:
+        raise ValueError(f"cost model preset {name!r} is unknown; choose " + " or ".join(map(repr, PRESETS)))
+    return PRESETS[name]
+
+
+def with_overrides(model: CostModel, overrides: dict[str, float]) -> CostModel:
+    """The model with some fields replaced (a calibration's fit, or a user's figures)."""
+    fields = set(CostModel.__dataclass_fields__) - {"name"}
+    bad = sorted(set(overrides) - fields)
+    if bad:
+        raise ValueError(f"cost model has no field {bad[0]!r}; fields: {', '.join(sorted(fields))}")
+    return replace(model, **{k: float(v) for k, v in overrides.items()})
+
+
+@dataclass(frozen=True)
+class ResponseLengths:
+    """Long-tailed response lengths, as in reasoning traces: log-normal with this median, capped."""
+
+    median: float
+    sigma: float
+    cap: int
+
+    def quantile(self, u: float) -> int:
+        """The length at probability u in (0, 1)."""
+        z = NormalDist().inv_cdf(min(max(u, 1e-12), 1 - 1e-12))
+        return int(min(self.cap, max(1, round(self.median * math.exp(self.sigma * z)))))
+
+    def for_key(self, seed: int, key: str) -> int:
+        """A length fixed by (seed, key): a request keeps its length across interruption and resume."""
+        return self.quantile(unit_hash(seed, key))
+
+
+def unit_hash(seed: int, key: str) -> float:
+    """A number in (0, 1), uniform over keys and stable across processes (unlike hash())."""
+    h = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    return (int.from_bytes(h, "little") + 0.5) / 2**64

@@ -1,0 +1,74 @@
+"""Emulated training: a PPO step takes the cost model's time for this rank's tokens; no weights, no gradients."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from areal_hpc.costmodel import preset, with_overrides
+from areal_hpc.engines.base import TrainEngine
+from areal_hpc.engines.emulated_gen import payload
+from areal_hpc.types import Trajectory
+from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
+
+
+class EmulatedTrainEngine(TrainEngine):
+    """Each data-parallel trainer takes `cost.train_s(its tokens)`. Rank 0 waits for every trainer's result
+    before the version counts, so the largest share sets the step time, as the gradient all-reduce would."""
+
+    def __init__(
+        self,
+        model_path: str,
+        preset_name: str = "1.5B",
+        cost_overrides: dict | None = None,
+        time_scale: float = 1.0,
+        payload_mb: float = 1.0,
+    ):
+        self.model_path = Path(model_path)
+        self.cost = with_overrides(preset(preset_name), cost_overrides or {})
+        self.time_scale = time_scale
+        self.version = 0
+        self._weights = payload(payload_mb)
+
+    def _spend(self, seconds: float) -> None:
+        time.sleep(seconds * self.time_scale)
+
+    def compute_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
+        self._spend(self.cost.prefill_s(sum(len(s) for s in sequences)))
+        return [np.zeros(len(s), dtype=np.float32) for s in sequences]
+
+    def ppo_update(
+        self, trajectories: list[Trajectory], advantages: np.ndarray, minibatches: list[list[int]] | None = None
+    ) -> dict[str, float]:
+        tokens = int(sum(len(t.input_ids) for t in trajectories))
+        self._spend(self.cost.train_s(tokens))
+        self.version += 1
+        self._weights["emulated.payload"][0] = float(self.version)  # the checksum changes as real weights would
+        return {"loss": 0.0, "emulated_train_s": self.cost.train_s(tokens)}
+
+    def supervised_step(self, sequences: list[np.ndarray], loss_masks: list[np.ndarray], lr: float) -> float:
+        self._spend(self.cost.train_s(sum(len(s) for s in sequences)))
+        return 0.0
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self._weights
+
+    def export_hf(self, path: Path) -> Path:
+        """The model folder it was started from (its tokenizer and config): emulation trains nothing."""
+        tmp = new_tmp_dir_beside(Path(path))
+        shutil.copytree(self.model_path, tmp, dirs_exist_ok=True)
+        return atomic_publish_dir(tmp, Path(path))
+
+    def save_checkpoint(self, path: Path) -> None:
+        tmp = new_tmp_dir_beside(Path(path))
+        (tmp / "emulated.json").write_text(json.dumps({"version": self.version, "cost": self.cost.to_dict()}))
+        atomic_publish_dir(tmp, Path(path))
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.version = int(json.loads((Path(path) / "emulated.json").read_text())["version"])
+        self._weights["emulated.payload"][0] = float(self.version)

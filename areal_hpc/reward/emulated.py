@@ -1,0 +1,36 @@
+"""Rewards for emulated rollouts: placeholder answers are right with a chance fixed per prompt (no scoring)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Sequence
+
+from areal_hpc.costmodel import unit_hash
+
+
+class EmulatedRewards:
+    """The reward pool's interface for emulated runs, where answers are placeholder tokens.
+
+    Each prompt (keyed by its reference answer) gets a difficulty: a chance of being right drawn as U**k
+    with k = 1/p_correct - 1, so the mean over prompts is p_correct and groups are mixed or uniform about
+    as often as on a real dataset of mixed difficulty (what dynamic sampling sees). Each answer is then
+    right with that chance, fixed by its text.
+    """
+
+    def __init__(self, p_correct: float, seed: int = 0):
+        self.k = 1 / p_correct - 1 if p_correct > 0 else None
+        self.seed = seed
+
+    def _score(self, completion: str, reference: str) -> float:
+        if self.k is None:
+            return 0.0
+        chance = unit_hash(self.seed, "prompt:" + reference) ** self.k
+        return float(unit_hash(self.seed, reference + "\x00" + completion) < chance)
+
+    def submit(self, completions: Sequence[str], references: Sequence[str]) -> cf.Future:
+        future: cf.Future = cf.Future()
+        future.set_result([self._score(c, r) for c, r in zip(completions, references)])
+        return future
+
+    def close(self) -> None:
+        pass
