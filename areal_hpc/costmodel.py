@@ -12,27 +12,30 @@ import math
 from dataclasses import asdict, dataclass, replace
 from statistics import NormalDist
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-GPU costs. Decode is memory-bound: each step reads the weights once and every running
-    sequence's KV cache; prefill and training are compute-bound."""
+    """Per-GPU costs. A decode step takes the longer of reading the weights and every running sequence's
+    KV cache (memory) and its matrix products (compute); on GPUs memory wins, on CPUs compute does.
+    Prefill and training are compute-bound."""
 
     name: str
     weight_bytes: float  # bf16 weights, read once per decode step
     kv_bytes_per_token: float  # K and V of every layer for one token of context
     mem_bytes_per_s: float  # achieved HBM bandwidth in decode
     step_overhead_s: float  # per decode step: scheduling, sampling, launches
+    seq_step_s: float  # compute of one running sequence's token in a decode step
     prefill_tokens_per_s: float  # compute-bound prompt (and resumed partial) processing
     train_tokens_per_s: float  # PPO: forward + backward + the proximal logprob pass, per trainer GPU
     sync_s: float  # one version's weights over the network and loaded into a generator
 
-    def decode_step_s(self, batch: int, context_tokens: int) -> float:
-        """One step of `batch` running sequences holding `context_tokens` of KV cache in all."""
-        if batch <= 0:
-            return 0.0
-        read = self.weight_bytes + self.kv_bytes_per_token * context_tokens
-        return self.step_overhead_s + read / self.mem_bytes_per_s
+    def decode_step_s(self, batch: int, context_tokens):
+        """One step of `batch` (>= 1) running sequences holding `context_tokens` of KV cache in all
+        (a number, or an array of them for consecutive steps)."""
+        read = self.weight_bytes + self.kv_bytes_per_token * np.asarray(context_tokens, dtype=np.float64)
+        return self.step_overhead_s + np.maximum(read / self.mem_bytes_per_s, self.seq_step_s * batch)
 
     def prefill_s(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s
@@ -90,6 +93,7 @@ def derive(model: ModelShape, gpu: Gpu) -> CostModel:
         kv_bytes_per_token=model.kv_bytes_per_token,
         mem_bytes_per_s=DECODE_MEM_EFF * gpu.hbm_bytes_per_s,
         step_overhead_s=DECODE_OVERHEAD_S,
+        seq_step_s=2 * model.params / (PREFILL_MFU * gpu.bf16_flops),
         prefill_tokens_per_s=PREFILL_MFU * gpu.bf16_flops / (2 * model.params),
         train_tokens_per_s=TRAIN_MFU * gpu.bf16_flops / (TRAIN_FLOPS_PER_PARAM * model.params),
         sync_s=weight_bytes / gpu.net_bytes_per_s + LOAD_S,

@@ -102,7 +102,7 @@ class EmulatedGenerationEngine(GenerationEngine):
             prefill += len(seq.request.prompt_ids) + len(seq.ids)
             self.running.append(seq)
         context = sum(len(s.request.prompt_ids) + len(s.ids) for s in self.running)
-        self._sleep_until(self.cost.prefill_s(prefill) + self.cost.decode_step_s(len(self.running), context))
+        self._sleep_until(self.cost.prefill_s(prefill) + float(self.cost.decode_step_s(len(self.running), context)))
         tokens = self.rng.integers(0, self.vocab, len(self.running))
         logprobs = -self.rng.exponential(1.0, len(self.running))
         still = []

@@ -21,6 +21,13 @@ class EmulatedRewards:
         self.k = 1 / p_correct - 1 if p_correct > 0 else None
         self.seed = seed
 
+    def p_uniform(self, n: int) -> float:
+        """The chance a group of n answers is all right or all wrong (what dynamic sampling rejects)."""
+        if self.k is None:
+            return 1.0
+        chances = [((i + 0.5) / 1000) ** self.k for i in range(1000)]
+        return sum(c**n + (1 - c) ** n for c in chances) / 1000
+
     def _score(self, completion: str, reference: str) -> float:
         if self.k is None:
             return 0.0

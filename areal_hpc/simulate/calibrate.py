@@ -1,0 +1,211 @@
+"""Fit the simulator's cost model and latencies to a real run directory (its timeline, metrics and store)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from areal_hpc.config import Config, concurrent_groups, load_config
+from areal_hpc.costmodel import CostModel, ResponseLengths, preset, with_overrides
+from areal_hpc.reward.emulated import EmulatedRewards
+from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.timeline import load_engine_samples, load_timeline
+from areal_hpc.simulate.loop import EmpiricalLengths, SimConfig, simulate
+from areal_hpc.store import load_trajectories
+
+
+def sim_config(cfg: Config, cost: CostModel | None = None, **extra) -> SimConfig:
+    """The simulator's view of a run config; the cost model and lengths are the emulation section's
+    unless given (a calibration gives measured ones)."""
+    rc, ec = cfg.rollout, cfg.emulation
+    if cost is None:
+        cost = with_overrides(preset(ec.preset), dict(ec.cost))
+    lengths = extra.pop("lengths", None) or ResponseLengths(
+        ec.len_median or rc.max_new_tokens / 4, ec.len_sigma, rc.max_new_tokens
+    )
+    if "p_uniform" not in extra and rc.engine == "emulated":
+        extra["p_uniform"] = EmulatedRewards(ec.p_correct).p_uniform(rc.n_samples)
+    if "prompt_len" not in extra:
+        extra["prompt_len"] = _prompt_tokens(cfg)
+    return SimConfig(
+        n_generators=cfg.cluster.n_generators,
+        n_trainers=cfg.cluster.n_trainers,
+        batch_prompts=rc.batch_prompts,
+        n_samples=rc.n_samples,
+        eta=rc.eta,
+        capacity=rc.max_num_seqs,
+        max_groups=concurrent_groups(rc),
+        interrupt=rc.interrupt,
+        versions=cfg.trainer.versions,
+        cost=cost,
+        lengths=lengths,
+        reject_uniform=cfg.ppo.drop_uniform_groups,
+        eval_every=cfg.logging.eval_every,
+        eval_prompts=min(cfg.logging.eval_prompts, cfg.data.heldout_size),
+        seed=cfg.trainer.seed,
+        **extra,
+    )
+
+
+def _prompt_tokens(cfg: Config, sample: int = 200) -> int:
+    """Mean prompt length of the run's dataset in the model's tokens (64 when the model folder is not built)."""
+    from pathlib import Path
+
+    if not (Path(cfg.model.path) / "tokenizer_config.json").is_file():
+        return 64
+    from areal_hpc.data import load_dataset
+    from areal_hpc.model import load_tokenizer
+
+    tok = load_tokenizer(Path(cfg.model.path))
+    prompts = load_dataset(cfg.data).train[:sample]
+    return max(1, round(sum(len(tok.encode(p.prompt)) for p in prompts) / max(1, len(prompts))))
+
+
+def _decode_fit(run: RunDir) -> tuple[float, float]:
+    """(per-step overhead, per-sequence compute) from the engine meter: step time against batch size,
+    plus the time between steps inside generate spans (the generator's own work), as overhead."""
+    m = load_engine_samples(run.root)
+    m = m[m["seq_steps"] > 0]
+    if m.empty:
+        raise ValueError(f"{run.root}: no engine steps recorded under timeline/engine-rank*.csv; nothing to calibrate")
+    batch = m["seq_steps"] / m["steps"]
+    step = m["seq_s"] / m["seq_steps"]
+    slope, intercept = np.polyfit(batch, step, 1, w=np.sqrt(m["steps"])) if batch.nunique() > 1 else (0.0, step.mean())
+    if slope <= 0:
+        slope, intercept = 0.0, float(np.average(step, weights=m["steps"]))
+    tl = load_timeline(run.root)
+    gen_span = tl[(tl["role"] == "generator") & (tl["event"] == "generate")]["duration"].sum()
+    mean_batch = m["seq_steps"].sum() / m["steps"].sum()
+    gap = gen_span / m["steps"].sum() - (intercept + slope * mean_batch)
+    return max(intercept + max(gap, 0.0), 1e-6), max(slope, 0.0)
+
+
+def _service_s(spans: pd.DataFrame, workers: int) -> float:
+    """A reward worker's time per group: the time some group was being scored (the union of the spans,
+    which include queueing) times the workers, over the groups."""
+    if spans.empty:
+        return 0.0
+    busy = 0.0
+    for _, per_rank in spans.groupby("rank"):
+        end = -math.inf
+        for t0, t1 in sorted(zip(per_rank["t_start"], per_rank["t_end"])):
+            busy += max(0.0, t1 - max(t0, end))
+            end = max(end, t1)
+    return busy * workers / len(spans)
+
+
+def calibrate(run_dir, overrides: list[str] | None = None) -> tuple[SimConfig, dict]:
+    """A SimConfig fitted to the run in `run_dir` (the config it ran, with `overrides` applied after the
+    fit), and what was measured. Every figure is measured from the run's files; nothing is tuned to make
+    the simulated run match."""
+    run = RunDir(run_dir)
+    if not run.config.is_file() or not run.summary.is_file():
+        raise ValueError(f"{run.root} is not a finished run directory (needs config.yaml and summary.json)")
+    cfg = load_config(run.config)
+    summary = json.loads(run.summary.read_text())
+    metrics = pd.read_csv(run.metrics).dropna(subset=["tokens"])
+    tl = load_timeline(run.root)
+    trajs = load_trajectories(run.root)
+    overhead, per_seq = _decode_fit(run)
+    latencies = _latencies(tl)
+
+    gens = tl[tl["role"] == "generator"]
+    loads = max(1, int((gens["event"] == "load").sum()))
+    sync_s = gens[gens["event"].isin(["sync", "load"])]["duration"].sum() / loads
+    per_trainer = metrics["tokens"] / cfg.cluster.n_trainers
+    train_rate = float(per_trainer.sum() / metrics["t_train"].sum())
+    cost = CostModel(
+        name=f"calibrated:{run.root.name}",
+        weight_bytes=0.0,
+        kv_bytes_per_token=0.0,
+        mem_bytes_per_s=1.0,
+        step_overhead_s=overhead,
+        seq_step_s=per_seq,
+        prefill_tokens_per_s=math.inf,  # the step-time fit covers steps where requests joined
+        train_tokens_per_s=train_rate,
+        sync_s=sync_s,
+    )
+    groups = len(trajs.groupby("group_id")) if len(trajs) else 0
+    rejected = int(summary.get("rejected_uniform", 0))
+    measured = {
+        "rl_wall_s": float(summary["rl_wall_s"]),
+        "consumed_tokens_per_s": float(summary["consumed_tokens_per_s"]),
+        "reward_s": _service_s(gens[gens["event"] == "reward"], cfg.reward.num_workers),
+        "p_uniform": rejected / groups if groups else 0.0,
+        "prompt_len": int(round(trajs["prompt_len"].mean())) if len(trajs) else 16,
+        **latencies,
+    }
+    sim = sim_config(
+        cfg,
+        cost,
+        lengths=EmpiricalLengths(tuple(int(x) for x in trajs["gen_len"])),
+        prompt_len=measured["prompt_len"],
+        p_uniform=measured["p_uniform"],
+        reward_s=measured["reward_s"],
+        reward_workers=cfg.reward.num_workers,
+        **latencies,
+    )
+    measured["cost"] = cost.to_dict()
+    if overrides:
+        sim = apply_overrides(sim, overrides)
+    return sim, measured
+
+
+def _latencies(tl: pd.DataFrame) -> dict[str, float]:
+    """What rank 0's relaying costs, from the timeline (medians over versions): a ready batch to trainer
+    0's start of loading it, a trained version to the generators' start of receiving it, and trainer 0's
+    own publish time (mean)."""
+    t0 = tl[tl["role"] == "trainer"]
+    t0 = t0[t0["rank"] == t0["rank"].min()]
+    loads = t0[t0["event"] == "load"].sort_values("t_start")
+    trains = t0[t0["event"] == "train"].sort_values("t_end")
+    writes = tl[(tl["role"] == "generator") & (tl["event"] == "write")]["t_end"].sort_values().to_numpy()
+    batch = []
+    for t_load in loads["t_start"]:
+        before = writes[writes <= t_load]
+        prev_train = trains["t_end"][trains["t_end"] <= t_load]
+        ready = max(before[-1] if len(before) else -math.inf, prev_train.max() if len(prev_train) else -math.inf)
+        if math.isfinite(ready):
+            batch.append(t_load - ready)
+    syncs = tl[(tl["role"] == "generator") & (tl["event"] == "sync")]["t_start"].to_numpy()
+    publish = []
+    for t_end in trains["t_end"]:
+        after = syncs[syncs >= t_end]
+        if len(after):
+            publish.append(after.min() - t_end)
+    own = t0[t0["event"] == "sync"]["duration"]
+    med = lambda xs: float(np.median(xs)) if len(xs) else 0.0  # noqa: E731
+    # the publish is the mean: when generators are still loading the previous version, it waits for them
+    own_s = float(own.mean()) if len(own) else 0.0
+    return {"batch_latency_s": med(batch), "publish_latency_s": med(publish), "publish_s": own_s}
+
+
+# config key -> the SimConfig field it sets (what a calibrated model may be asked about)
+SIM_KEYS = {
+    "rollout.eta": "eta",
+    "rollout.batch_prompts": "batch_prompts",
+    "rollout.n_samples": "n_samples",
+    "rollout.interrupt": "interrupt",
+    "rollout.max_num_seqs": "capacity",
+    "rollout.max_concurrent_groups": "max_groups",
+    "cluster.n_generators": "n_generators",
+    "cluster.n_trainers": "n_trainers",
+    "trainer.versions": "versions",
+}
+
+
+def apply_overrides(sim: SimConfig, overrides: list[str]) -> SimConfig:
+    """The model with some of the loop's numbers changed (`rollout.eta=4`, ...), checked as the run config is."""
+    fields = {}
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if not sep or key not in SIM_KEYS:
+            raise ValueError(f"override {ov!r}: the simulator can change {', '.join(sorted(SIM_KEYS))} (as key=value)")
+        load_config(None, [ov, "model.path=unused"])  # the same one-line error a run would give
+        fields[SIM_KEYS[key]] = yaml.safe_load(value)
+    return replace(sim, **fields)

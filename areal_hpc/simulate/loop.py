@@ -1,0 +1,337 @@
+"""A discrete-event model of the asynchronous loop (SimPy): generators, rank 0's own scheduler core, trainers.
+
+Rank 0's bookkeeping is the real `SchedulerCore` (staleness gate, ready queue, dynamic sampling, batch
+split); generators and trainers are modelled: a generator is a continuous-batching engine whose steps
+take the cost model's time, a training version takes the cost model's time for the largest share.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import simpy
+
+from areal_hpc.costmodel import CostModel
+from areal_hpc.runtime.scheduler_core import ReadyGroup, SchedulerCore
+
+
+class Lengths(Protocol):
+    def quantile(self, u: float) -> int: ...
+
+
+class EmpiricalLengths:
+    """Response lengths as measured in a run (its trajectories' generated lengths)."""
+
+    def __init__(self, values):
+        self.ordered = sorted(int(v) for v in values)
+        if not self.ordered:
+            raise ValueError("no measured response lengths to draw from")
+
+    def quantile(self, u: float) -> int:
+        return self.ordered[min(len(self.ordered) - 1, int(u * len(self.ordered)))]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The loop's shape (the run config's numbers) and what the model needs beyond them."""
+
+    n_generators: int
+    n_trainers: int
+    batch_prompts: int  # B
+    n_samples: int  # n
+    eta: int
+    capacity: int  # sequences one generator's step holds (max_num_seqs)
+    max_groups: int  # groups a generator keeps in flight
+    interrupt: bool
+    versions: int
+    cost: CostModel
+    lengths: Lengths
+    prompt_len: int = 64
+    p_uniform: float = 0.0  # chance a finished group's rewards are all equal
+    reject_uniform: bool = True
+    reward_s: float = 0.0  # a reward worker's time to score one group (off the generator's critical path)
+    reward_workers: int = 1  # per generator; groups queue for them
+    batch_latency_s: float = 0.0  # a ready batch to its trainers through rank 0 (shard write, messages, polls)
+    publish_latency_s: float = 0.0  # a trained version to the generators through rank 0
+    publish_s: float = 0.0  # trainer 0's own time to post a version's weights (on the trainers' critical path)
+    train_overhead_s: float = 0.0  # per version and trainer: loading the shards, optimizer step
+    eval_every: int = 0
+    eval_prompts: int = 0  # held-out requests on generator 0 at the start and every eval_every versions
+    seed: int = 0
+
+
+@dataclass
+class SimResult:
+    wall_s: float  # from the first weights published to the last version trained
+    versions: int
+    tokens_consumed: int
+    gen_tokens: int  # sampled by training requests (consumed or not)
+    staleness: dict[int, int]  # versions behind -> trajectories consumed
+    gen_busy: float  # fraction of generator time spent stepping or loading weights
+    train_busy: float
+    dropped_stale: int
+    rejected_uniform: int
+    interrupted: int
+    version_wall_s: list[float] = field(default_factory=list)
+
+    @property
+    def consumed_tokens_per_s(self) -> float:
+        return self.tokens_consumed / self.wall_s if self.wall_s > 0 else math.nan
+
+    @property
+    def gen_tokens_per_s(self) -> float:
+        return self.gen_tokens / self.wall_s if self.wall_s > 0 else math.nan
+
+    def row(self) -> dict:
+        """The figures a sweep table shows."""
+        n = sum(self.staleness.values()) or 1
+        return {
+            "wall_s": self.wall_s,
+            "consumed_tokens_per_s": self.consumed_tokens_per_s,
+            "gen_tokens_per_s": self.gen_tokens_per_s,
+            "gen_busy": self.gen_busy,
+            "train_busy": self.train_busy,
+            "staleness_mean": sum(k * v for k, v in self.staleness.items()) / n,
+            "staleness_max": max(self.staleness, default=0),
+            "dropped_stale": self.dropped_stale,
+            "rejected_uniform": self.rejected_uniform,
+            "interrupted": self.interrupted,
+        }
+
+
+@dataclass
+class _Seq:
+    group: int  # -1: a held-out evaluation request
+    target: int  # tokens it generates before it stops
+    done: int = 0
+    v_start: int | None = None
+    needs_prefill: bool = True  # new, or resumed after an interruption: prompt + partial is processed again
+
+
+@dataclass
+class _Group:
+    left: int
+    v_start: int
+    tokens: int = 0
+
+
+class _Generator:
+    def __init__(self, sim: Simulation, index: int):
+        self.sim, self.index = sim, index
+        self.version = -1
+        self.staged: int | None = None
+        self.running: list[_Seq] = []
+        self.waiting: deque[_Seq] = deque()
+        self.groups: dict[int, _Group] = {}
+        self.busy_s = 0.0
+        self.wake = sim.env.event()
+        self.reward_pool = simpy.Resource(sim.env, capacity=sim.cfg.reward_workers)
+
+    def notify(self) -> None:
+        if not self.wake.triggered:
+            self.wake.succeed()
+
+    def _ask(self) -> None:
+        c, sim = self.sim.cfg, self.sim
+        if self.version < 0 or (self.staged is not None and not c.interrupt):
+            return
+        load = len(self.running) + len(self.waiting)
+        want = -(-(c.capacity + c.n_samples - load) // c.n_samples)
+        k = min(want, c.max_groups - len(self.groups))
+        if k <= 0:
+            return
+        for _ in sim.core.grant(k):
+            gid = sim.next_group
+            sim.next_group += 1
+            self.groups[gid] = _Group(c.n_samples, 1 << 30)
+            self.waiting.extend(_Seq(gid, sim.draw_length()) for _ in range(c.n_samples))
+
+    def _load(self):
+        c = self.sim.cfg
+        if c.interrupt:
+            for s in self.running:
+                self.sim.interrupted += s.done > 0
+                s.needs_prefill = True
+            self.waiting.extendleft(reversed(self.running))
+            self.running = []
+        v, self.staged = self.staged, None
+        yield self.sim.env.timeout(c.cost.sync_s)
+        self.busy_s += c.cost.sync_s
+        self.version = v
+
+    def _step_times(self, k: int, prefill: int) -> np.ndarray:
+        cost, b = self.sim.cfg.cost, len(self.running)
+        ctx0 = sum(self.sim.cfg.prompt_len + s.done for s in self.running)
+        t = cost.decode_step_s(b, ctx0 + b * np.arange(k))
+        t[0] += cost.prefill_s(prefill)
+        return t
+
+    def run(self):
+        env, c = self.sim.env, self.sim.cfg
+        while not self.sim.done:
+            if self.staged is not None and (c.interrupt or not (self.running or self.waiting)):
+                yield from self._load()
+            self._ask()
+            prefill = 0
+            while self.waiting and len(self.running) < c.capacity and (c.interrupt or self.staged is None):
+                s = self.waiting.popleft()
+                if s.needs_prefill:
+                    prefill += c.prompt_len + s.done
+                    s.needs_prefill = False
+                self.running.append(s)
+            if not self.running:
+                self.wake = env.event()
+                yield self.wake
+                continue
+            k = min(s.target - s.done for s in self.running)
+            ends = np.cumsum(self._step_times(k, prefill))
+            start = env.now
+            self.wake = env.event()
+            yield env.timeout(ends[-1]) | self.wake
+            steps = int(np.searchsorted(ends, env.now - start - 1e-12, side="right"))
+            if steps < k:  # woken mid-chunk: the step under way completes first
+                yield env.timeout(max(0.0, ends[steps] - (env.now - start)))
+                steps += 1
+            self.busy_s += float(ends[steps - 1])
+            self._advance(steps)
+
+    def _advance(self, steps: int) -> None:
+        c, still = self.sim.cfg, []
+        for s in self.running:
+            if s.v_start is None:
+                s.v_start = self.version
+            s.done += steps
+            if s.group >= 0:
+                self.sim.gen_tokens += steps
+            if s.done < s.target:
+                still.append(s)
+                continue
+            if s.group < 0:
+                continue
+            g = self.groups[s.group]
+            g.left -= 1
+            g.v_start = min(g.v_start, s.v_start)
+            g.tokens += c.prompt_len + s.done
+            if g.left == 0:
+                del self.groups[s.group]
+                self.sim.env.process(self.sim.score(s.group, g, self.reward_pool))
+        self.running = still
+
+    def add_eval(self) -> None:
+        self.waiting.extend(_Seq(-1, self.sim.draw_length()) for _ in range(self.sim.cfg.eval_prompts))
+        self.notify()
+
+
+class Simulation:
+    """One simulated run: `run()` returns a SimResult after `cfg.versions` versions."""
+
+    def __init__(self, cfg: SimConfig):
+        self.cfg = cfg
+        self.env = simpy.Environment()
+        self.rng = np.random.default_rng(cfg.seed)
+        self.core = SchedulerCore(
+            n_prompts=4096,  # which prompts are drawn does not matter here; an epoch of them is shuffled
+            batch_prompts=cfg.batch_prompts,
+            eta=cfg.eta,
+            n_trainers=cfg.n_trainers,
+            reject_uniform=cfg.reject_uniform,
+            seed=cfg.seed,
+        )
+        self.gens = [_Generator(self, i) for i in range(cfg.n_generators)]
+        self.next_group = 0
+        self.gen_tokens = 0
+        self.interrupted = 0
+        self.done = False
+        self.batch_ready = self.env.event()
+        self.staleness: collections.Counter = collections.Counter()
+        self.tokens_consumed = 0
+        self.train_busy_s = 0.0
+        self.version_wall_s: list[float] = []
+
+    def draw_length(self) -> int:
+        return max(1, int(self.cfg.lengths.quantile(float(self.rng.random()))))
+
+    def _notify_all(self) -> None:
+        for g in self.gens:
+            g.notify()
+
+    def score(self, gid: int, g: _Group, pool: simpy.Resource):
+        if self.cfg.reward_s:
+            with pool.request() as turn:
+                yield turn
+                yield self.env.timeout(self.cfg.reward_s)
+        uniform = bool(self.rng.random() < self.cfg.p_uniform)
+        if not self.core.group_done(ReadyGroup("", [], 0, gid, g.tokens, g.v_start), uniform):
+            self._notify_all()  # its slot is free again
+        if not self.batch_ready.triggered:
+            self.batch_ready.succeed()
+
+    def _publish(self, version: int):
+        if self.cfg.publish_latency_s:
+            yield self.env.timeout(self.cfg.publish_latency_s)
+        self.core.version_trained(version)
+        for gen in self.gens:
+            gen.staged = version
+        if self.cfg.eval_every and version % self.cfg.eval_every == 0 and self.cfg.eval_prompts:
+            self.gens[0].add_eval()
+        self._notify_all()
+
+    def _trainers(self):
+        c = self.cfg
+        version = 0
+        while version < c.versions:
+            dropped = self.core.dropped_stale
+            plan = self.core.next_batch()
+            if self.core.dropped_stale != dropped:
+                self._notify_all()  # dropped groups returned their slots
+            if plan is None:
+                self.batch_ready = self.env.event()
+                yield self.batch_ready
+                continue
+            if c.batch_latency_s:
+                yield self.env.timeout(c.batch_latency_s)
+            shares = [sum(plan.groups[i].n_tokens for mb in share for i in mb) for share in plan.shares]
+            t = c.train_overhead_s + max(c.cost.train_s(n) for n in shares)
+            yield self.env.timeout(t + c.publish_s)
+            self.train_busy_s += c.train_overhead_s * c.n_trainers + sum(c.cost.train_s(n) for n in shares)
+            for g in plan.groups:
+                self.staleness[plan.version - g.version_start] += c.n_samples
+                self.tokens_consumed += g.n_tokens
+            version += 1
+            self.version_wall_s.append(self.env.now)
+            self.env.process(self._publish(version))
+        self.done = True
+        self._notify_all()
+
+    def run(self) -> SimResult:
+        c = self.cfg
+        for g in self.gens:
+            self.env.process(g.run())
+        self.env.process(self._publish(0))
+        if c.eval_prompts and not c.eval_every:
+            self.gens[0].add_eval()  # the start's evaluation (periodic ones include version 0)
+        trainers = self.env.process(self._trainers())
+        self.env.run(until=trainers)
+        wall = self.env.now
+        return SimResult(
+            wall_s=wall,
+            versions=c.versions,
+            tokens_consumed=self.tokens_consumed,
+            gen_tokens=self.gen_tokens,
+            staleness=dict(sorted(self.staleness.items())),
+            gen_busy=sum(g.busy_s for g in self.gens) / (c.n_generators * wall) if wall else math.nan,
+            train_busy=self.train_busy_s / (c.n_trainers * wall) if wall else math.nan,
+            dropped_stale=self.core.dropped_stale,
+            rejected_uniform=self.core.rejected,
+            interrupted=self.interrupted,
+            version_wall_s=self.version_wall_s,
+        )
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    return Simulation(cfg).run()
