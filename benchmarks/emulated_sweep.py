@@ -1,8 +1,8 @@
 """Planning figures: the simulator on AReaL's 1.5B shape (eta sweep, interruption on and off) beside AReaL's
-table, and optionally the emulated cluster (the real runtime, 16 generators + 5 trainers) at eta 0 and 4
-against the simulator's prediction for the same config.
+table; with --emulated instead, the emulated cluster (the real runtime, 16 generators + 5 trainers) at
+eta 0 and 4 and without interruption, each against the simulator's prediction for the same config.
 
-    python benchmarks/emulated_sweep.py [--versions 6] [--emulated] [--out benchmarks/results/emulated_sweep.json]
+    python benchmarks/emulated_sweep.py [--versions 12] [--emulated] [--out benchmarks/results/emulated_sweep.json]
 
 The paper's shape: 128 GPUs, 96 generating and 32 training; 512 prompts x 16 answers per version. The
 length distribution (log-normal, median 6k tokens, capped at 27k) is an assumption, not a measured one.
@@ -44,10 +44,17 @@ def paper_shape(versions: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--versions", type=int, default=6)
-    ap.add_argument("--emulated", action="store_true", help="also run the emulated cluster (minutes)")
+    ap.add_argument("--versions", type=int, default=12)
+    ap.add_argument(
+        "--emulated", action="store_true", help="instead: the emulated cluster's runs (minutes), emulated_cluster.json"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "emulated_sweep.json"))
     args = ap.parse_args()
+    if args.emulated:
+        out = Path(args.out).with_name("emulated_cluster.json")
+        out.write_text(json.dumps(emulated_runs(), indent=1, default=float))
+        print(f"wrote {out}")
+        return
     base = paper_shape(args.versions)
     rows = []
     for eta in (0, 1, 2, 4, 8, 16, "unbounded"):
@@ -58,35 +65,51 @@ def main() -> None:
             rows.append({"eta": eta, "interrupt": interrupt, **r.row()})
             print(
                 f"eta={eta!s:>9} interrupt={interrupt!s:5}  {r.consumed_tokens_per_s / 1e3:7.1f}k tok/s "
+                f"(second half {r.steady_tokens_per_s / 1e3:5.0f}k) "
                 f"(AReaL {AREAL_ETA_KTOK[eta]}k)  gen busy {r.gen_busy:.0%}  train busy {r.train_busy:.0%}  "
                 f"staleness mean {r.row()['staleness_mean']:.2f}",
                 flush=True,
             )
-    on = {r["eta"]: r["consumed_tokens_per_s"] for r in rows if r["interrupt"]}
-    off = {r["eta"]: r["consumed_tokens_per_s"] for r in rows if not r["interrupt"]}
-    result = {
-        "shape": {"gen_gpus": 96, "train_gpus": 32, "batch_prompts": 512, "n_samples": 16, "versions": args.versions},
-        "rows": rows,
-        "areal_ktok_per_s": {str(k): v for k, v in AREAL_ETA_KTOK.items()},
-        "ratio_to_eta0": {str(k): v / on[0] for k, v in on.items()},
-        "areal_ratio_to_eta0": {str(k): v / AREAL_ETA_KTOK[0] for k, v in AREAL_ETA_KTOK.items()},
-        "interruption_gain": {str(k): on[k] / off[k] for k in off},
-    }
-    if args.emulated:
-        result["emulated"] = emulated_runs()
+    result = summarize(rows, args.versions)
     print("ratio to eta 0, simulated vs AReaL:")
-    for k in on:
-        print(f"  eta={k!s:>9}  {result['ratio_to_eta0'][str(k)]:.2f}  vs {result['areal_ratio_to_eta0'][str(k)]:.2f}")
-    print("interruption gain (on / off):", {k: round(v, 3) for k, v in result["interruption_gain"].items()})
+    for k, v in result["ratio_to_eta0"].items():
+        print(f"  eta={k:>9}  {v:.2f}  vs {result['areal_ratio_to_eta0'][k]:.2f}")
+    print("interruption gain (on / off), consumed:", {k: round(v, 3) for k, v in result["interruption_gain"].items()})
+    print(
+        "interruption gain (on / off), generated:",
+        {k: round(v, 3) for k, v in result["interruption_gain_generated"].items()},
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=float))
     print(f"wrote {out}")
 
 
+def summarize(rows: list[dict], versions: int) -> dict:
+    """Ratios to eta=0 and the interruption gain, on consumed tokens/s over the whole run (as AReaL's table).
+
+    The second-half ("steady") figure is in the rows too, but with few versions a large eta eats in the
+    second half the backlog it generated in the first, so it overstates what a long run would sustain."""
+    on = {r["eta"]: r["consumed_tokens_per_s"] for r in rows if r["interrupt"]}
+    off = {r["eta"]: r["consumed_tokens_per_s"] for r in rows if not r["interrupt"]}
+    gen_on = {r["eta"]: r["gen_tokens_per_s"] for r in rows if r["interrupt"]}
+    gen_off = {r["eta"]: r["gen_tokens_per_s"] for r in rows if not r["interrupt"]}
+    return {
+        "shape": {"gen_gpus": 96, "train_gpus": 32, "batch_prompts": 512, "n_samples": 16, "versions": versions},
+        "rows": rows,
+        "areal_ktok_per_s": {str(k): v for k, v in AREAL_ETA_KTOK.items()},
+        "ratio_to_eta0": {str(k): v / on[0] for k, v in on.items()},
+        "areal_ratio_to_eta0": {str(k): v / AREAL_ETA_KTOK[0] for k, v in AREAL_ETA_KTOK.items()},
+        "interruption_gain": {str(k): on[k] / off[k] for k in off},
+        "interruption_gain_generated": {str(k): gen_on[k] / gen_off[k] for k in gen_off},
+    }
+
+
 def emulated_runs() -> dict:
     """The real runtime with emulated engines at 16 + 5 ranks, eta 0 and 4, each beside its prediction."""
     from areal_hpc.launch.local import launch
+    from areal_hpc.runtime.timeline import load_timeline
+    from areal_hpc.simulate import calibrate
 
     out = {}
     work = ROOT / "runs" / "bench-emulated"
@@ -103,13 +126,25 @@ def emulated_runs() -> dict:
         scale = cfg.emulation.time_scale  # wall seconds per modelled second
         predicted = simulate(sim_config(cfg))
         measured = s["consumed_tokens_per_s"] * scale
+        tl = load_timeline(work / name)
+        gen_s = tl[(tl.role == "generator") & (tl.event == "generate")].duration.sum()
+        calibrated, _ = calibrate(work / name)
+        self_pred = simulate(calibrated).consumed_tokens_per_s * scale  # its costs are in wall seconds
         out[name] = {
             "measured_tokens_per_s": measured,
             "predicted_tokens_per_s": predicted.consumed_tokens_per_s,
             "error": predicted.consumed_tokens_per_s / measured - 1,
+            "calibrated_self_error": self_pred / measured - 1,
+            "gen_generating": gen_s / (cfg.cluster.n_generators * s["rl_wall_s"]),
             "predicted_gen_busy": predicted.gen_busy,
         }
-        print(f"emulated {name}: {measured:.0f} tok/s (modelled time), simulated {predicted.consumed_tokens_per_s:.0f}")
+        print(
+            f"emulated {name}: {measured:.0f} tok/s (modelled time); cost-model simulation "
+            f"{predicted.consumed_tokens_per_s:.0f} ({out[name]['error']:+.1%}); simulation calibrated on "
+            f"the run {out[name]['calibrated_self_error']:+.1%}; generators generating "
+            f"{out[name]['gen_generating']:.0%} of the RL time",
+            flush=True,
+        )
     out["async_over_sync"] = out["eta4"]["measured_tokens_per_s"] / out["eta0"]["measured_tokens_per_s"]
     out["interruption_gain"] = out["eta4"]["measured_tokens_per_s"] / out["eta4_no_interrupt"]["measured_tokens_per_s"]
     return out

@@ -15,7 +15,7 @@ from areal_hpc.costmodel import CostModel, ResponseLengths, preset, with_overrid
 from areal_hpc.reward.emulated import EmulatedRewards
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.timeline import load_engine_samples, load_timeline
-from areal_hpc.simulate.loop import EmpiricalLengths, SimConfig, simulate
+from areal_hpc.simulate.loop import EmpiricalLengths, SimConfig
 from areal_hpc.store import load_trajectories
 
 

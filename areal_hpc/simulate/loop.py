@@ -78,6 +78,17 @@ class SimResult:
     rejected_uniform: int
     interrupted: int
     version_wall_s: list[float] = field(default_factory=list)
+    version_tokens: list[int] = field(default_factory=list)  # consumed by each version
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        """Consumed tokens/s over the second half of the versions: without the pipeline's fill at the start
+        (a long run's figure; the first batch waits for its longest answers whatever eta is)."""
+        k = len(self.version_wall_s) // 2
+        if k < 1 or len(self.version_wall_s) - k < 1:
+            return self.consumed_tokens_per_s
+        span = self.version_wall_s[-1] - self.version_wall_s[k - 1]
+        return sum(self.version_tokens[k:]) / span if span > 0 else math.nan
 
     @property
     def consumed_tokens_per_s(self) -> float:
@@ -93,6 +104,7 @@ class SimResult:
         return {
             "wall_s": self.wall_s,
             "consumed_tokens_per_s": self.consumed_tokens_per_s,
+            "steady_tokens_per_s": self.steady_tokens_per_s,
             "gen_tokens_per_s": self.gen_tokens_per_s,
             "gen_busy": self.gen_busy,
             "train_busy": self.train_busy,
@@ -178,7 +190,8 @@ class _Generator:
                 yield from self._load()
             self._ask()
             prefill = 0
-            while self.waiting and len(self.running) < c.capacity and (c.interrupt or self.staged is None):
+            # what is queued in the engine joins as slots free, even while a load waits for the engine to drain
+            while self.waiting and len(self.running) < c.capacity:
                 s = self.waiting.popleft()
                 if s.needs_prefill:
                     prefill += c.prompt_len + s.done
@@ -252,13 +265,18 @@ class Simulation:
         self.tokens_consumed = 0
         self.train_busy_s = 0.0
         self.version_wall_s: list[float] = []
+        self.version_tokens: list[int] = []
 
     def draw_length(self) -> int:
         return max(1, int(self.cfg.lengths.quantile(float(self.rng.random()))))
 
-    def _notify_all(self) -> None:
+    def _notify_all(self, idle_only: bool = False) -> None:
+        """Wake the generators: all of them for new weights; for freed gate slots only idle ones, since a
+        stepping generator asks again when its next sequence finishes (a step-exact wake of every
+        generator per freed slot made the paper's shape 10x slower to simulate)."""
         for g in self.gens:
-            g.notify()
+            if not idle_only or not g.running:
+                g.notify()
 
     def score(self, gid: int, g: _Group, pool: simpy.Resource):
         if self.cfg.reward_s:
@@ -267,7 +285,7 @@ class Simulation:
                 yield self.env.timeout(self.cfg.reward_s)
         uniform = bool(self.rng.random() < self.cfg.p_uniform)
         if not self.core.group_done(ReadyGroup("", [], 0, gid, g.tokens, g.v_start), uniform):
-            self._notify_all()  # its slot is free again
+            self._notify_all(idle_only=True)  # its slot is free again
         if not self.batch_ready.triggered:
             self.batch_ready.succeed()
 
@@ -288,7 +306,7 @@ class Simulation:
             dropped = self.core.dropped_stale
             plan = self.core.next_batch()
             if self.core.dropped_stale != dropped:
-                self._notify_all()  # dropped groups returned their slots
+                self._notify_all(idle_only=True)  # dropped groups returned their slots
             if plan is None:
                 self.batch_ready = self.env.event()
                 yield self.batch_ready
@@ -301,7 +319,8 @@ class Simulation:
             self.train_busy_s += c.train_overhead_s * c.n_trainers + sum(c.cost.train_s(n) for n in shares)
             for g in plan.groups:
                 self.staleness[plan.version - g.version_start] += c.n_samples
-                self.tokens_consumed += g.n_tokens
+            self.version_tokens.append(sum(g.n_tokens for g in plan.groups))
+            self.tokens_consumed += self.version_tokens[-1]
             version += 1
             self.version_wall_s.append(self.env.now)
             self.env.process(self._publish(version))
@@ -330,6 +349,7 @@ class Simulation:
             rejected_uniform=self.core.rejected,
             interrupted=self.interrupted,
             version_wall_s=self.version_wall_s,
+            version_tokens=self.version_tokens,
         )
 
 
