@@ -48,11 +48,23 @@ def main() -> None:
     ap.add_argument(
         "--emulated", action="store_true", help="instead: the emulated cluster's runs (minutes), emulated_cluster.json"
     )
+    ap.add_argument(
+        "--variants", default="eta0,eta4,eta4_no_interrupt", help="with --emulated: etaN[_no_interrupt] or unbounded"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "emulated_sweep.json"))
     args = ap.parse_args()
     if args.emulated:
         out = Path(args.out).with_name("emulated_cluster.json")
-        out.write_text(json.dumps(emulated_runs(), indent=1, default=float))
+        # points already measured are kept: the runs take minutes each, so a sweep can be run in parts
+        done = json.loads(out.read_text()) if out.is_file() else {}
+        done.update(emulated_runs(args.variants.split(",")))
+        for key, (a, b) in {
+            "async_over_sync": ("eta4", "eta0"),
+            "interruption_gain": ("eta4", "eta4_no_interrupt"),
+        }.items():
+            if a in done and b in done:
+                done[key] = done[a]["measured_tokens_per_s"] / done[b]["measured_tokens_per_s"]
+        out.write_text(json.dumps(done, indent=1, default=float))
         print(f"wrote {out}")
         return
     base = paper_shape(args.versions)
@@ -105,19 +117,23 @@ def summarize(rows: list[dict], versions: int) -> dict:
     }
 
 
-def emulated_runs() -> dict:
-    """The real runtime with emulated engines at 16 + 5 ranks, eta 0 and 4, each beside its prediction."""
+def _variant(name: str) -> list[str]:
+    """'eta4_no_interrupt' -> the overrides of that point ('unbounded': a gate that never binds)."""
+    eta, _, rest = name.partition("_")
+    value = UNBOUNDED if eta in ("unbounded", "etaunbounded") else int(eta.removeprefix("eta"))
+    return [f"rollout.eta={value}", f"rollout.interrupt={'false' if rest == 'no_interrupt' else 'true'}"]
+
+
+def emulated_runs(variants: list[str]) -> dict:
+    """The real runtime with emulated engines at 16 + 5 ranks, one run per variant, each beside its prediction."""
     from areal_hpc.launch.local import launch
     from areal_hpc.runtime.timeline import load_timeline
     from areal_hpc.simulate import calibrate
 
     out = {}
     work = ROOT / "runs" / "bench-emulated"
-    for name, extra in {
-        "eta0": ["rollout.eta=0"],
-        "eta4": ["rollout.eta=4"],
-        "eta4_no_interrupt": ["rollout.eta=4", "rollout.interrupt=false"],
-    }.items():
+    for name in variants:
+        extra = _variant(name)
         cfg = load_config(
             ROOT / "jobs" / "emulated_1p5b.yaml",
             [f"store.run_dir={work / name}", "logging.progress=false", "trainer.versions=8", *extra],
@@ -145,8 +161,6 @@ def emulated_runs() -> dict:
             f"{out[name]['gen_generating']:.0%} of the RL time",
             flush=True,
         )
-    out["async_over_sync"] = out["eta4"]["measured_tokens_per_s"] / out["eta0"]["measured_tokens_per_s"]
-    out["interruption_gain"] = out["eta4"]["measured_tokens_per_s"] / out["eta4_no_interrupt"]["measured_tokens_per_s"]
     return out
 
 
