@@ -36,8 +36,8 @@ class EmulatedGenerationEngine(GenerationEngine):
     """The step-driven interface with the cost model's step times (scaled by `time_scale`).
 
     A step admits waiting requests into free slots (their prompt + partial is prefilled), then every
-    running sequence gets one placeholder token. The engine keeps its own clock: a step ends `dt` after
-    the previous one ended, so the caller's work between steps is absorbed as a GPU's would be.
+    running sequence gets one placeholder token. A step ends `dt` after it was called; the caller's work
+    between steps adds to it, as a GPU node's host overhead does (so a slow host shows in the figures).
     """
 
     def __init__(
@@ -65,7 +65,7 @@ class EmulatedGenerationEngine(GenerationEngine):
         self.running: list[InFlight] = []
         self.waiting: deque[InFlight] = deque()
         self.target: dict[str, int] = {}  # request id -> the response length it stops at (eos)
-        self._clock = 0.0  # when the last step ended, on the emulated GPU
+        self._clock = 0.0  # when the last modelled wait ends
 
     @property
     def num_running(self) -> int:
