@@ -65,7 +65,6 @@ class EmulatedGenerationEngine(GenerationEngine):
         self.running: list[InFlight] = []
         self.waiting: deque[InFlight] = deque()
         self.target: dict[str, int] = {}  # request id -> the response length it stops at (eos)
-        self._clock = 0.0  # when the last modelled wait ends
 
     @property
     def num_running(self) -> int:
@@ -86,11 +85,9 @@ class EmulatedGenerationEngine(GenerationEngine):
             self.target[r.request_id] = lengths.for_key(self.seed, r.request_id)
             self.waiting.append(seq)
 
-    def _sleep_until(self, dt: float) -> None:
-        now = time.monotonic()
-        self._clock = max(self._clock, now) + dt * self.time_scale
-        if self._clock > now:
-            time.sleep(self._clock - now)
+    def _spend(self, dt: float) -> None:
+        """Modelled seconds, as wall time."""
+        time.sleep(dt * self.time_scale)
 
     def step(self) -> list[GenOutput]:
         done = self._take_ready()
@@ -102,7 +99,7 @@ class EmulatedGenerationEngine(GenerationEngine):
             prefill += len(seq.request.prompt_ids) + len(seq.ids)
             self.running.append(seq)
         context = sum(len(s.request.prompt_ids) + len(s.ids) for s in self.running)
-        self._sleep_until(self.cost.prefill_s(prefill) + float(self.cost.decode_step_s(len(self.running), context)))
+        self._spend(self.cost.prefill_s(prefill) + float(self.cost.decode_step_s(len(self.running), context)))
         tokens = self.rng.integers(0, self.vocab, len(self.running))
         logprobs = -self.rng.exponential(1.0, len(self.running))
         still = []
@@ -142,7 +139,7 @@ class EmulatedGenerationEngine(GenerationEngine):
         for k, v in state_dict.items():
             self._weights[k].copy_(v)
         # the real payload was small; the cost model's transfer of the model's bytes and reload stand here
-        self._sleep_until(self.cost.sync_s)
+        self._spend(self.cost.sync_s)
         self.version = version
 
     def state_dict(self) -> dict[str, torch.Tensor]:

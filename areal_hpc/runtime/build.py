@@ -16,7 +16,6 @@ from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_eng
 def _emulation_kwargs(cfg: Config) -> dict:
     ec = cfg.emulation
     return dict(
-        model_path=None,
         preset_name=ec.preset,
         cost_overrides=dict(ec.cost),
         time_scale=ec.time_scale,
