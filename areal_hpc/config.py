@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    """A bad config value; the message is one line naming the key, the value and what is allowed."""
+from areal_hpc.config_checks import ConfigError, slurm_time_minutes, validate  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -191,163 +186,6 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-
-# key -> allowed values, for string choices
-_CHOICES = {
-    "model.arch": ("llama", "qwen2"),
-    "model.dtype": ("float32", "bfloat16"),
-    "data.kind": ("arithmetic", "jsonl", "parquet"),
-    "rollout.engine": ("torch", "vllm", "emulated"),
-    "ppo.adv_norm": ("mean", "mean_std"),
-    "ppo.prox": ("recompute", "loglinear"),
-    "trainer.engine": ("torch", "deepspeed", "emulated"),
-    "emulation.preset": ("1.5B", "7B"),
-    "sync.method": ("broadcast", "disk"),
-    "sync.backend": ("auto", "gloo", "nccl"),
-    "cluster.device": ("cpu", "cuda"),
-}
-# key -> (lower bound, inclusive?) for numbers
-_LOWER = {
-    "model.hidden_size": (1, True),
-    "model.intermediate_size": (1, True),
-    "model.num_layers": (1, True),
-    "model.num_heads": (1, True),
-    "data.heldout_size": (0, True),
-    "data.max_operand": (1, True),
-    "data.train_size": (1, True),
-    "reward.timeout_s": (0, False),
-    "reward.num_workers": (1, True),
-    "rollout.n_samples": (1, True),
-    "rollout.temperature": (0, False),
-    "rollout.top_p": (0, False),
-    "rollout.max_new_tokens": (1, True),
-    "rollout.batch_prompts": (1, True),
-    "rollout.eta": (0, True),
-    "rollout.max_running": (0, True),
-    "rollout.max_num_seqs": (1, True),
-    "rollout.max_concurrent_groups": (0, True),
-    "store.shard_max_groups": (1, True),
-    "store.shard_max_wait_s": (0, True),
-    "rollout.kv_cache_gib": (0, False),
-    "sync.bucket_mb": (1, True),
-    "sync.keep_versions": (1, True),
-    "sync.timeout_s": (0, False),
-    "ppo.eps_clip": (0, False),
-    "ppo.behav_imp_weight_cap": (0, True),
-    "ppo.n_minibatches": (1, True),
-    "trainer.lr": (0, False),
-    "trainer.weight_decay": (0, True),
-    "trainer.grad_clip": (0, True),
-    "trainer.max_tokens_per_mb": (1, True),
-    "trainer.logprob_chunk_tokens": (1, True),
-    "trainer.versions": (1, True),
-    "trainer.max_wall_s": (0, True),
-    "trainer.warm_start_steps": (0, True),
-    "trainer.warm_start_lr": (0, False),
-    "trainer.warm_start_examples": (1, True),
-    "trainer.warm_start_batch": (1, True),
-    "trainer.checkpoint_every": (0, True),
-    "cluster.n_generators": (1, True),
-    "cluster.n_trainers": (1, True),
-    "cluster.threads_per_rank": (1, True),
-    "slurm.train_nodes": (1, True),
-    "slurm.gen_nodes": (1, True),
-    "slurm.gpus_per_node": (0, True),
-    "slurm.cpus_per_task": (1, True),
-    "slurm.signal_s": (0, True),
-    "emulation.time_scale": (0, False),
-    "emulation.len_median": (0, True),
-    "emulation.len_sigma": (0, True),
-    "emulation.payload_mb": (0, False),
-    "emulation.p_correct": (0, True),
-    "logging.eval_every": (0, True),
-    "logging.eval_prompts": (1, True),
-}
-
-
-_SLURM_TIME = re.compile(r"^(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2})$")
-
-
-def slurm_time_minutes(t: str) -> float:
-    """Minutes in a Slurm time: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S (as sbatch reads --time)."""
-    if not _SLURM_TIME.match(t):
-        raise ValueError(f"{t!r} is not a Slurm time")
-    if "-" in t:
-        days, rest = t.split("-", 1)
-        h, m, s = ([int(x) for x in rest.split(":")] + [0, 0])[:3]
-        return int(days) * 1440 + h * 60 + m + s / 60
-    parts = [int(x) for x in t.split(":")]
-    if len(parts) == 1:
-        return parts[0]
-    if len(parts) == 2:
-        return parts[0] + parts[1] / 60
-    return parts[0] * 60 + parts[1] + parts[2] / 60
-
-
-def _get(cfg: Config, dotted: str) -> Any:
-    obj: Any = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def validate(cfg: Config) -> Config:
-    """Range and choice checks the types cannot express; raises ConfigError with one line."""
-    for key, allowed in _CHOICES.items():
-        val = _get(cfg, key)
-        if val not in allowed:
-            raise ConfigError(f"config {key}={val!r} is not allowed; choose one of {', '.join(allowed)}")
-    for key, (low, inclusive) in _LOWER.items():
-        val = _get(cfg, key)
-        if not math.isfinite(val):
-            raise ConfigError(f"config {key}={val!r} must be a finite number")
-        if (val < low) if inclusive else (val <= low):
-            op = ">=" if inclusive else ">"
-            raise ConfigError(f"config {key}={val!r} is out of range; it must be {op} {low}")
-    if cfg.rollout.top_p > 1:
-        raise ConfigError(f"config rollout.top_p={cfg.rollout.top_p!r} is out of range; it must be in (0, 1]")
-    if cfg.rollout.top_p < 1:
-        # the trainer recomputes logprobs under the full softmax(logits / T): a truncated sampler would make
-        # every importance weight exp(prox - behav) wrong (vLLM renormalises over the top-p set; so would we)
-        raise ConfigError(
-            f"config rollout.top_p={cfg.rollout.top_p!r} is not supported: the trainer's logprobs are those of "
-            "the full distribution; use top_p=1.0"
-        )
-    if cfg.data.kind in ("jsonl", "parquet") and not cfg.data.path:
-        raise ConfigError(f"config data.path is empty; data.kind={cfg.data.kind} needs a dataset file")
-    if cfg.model.hidden_size % cfg.model.num_heads:
-        raise ConfigError(
-            f"config model.hidden_size={cfg.model.hidden_size} must be divisible by "
-            f"model.num_heads={cfg.model.num_heads}"
-        )
-    if len(cfg.trainer.betas) != 2 or not all(0 <= b < 1 for b in cfg.trainer.betas):
-        raise ConfigError(f"config trainer.betas={list(cfg.trainer.betas)} must be two numbers in [0, 1)")
-    if not _SLURM_TIME.match(cfg.slurm.time):
-        raise ConfigError(
-            f"config slurm.time={cfg.slurm.time!r} is not a Slurm time; use minutes, M:S, H:M:S or D-H[:M[:S]]"
-        )
-    if cfg.trainer.zero_stage not in (1, 2, 3):
-        raise ConfigError(f"config trainer.zero_stage={cfg.trainer.zero_stage!r} is not allowed; choose one of 1, 2, 3")
-    emulated = (cfg.rollout.engine == "emulated", cfg.trainer.engine == "emulated")
-    if emulated[0] != emulated[1]:
-        # the generators would hold a placeholder payload and the trainers real weights (or the reverse)
-        raise ConfigError(
-            f"config rollout.engine={cfg.rollout.engine} with trainer.engine={cfg.trainer.engine}: "
-            "the emulated engines go together; set both to emulated or neither"
-        )
-    if cfg.emulation.p_correct > 1:
-        p = cfg.emulation.p_correct
-        raise ConfigError(f"config emulation.p_correct={p!r} is out of range; it must be in [0, 1]")
-    from areal_hpc.costmodel import CostModel
-
-    bad = sorted(set(cfg.emulation.cost) - (set(CostModel.__dataclass_fields__) - {"name"}))
-    if bad:
-        fields = ", ".join(sorted(set(CostModel.__dataclass_fields__) - {"name"}))
-        raise ConfigError(f"config emulation.cost.{bad[0]} is not a cost-model field; choose from {fields}")
-    if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
-        raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
-    return cfg
 
 
 def _one_line(err: OmegaConfBaseException) -> str:
