@@ -219,10 +219,11 @@ class Generator(RoleLoop):
             self.gen_since = time.time()
             if self.gen_since - self.idle_since > 1e-3:
                 self.timeline.add("idle", self.idle_since, self.gen_since)
-        t0 = time.time()
+        t0, c0 = time.time(), time.thread_time()
         outs = self.engine.step()
         t1 = time.time()
-        self.meter.step(t0, t1, min(self.engine.capacity, self.engine.num_running + len(outs)))
+        running = min(self.engine.capacity, self.engine.num_running + len(outs))
+        self.meter.step(t0, t1, running, time.thread_time() - c0)
         for o in outs:
             self.requests.pop(o.request_id)
             rid = parse_request_id(o.request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 
 from areal_hpc.config import Config
@@ -223,6 +224,8 @@ class RunReport:
             "eta": self.cfg.rollout.eta,
             "interrupt": self.cfg.rollout.interrupt,
             "aborted_requests": self.aborted_requests,
+            # the cores rank 0 may run on (the job's share of the host): the simulator's calibration needs it
+            "host_cpus": len(os.sched_getaffinity(0)),
         }
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=1))
         self.write_progress("finished")

@@ -1,8 +1,9 @@
-"""Per-rank event timeline (rank, role, event, t_start, t_end) for utilisation analysis."""
+"""Per-rank event timeline (rank, role, event, t_start, t_end, cpu_s) for utilisation analysis."""
 
 from __future__ import annotations
 
 import csv
+import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,23 +30,28 @@ class Timeline:
 
     def __init__(self, run_dir: Path, rank: int, role: str, flush_s: float = 2.0):
         self.rank, self.role, self.flush_s = rank, role, flush_s
-        self._f, self._w = _open_log(RunDir(run_dir).timeline_log(rank), ["rank", "role", "event", "t_start", "t_end"])
+        self._f, self._w = _open_log(
+            RunDir(run_dir).timeline_log(rank), ["rank", "role", "event", "t_start", "t_end", "cpu_s"]
+        )
         self._last_flush = time.time()
         self.add("start", time.time(), time.time())
 
-    def add(self, event: str, t_start: float, t_end: float) -> None:
-        self._w.writerow([self.rank, self.role, event, f"{t_start:.6f}", f"{t_end:.6f}"])
+    def add(self, event: str, t_start: float, t_end: float, cpu_s: float | None = None) -> None:
+        cpu = "" if cpu_s is None else f"{cpu_s:.6f}"
+        self._w.writerow([self.rank, self.role, event, f"{t_start:.6f}", f"{t_end:.6f}", cpu])
         if t_end - self._last_flush > self.flush_s:
             self._f.flush()
             self._last_flush = t_end
 
     @contextmanager
     def span(self, event: str):
-        t0 = time.time()
+        """Times the block, and the CPU time this thread spent in it: wall / CPU is the share of a core
+        the rank got (under 1 when the host's cores are oversubscribed), which the calibration needs."""
+        t0, c0 = time.time(), time.thread_time()
         try:
             yield
         finally:
-            self.add(event, t0, time.time())
+            self.add(event, t0, time.time(), time.thread_time() - c0)
 
     def close(self) -> None:
         self._f.flush()
@@ -53,15 +59,18 @@ class Timeline:
 
 
 def load_timeline(run_dir: Path):
-    """All ranks' events as one DataFrame (rows cut short by a crash dropped)."""
+    """All ranks' events as one DataFrame (rows cut short by a crash dropped; `cpu_s` is NaN for events
+    that are not timed spans, and for runs from before it was recorded)."""
     import pandas as pd
 
     frames = []
     for p in RunDir(run_dir).timeline_logs():
         df = pd.read_csv(p, on_bad_lines="skip")
-        frames.append(df.dropna())
+        if "cpu_s" not in df:
+            df["cpu_s"] = float("nan")
+        frames.append(df.dropna(subset=["rank", "role", "event", "t_start", "t_end"]))
     if not frames:
-        return pd.DataFrame(columns=["rank", "role", "event", "t_start", "t_end", "duration"])
+        return pd.DataFrame(columns=["rank", "role", "event", "t_start", "t_end", "cpu_s", "duration"])
     df = pd.concat(frames, ignore_index=True)
     df["duration"] = df["t_end"] - df["t_start"]
     return df
@@ -71,12 +80,13 @@ class EngineMeter:
     """How full a generator's engine was: one row per window in RUN_DIR/timeline/engine-rank{r}.csv.
 
     A row holds the window's start and end, the engine steps taken, the sequence-steps (running
-    sequences summed over steps), the sequence-seconds (running sequences times step time) and the
-    capacity. Time-weighted occupancy over any span is sum(seq_s) / (capacity * span): time between
+    sequences summed over steps), the sequence-seconds (running sequences times step time), the
+    capacity, and the steps' wall and CPU seconds (the stepping thread's; their ratio is the share of a
+    core the engine got). Time-weighted occupancy over any span is sum(seq_s) / (capacity * span): time between
     steps, when the engine is idle, counts as empty.
     """
 
-    FIELDS = ["rank", "t_start", "t_end", "steps", "seq_steps", "seq_s", "capacity"]
+    FIELDS = ["rank", "t_start", "t_end", "steps", "seq_steps", "seq_s", "capacity", "step_s", "cpu_s"]
 
     def __init__(self, run_dir: Path, rank: int, capacity: int, window_s: float = 0.25):
         self.rank, self.capacity, self.window_s = rank, capacity, window_s
@@ -85,12 +95,15 @@ class EngineMeter:
 
     def _reset(self, t: float) -> None:
         self.t0, self.steps, self.seq_steps, self.seq_s = t, 0, 0, 0.0
+        self.step_s = self.cpu_s = 0.0
 
-    def step(self, t_start: float, t_end: float, running: int) -> None:
-        """One engine step that held `running` sequences."""
+    def step(self, t_start: float, t_end: float, running: int, cpu_s: float = math.nan) -> None:
+        """One engine step that held `running` sequences (and took `cpu_s` of the stepping thread)."""
         self.steps += 1
         self.seq_steps += running
         self.seq_s += running * (t_end - t_start)
+        self.step_s += t_end - t_start
+        self.cpu_s += cpu_s
         if t_end - self.t0 >= self.window_s:
             self.flush(t_end)
 
@@ -106,6 +119,8 @@ class EngineMeter:
                     self.seq_steps,
                     f"{self.seq_s:.6f}",
                     self.capacity,
+                    f"{self.step_s:.6f}",
+                    f"{self.cpu_s:.6f}",
                 ]
             )
             self._f.flush()
@@ -120,7 +135,7 @@ def load_engine_samples(run_dir: Path):
     """Every generator's EngineMeter rows as one DataFrame."""
     import pandas as pd
 
-    frames = [pd.read_csv(p, on_bad_lines="skip").dropna() for p in RunDir(run_dir).engine_logs()]
+    frames = [pd.read_csv(p, on_bad_lines="skip").dropna(subset=["steps"]) for p in RunDir(run_dir).engine_logs()]
     if not frames:
         return pd.DataFrame(columns=EngineMeter.FIELDS)
     return pd.concat(frames, ignore_index=True)

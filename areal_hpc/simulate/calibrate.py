@@ -62,8 +62,8 @@ def _prompt_tokens(cfg: Config, sample: int = 200) -> int:
     from areal_hpc.model import load_tokenizer
 
     tok = load_tokenizer(Path(cfg.model.path))
-    prompts = load_dataset(cfg.data).train[:sample]
-    return max(1, round(sum(len(tok.encode(p.prompt)) for p in prompts) / max(1, len(prompts))))
+    prompts = load_dataset(cfg.data, tok).train[:sample]
+    return max(1, round(sum(len(p.prompt_ids) for p in prompts) / max(1, len(prompts))))
 
 
 def _decode_fit(run: RunDir) -> tuple[float, float]:
@@ -83,6 +83,65 @@ def _decode_fit(run: RunDir) -> tuple[float, float]:
     mean_batch = m["seq_steps"].sum() / m["steps"].sum()
     gap = gen_span / m["steps"].sum() - (intercept + slope * mean_batch)
     return max(intercept + max(gap, 0.0), 1e-6), max(slope, 0.0)
+
+
+def _busy_overlap(spans: pd.DataFrame, m: pd.DataFrame) -> float:
+    """Generator-steps running during the spans, per second of span (the engine meter's windows, each
+    counted as busy for its share of stepping)."""
+    if spans.empty or m.empty:
+        return 0.0
+    w0, w1 = m["t_start"].to_numpy(), m["t_end"].to_numpy()
+    busy = (m["step_s"] / (w1 - w0).clip(min=1e-9)).clip(upper=1.0).to_numpy()
+    total = 0.0
+    for a, b in zip(spans["t_start"], spans["t_end"]):
+        total += float((np.clip(np.minimum(w1, b) - np.maximum(w0, a), 0, None) * busy).sum())
+    return total / max(spans["duration"].sum(), 1e-9)
+
+
+def _core_sharing(cfg: Config, summary: dict, tl: pd.DataFrame, m: pd.DataFrame) -> dict:
+    """How the run's ranks shared the host's cores: each CPU-bound role's share of a core (CPU over wall
+    seconds of its work), and the load from outside the loop that explains the shares left over. A role
+    whose work took under half its wall time in CPU computes elsewhere (a GPU, an engine process, an
+    emulated sleep) and is not counted. Runs from before CPU time was recorded share nothing."""
+    cores = float(summary.get("host_cpus") or math.inf)
+    threads = float(cfg.cluster.threads_per_rank)
+    trains = tl[(tl["role"] == "trainer") & (tl["event"] == "train")].dropna(subset=["cpu_s"])
+    if cfg.trainer.warm_start_steps and not trains.empty:  # each trainer's first span is the warm start
+        trains = trains[trains.groupby("rank")["t_start"].rank(method="first") > 1]
+    out = {"cores": cores, "gen_share": 1.0, "train_share": 1.0, "gen_threads": 0.0, "train_threads": 0.0}
+    out["train_wait_s"] = 0.0  # trainer seconds waiting for a core, over the PPO versions' train spans
+    if not math.isfinite(cores) or "cpu_s" not in m:
+        return out | {"external_load": 0.0}
+    if m["step_s"].sum() > 0:
+        out["gen_share"] = float(m["cpu_s"].sum() / m["step_s"].sum())
+    if trains["duration"].sum() > 0:
+        out["train_share"] = float(trains["cpu_s"].sum() / trains["duration"].sum())
+    for role in ("gen", "train"):
+        if out[f"{role}_share"] < 0.5:
+            out[f"{role}_share"] = 1.0
+        else:
+            out[f"{role}_threads"] = threads
+            out[f"{role}_share"] = min(1.0, out[f"{role}_share"])
+    if out["train_threads"]:
+        out["train_wait_s"] = float((trains["duration"] - trains["cpu_s"]).clip(lower=0).sum())
+    # external load = cores / share - the loop's own demand, where a share below 1 shows it (else 0)
+    estimates = []
+    if out["train_threads"] and out["train_share"] < 0.97:
+        own = out["train_threads"] * cfg.cluster.n_trainers + out["gen_threads"] * _busy_overlap(trains, m)
+        estimates.append((cores / out["train_share"] - own, trains["duration"].sum()))
+    if out["gen_threads"] and out["gen_share"] < 0.97:
+        gen_wall, n_gen = float(m["step_s"].sum()), cfg.cluster.n_generators
+        span = max(float(m["t_end"].max() - m["t_start"].min()), 1e-9)
+        with_training = _busy_overlap(trains, m) * float(trains["duration"].sum()) / max(gen_wall, 1e-9)
+        own = out["gen_threads"] * (1 + (n_gen - 1) * gen_wall / (n_gen * span))
+        own += out["train_threads"] * cfg.cluster.n_trainers * with_training
+        estimates.append((cores / out["gen_share"] - own, gen_wall))
+    if estimates:
+        load = sum(v * w for v, w in estimates) / sum(w for _, w in estimates)
+        out["external_load"] = max(0.0, float(load))
+    else:
+        out["external_load"] = 0.0
+    return out
 
 
 def _service_s(spans: pd.DataFrame, workers: int) -> float:
@@ -113,12 +172,16 @@ def calibrate(run_dir, overrides: list[str] | None = None) -> tuple[SimConfig, d
     trajs = load_trajectories(run.root)
     overhead, per_seq = _decode_fit(run)
     latencies = _latencies(tl)
+    sharing = _core_sharing(cfg, summary, tl, load_engine_samples(run.root))
+    # the costs on cores of its own: the simulator slows them again by the sharing it models
+    overhead, per_seq = overhead * sharing["gen_share"], per_seq * sharing["gen_share"]
 
     gens = tl[tl["role"] == "generator"]
     loads = max(1, int((gens["event"] == "load").sum()))
     sync_s = gens[gens["event"].isin(["sync", "load"])]["duration"].sum() / loads
     per_trainer = metrics["tokens"] / cfg.cluster.n_trainers
-    train_rate = float(per_trainer.sum() / metrics["t_train"].sum())
+    waited = sharing.pop("train_wait_s") / cfg.cluster.n_trainers
+    train_rate = float(per_trainer.sum() / max(metrics["t_train"].sum() - waited, 1e-9))
     cost = CostModel(
         name=f"calibrated:{run.root.name}",
         weight_bytes=0.0,
@@ -148,9 +211,14 @@ def calibrate(run_dir, overrides: list[str] | None = None) -> tuple[SimConfig, d
         p_uniform=measured["p_uniform"],
         reward_s=measured["reward_s"],
         reward_workers=cfg.reward.num_workers,
+        cores=sharing["cores"],
+        external_load=sharing["external_load"],
+        gen_threads=sharing["gen_threads"],
+        train_threads=sharing["train_threads"],
         **latencies,
     )
     measured["cost"] = cost.to_dict()
+    measured["core_sharing"] = sharing
     if overrides:
         sim = apply_overrides(sim, overrides)
     return sim, measured

@@ -62,6 +62,12 @@ class SimConfig:
     train_overhead_s: float = 0.0  # per version and trainer: loading the shards, optimizer step
     eval_every: int = 0
     eval_prompts: int = 0  # held-out requests on generator 0 at the start and every eval_every versions
+    # the host's cores, when ranks share them (CPU runs): a busy rank's work runs slower by
+    # (external_load + busy ranks' threads) / cores when that exceeds 1 (inf: no sharing, as on GPUs)
+    cores: float = math.inf
+    external_load: float = 0.0  # cores kept busy by other work on the host
+    gen_threads: float = 0.0  # threads a stepping generator keeps on the cores (0: its compute is elsewhere)
+    train_threads: float = 0.0  # threads a training trainer keeps on the cores
     seed: int = 0
 
 
@@ -181,7 +187,8 @@ class _Generator:
         ctx0 = sum(self.sim.cfg.prompt_len + s.done for s in self.running)
         t = cost.decode_step_s(b, ctx0 + b * np.arange(k))
         t[0] += cost.prefill_s(prefill)
-        return t
+        # the share of the cores when the chunk starts holds for all of it (chunks end at each finish)
+        return t * self.sim.slowdown()
 
     def run(self):
         env, c = self.sim.env, self.sim.cfg
@@ -264,8 +271,18 @@ class Simulation:
         self.staleness: collections.Counter = collections.Counter()
         self.tokens_consumed = 0
         self.train_busy_s = 0.0
+        self.training = False
         self.version_wall_s: list[float] = []
         self.version_tokens: list[int] = []
+
+    def slowdown(self) -> float:
+        """How much longer busy work takes now than on cores of its own (1 without host sharing)."""
+        c = self.cfg
+        if not math.isfinite(c.cores):
+            return 1.0
+        demand = c.external_load + c.gen_threads * sum(bool(g.running) for g in self.gens)
+        demand += c.train_threads * c.n_trainers * self.training
+        return max(1.0, demand / c.cores)
 
     def draw_length(self) -> int:
         return max(1, int(self.cfg.lengths.quantile(float(self.rng.random()))))
@@ -314,9 +331,12 @@ class Simulation:
             if c.batch_latency_s:
                 yield self.env.timeout(c.batch_latency_s)
             shares = [sum(plan.groups[i].n_tokens for mb in share for i in mb) for share in plan.shares]
-            t = c.train_overhead_s + max(c.cost.train_s(n) for n in shares)
+            self.training = True
+            slow = self.slowdown()
+            t = c.train_overhead_s + max(c.cost.train_s(n) for n in shares) * slow
             yield self.env.timeout(t + c.publish_s)
-            self.train_busy_s += c.train_overhead_s * c.n_trainers + sum(c.cost.train_s(n) for n in shares)
+            self.training = False
+            self.train_busy_s += c.train_overhead_s * c.n_trainers + sum(c.cost.train_s(n) for n in shares) * slow
             for g in plan.groups:
                 self.staleness[plan.version - g.version_start] += c.n_samples
             self.version_tokens.append(sum(g.n_tokens for g in plan.groups))
