@@ -26,11 +26,16 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "arithmetic"  # arithmetic (synthetic) | jsonl | parquet
+    kind: str = "arithmetic"  # arithmetic (synthetic) | jsonl | parquet | code (jsonl rows of prompt + tests)
     path: str = ""  # dataset file for jsonl / parquet
-    question_key: str = "question"
-    answer_key: str = "answer"
+    question_key: str = "question"  # data.kind=code: the prompt's key (e.g. prompt)
+    answer_key: str = "answer"  # data.kind=code: the tests' key (e.g. tests: Python asserts, a string or a list)
     prompt_template: str = "{question}"
+    # auto: prompts go through the tokenizer's chat template when it has one (instruct and reasoning models
+    # are trained on theirs); on: require one; off: the prompt_template text as it is
+    chat_template: str = "auto"
+    system_prompt: str = ""  # a system turn before each question (needs the chat template)
+    max_prompt_tokens: int = 0  # prompts longer than this many tokens are skipped and counted (0 = no limit)
     heldout_size: int = 500
     max_operand: int = 99  # arithmetic: operands drawn from [0, max_operand]
     train_size: int = 9500  # arithmetic: number of training problems
@@ -39,8 +44,12 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # per answer; data.kind=code: the sandbox's wall (and cpu) limit
     num_workers: int = 2
+    # data.kind=code: bwrap = bubblewrap namespaces, else the run refuses to start; auto = bubblewrap where it
+    # works, else rlimits only; none = rlimits only (no network or filesystem isolation). docs/sandbox.md
+    sandbox: str = "bwrap"
+    code_memory_mb: int = 1024  # data.kind=code: address-space limit of the sandboxed program
 
 
 @dataclass
@@ -163,6 +172,8 @@ class LoggingConfig:
     tensorboard: bool = True
     eval_every: int = 10  # versions between held-out evaluations (0 = only first and last)
     eval_prompts: int = 500
+    eval_n_samples: int = 1  # samples per held-out prompt; the logged accuracy is avg@k (pass@1 over k samples)
+    eval_temperature: float = 0.0  # 0 = greedy (then eval_n_samples must be 1); else must equal rollout.temperature
     progress: bool = True
 
 

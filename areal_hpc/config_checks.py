@@ -6,6 +6,8 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
+from areal_hpc.prompts import CHAT_TEMPLATE_MODES
+
 if TYPE_CHECKING:
     from areal_hpc.config import Config
 
@@ -18,7 +20,9 @@ class ConfigError(ValueError):
 _CHOICES = {
     "model.arch": ("llama", "qwen2"),
     "model.dtype": ("float32", "bfloat16"),
-    "data.kind": ("arithmetic", "jsonl", "parquet"),
+    "data.kind": ("arithmetic", "jsonl", "parquet", "code"),
+    "reward.sandbox": ("bwrap", "auto", "none"),
+    "data.chat_template": CHAT_TEMPLATE_MODES,
     "rollout.engine": ("torch", "vllm", "emulated"),
     "ppo.adv_norm": ("mean", "mean_std"),
     "ppo.prox": ("recompute", "loglinear"),
@@ -37,8 +41,10 @@ _LOWER = {
     "data.heldout_size": (0, True),
     "data.max_operand": (1, True),
     "data.train_size": (1, True),
+    "data.max_prompt_tokens": (0, True),
     "reward.timeout_s": (0, False),
     "reward.num_workers": (1, True),
+    "reward.code_memory_mb": (64, True),
     "rollout.n_samples": (1, True),
     "rollout.temperature": (0, False),
     "rollout.top_p": (0, False),
@@ -84,6 +90,8 @@ _LOWER = {
     "emulation.p_correct": (0, True),
     "logging.eval_every": (0, True),
     "logging.eval_prompts": (1, True),
+    "logging.eval_n_samples": (1, True),
+    "logging.eval_temperature": (0, True),
 }
 
 
@@ -115,6 +123,8 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 def validate(cfg: Config) -> Config:
     """Range and choice checks the types cannot express; raises ConfigError with one line."""
+    # YAML reads on/off (and true/false) as booleans, which reach this str field as 'True'/'False'
+    cfg.data.chat_template = {"True": "on", "False": "off"}.get(cfg.data.chat_template, cfg.data.chat_template)
     for key, allowed in _CHOICES.items():
         val = _get(cfg, key)
         if val not in allowed:
@@ -135,7 +145,10 @@ def validate(cfg: Config) -> Config:
             f"config rollout.top_p={cfg.rollout.top_p!r} is not supported: the trainer's logprobs are those of "
             "the full distribution; use top_p=1.0"
         )
-    if cfg.data.kind in ("jsonl", "parquet") and not cfg.data.path:
+    if cfg.data.kind == "code" and cfg.trainer.warm_start_steps:
+        # the warm start imitates the reference answer, and a code task's reference is its tests
+        raise ConfigError("config trainer.warm_start_steps must be 0 with data.kind=code (no reference solutions)")
+    if cfg.data.kind in ("jsonl", "parquet", "code") and not cfg.data.path:
         raise ConfigError(f"config data.path is empty; data.kind={cfg.data.kind} needs a dataset file")
     if cfg.model.hidden_size % cfg.model.num_heads:
         raise ConfigError(
@@ -166,6 +179,18 @@ def validate(cfg: Config) -> Config:
     if bad:
         fields = ", ".join(sorted(set(CostModel.__dataclass_fields__) - {"name"}))
         raise ConfigError(f"config emulation.cost.{bad[0]} is not a cost-model field; choose from {fields}")
+    lc = cfg.logging
+    if lc.eval_temperature == 0 and lc.eval_n_samples > 1:
+        raise ConfigError(
+            f"config logging.eval_n_samples={lc.eval_n_samples} with logging.eval_temperature=0 (greedy) gives "
+            "identical samples; set eval_temperature (to rollout.temperature) or eval_n_samples=1"
+        )
+    if lc.eval_temperature not in (0, cfg.rollout.temperature):
+        # the generators' engines sample at rollout.temperature: held-out samples share that distribution
+        raise ConfigError(
+            f"config logging.eval_temperature={lc.eval_temperature!r} must be 0 (greedy) or "
+            f"rollout.temperature={cfg.rollout.temperature!r}; other temperatures: areal-hpc eval on a checkpoint"
+        )
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
     return cfg

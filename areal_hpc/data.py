@@ -9,12 +9,15 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_hpc.prompts import build_prompt, chat_enabled, check_context, encode_prompt
+
 
 @dataclass
 class Problem:
     prompt_id: int
-    prompt: str  # the text fed to the model (template applied)
+    prompt: str  # the text fed to the model (prompt_template, then the chat template when on)
     answer: str  # the reference final answer, compared by the reward
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt's tokens (set by load_dataset)
 
 
 @dataclass
@@ -23,6 +26,8 @@ class MathDataset:
     heldout: list[Problem]
     skipped_rows: int = 0
     skip_reasons: dict[str, int] = field(default_factory=dict)
+    too_long: int = 0  # prompts over data.max_prompt_tokens, skipped (train + held-out)
+    longest_prompt: int = 0  # tokens in the longest prompt kept
 
 
 def arithmetic_problems(n: int, max_operand: int, seed: int, start_id: int = 0, exclude=frozenset()) -> list[Problem]:
@@ -72,8 +77,15 @@ def _final_answer(raw) -> str | None:
     return text or None
 
 
+def _tests_text(raw) -> str | None:
+    """A code task's tests: a string of Python, or a list of assert strings (joined one per line)."""
+    if isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw):
+        raw = "\n".join(raw)
+    return raw if isinstance(raw, str) and raw.strip() else None
+
+
 def _read_rows(path: Path, kind: str):
-    if kind == "jsonl":
+    if kind in ("jsonl", "code"):
         with open(path, encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, 1):
                 line = line.strip()
@@ -121,7 +133,7 @@ def load_math_dataset(
         if not isinstance(q, str) or not q.strip():
             skip(f"missing or empty '{question_key}'")
             continue
-        a = _final_answer(row.get(answer_key))
+        a = _tests_text(row.get(answer_key)) if kind == "code" else _final_answer(row.get(answer_key))
         if a is None:
             skip(f"missing or empty '{answer_key}'")
             continue
@@ -142,16 +154,68 @@ def load_math_dataset(
     return MathDataset(train=train, heldout=held, skipped_rows=skipped, skip_reasons=reasons)
 
 
-def load_dataset(data_cfg) -> MathDataset:
-    """The dataset named by a DataConfig."""
+def load_dataset(data_cfg, tokenizer) -> MathDataset:
+    """The dataset named by a DataConfig, prompts built and tokenized; prompts over data.max_prompt_tokens skipped."""
     if data_cfg.kind == "arithmetic":
-        return arithmetic_dataset(data_cfg.train_size, data_cfg.heldout_size, data_cfg.max_operand, data_cfg.seed)
-    return load_math_dataset(
-        data_cfg.path,
-        data_cfg.kind,
-        data_cfg.question_key,
-        data_cfg.answer_key,
-        data_cfg.prompt_template,
-        data_cfg.heldout_size,
-        data_cfg.seed,
-    )
+        ds = arithmetic_dataset(data_cfg.train_size, data_cfg.heldout_size, data_cfg.max_operand, data_cfg.seed)
+    else:
+        ds = load_math_dataset(
+            data_cfg.path,
+            data_cfg.kind,
+            data_cfg.question_key,
+            data_cfg.answer_key,
+            data_cfg.prompt_template,
+            data_cfg.heldout_size,
+            data_cfg.seed,
+        )
+    return build_prompts(ds, tokenizer, data_cfg)
+
+
+def build_prompts(ds: MathDataset, tokenizer, data_cfg) -> MathDataset:
+    """Every prompt through the same builder (chat template when on) and tokenized; over-long ones counted out."""
+    chat = chat_enabled(tokenizer, data_cfg.chat_template, data_cfg.system_prompt)
+    limit = data_cfg.max_prompt_tokens
+    too_long = 0
+
+    def keep(problems: list[Problem]) -> list[Problem]:
+        nonlocal too_long
+        out = []
+        for p in problems:
+            p.prompt = build_prompt(tokenizer, p.prompt, chat, data_cfg.system_prompt)
+            p.prompt_ids = encode_prompt(tokenizer, p.prompt, chat)
+            if limit and len(p.prompt_ids) > limit:
+                too_long += 1
+            else:
+                out.append(p)
+        return out
+
+    ds.train, ds.heldout = keep(ds.train), keep(ds.heldout)
+    if too_long:
+        why = f"longer than data.max_prompt_tokens={limit}"
+        ds.skip_reasons[why] = ds.skip_reasons.get(why, 0) + too_long
+        ds.skipped_rows += too_long
+        ds.too_long = too_long
+        warnings.warn(f"dataset: skipped {too_long} prompts {why} tokens", stacklevel=2)
+    if not ds.train:
+        raise ValueError(f"no training prompt is left: all are longer than data.max_prompt_tokens={limit} tokens")
+    ds.longest_prompt = max(len(p.prompt_ids) for p in ds.train + ds.heldout)
+    return ds
+
+
+def check_fits_context(ds: MathDataset, cfg, model_dir) -> None:
+    """One line refusing a run whose prompts + rollout.max_new_tokens overflow the model's context."""
+    if cfg.rollout.engine == "emulated":
+        return  # the model folder stands only for a vocabulary; the emulated context is the cost model's
+    limit, mnt = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    if limit:
+        check_context(model_dir, limit, mnt, "data.max_prompt_tokens")
+    else:
+        check_context(model_dir, ds.longest_prompt, mnt, "the longest in the dataset")
+
+
+def check_prompts_fit(cfg, model_dir) -> None:
+    """The start-up check the launchers run once, before any rank starts work."""
+    from areal_hpc.model import load_tokenizer
+
+    if cfg.rollout.engine != "emulated":
+        check_fits_context(load_dataset(cfg.data, load_tokenizer(model_dir)), cfg, model_dir)

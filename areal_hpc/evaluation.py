@@ -12,6 +12,6 @@ def heldout_accuracy(engine, tokenizer, reward_pool, problems: list[Problem], ma
     """Fraction of held-out problems answered correctly with greedy decoding (the engine batches them)."""
     if not problems:
         return float("nan")
-    reqs = [GenRequest(f"{p.prompt_id}:0", tokenizer.encode(p.prompt), max_new_tokens, greedy=True) for p in problems]
+    reqs = [GenRequest(f"{p.prompt_id}:0", p.prompt_ids, max_new_tokens, greedy=True) for p in problems]
     outs = generate(engine, reqs)
     return sum(score_outputs(reward_pool, tokenizer, outs, [p.answer for p in problems])) / len(problems)

@@ -13,6 +13,16 @@ from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside, publish_dir_
 # The arithmetic task's vocabulary: special tokens, digits, operators and the answer wrapper.
 ARITH_SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
 ARITH_SYMBOLS = [str(d) for d in range(10)] + ["+", "=", "\\boxed{", "}"]
+# Chat turns for the tiny tokenizer's own chat template, so the chat-template path runs end to end on the demo.
+ARITH_ROLES = ["<system>", "<user>", "<assistant>"]
+ARITH_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}<system>{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<user>{{ m['content'] }}"
+    "{% else %}<assistant>{{ m['content'] }}<eos>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @contextlib.contextmanager
@@ -39,7 +49,7 @@ def build_arith_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(ARITH_SPECIALS + ARITH_SYMBOLS)}
+    vocab = {tok: i for i, tok in enumerate(ARITH_SPECIALS + ARITH_SYMBOLS + ARITH_ROLES)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # Every symbol is its own token; whitespace is dropped.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -49,13 +59,16 @@ def build_arith_tokenizer():
         ]
     )
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
         unk_token="<unk>",
         bos_token="<bos>",
         eos_token="<eos>",
     )
+    fast.add_special_tokens({"additional_special_tokens": ARITH_ROLES})  # role markers are never split
+    fast.chat_template = ARITH_CHAT_TEMPLATE
+    return fast
 
 
 def build_tiny_model(
@@ -154,6 +167,29 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _ids(value) -> list[int]:
+    """An eos_token_id entry: one id, a list of ids, or absent."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def stop_token_ids(path: str | Path, tokenizer=None) -> list[int]:
+    """Every token that ends an answer: generation_config.json's and config.json's eos_token_id (an id or a
+    list; real models declare several, e.g. Qwen's <|im_end|> and <|endoftext|>) plus the tokenizer's EOS."""
+    p = Path(path)
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        f = p / name
+        if f.is_file():
+            ids += _ids(json.loads(f.read_text()).get("eos_token_id"))
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(p)
+    ids += _ids(tokenizer.eos_token_id)
+    if not ids:
+        raise ModelFolderError(f"model folder {str(p)!r} declares no EOS token (generation_config.json, tokenizer)")
+    return sorted(set(ids))
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # model.dtype -> torch

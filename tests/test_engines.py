@@ -362,3 +362,30 @@ def test_proximal_recompute_runs_without_dropout(tiny_model_dir):
     with torch.no_grad():  # and in training mode the same forward is noisy, so the test can tell
         noisy = [lp.numpy() for lp in tr._token_logprobs(seqs)]
     assert any(not np.allclose(a, b) for a, b in zip(first, noisy))
+
+
+@pytest.mark.parametrize("kind", GEN_ENGINES)
+def test_every_eos_in_generation_config_stops_a_sequence(tiny_model_dir, tmp_path, kind, make_gen):
+    """A folder whose generation_config.json lists two EOS ids (as Qwen's does): either one ends an answer."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = tmp_path / "two-eos"
+    shutil.copytree(tiny_model_dir, folder)
+    tok = load_tokenizer(folder)
+    # two tokens the random model samples often, neither the tokenizer's EOS
+    a, b = tok.convert_tokens_to_ids(["=", "<user>"])
+    GenerationConfig(eos_token_id=[a, b], pad_token_id=tok.pad_token_id).save_pretrained(folder)
+    stops = {a, b, tok.eos_token_id}
+    eng = make_gen(kind, folder, seed=11)
+    outs = generate(eng, _requests(tok, max_new=12, prompts=PROMPTS * 8))
+    ended_on = set()
+    for o in outs:
+        assert not stops & set(o.output_ids[:-1]), o.output_ids  # nothing runs past a stop token
+        if o.output_ids[-1] in stops:
+            assert o.finish_reason == "stop"
+            ended_on.add(o.output_ids[-1])
+        else:
+            assert (o.finish_reason, len(o.output_ids)) == ("length", 12)
+    assert {a, b} <= ended_on, ended_on

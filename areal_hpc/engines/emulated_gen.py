@@ -17,14 +17,13 @@ import torch
 
 from areal_hpc.costmodel import ResponseLengths, preset, with_overrides
 from areal_hpc.engines.base import GenerationEngine, InFlight
+from areal_hpc.model import stop_token_ids
 from areal_hpc.types import GenOutput, GenRequest
 
 
-def _vocab_and_eos(model_path: str) -> tuple[int, int]:
+def _vocab(model_path: str) -> int:
     """Placeholder tokens come from the model folder's vocabulary (so the tokenizer decodes them)."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    eos = cfg.get("eos_token_id", 0)
-    return int(cfg.get("vocab_size", 32000)), int(eos[0] if isinstance(eos, list) else eos)
+    return int(json.loads((Path(model_path) / "config.json").read_text()).get("vocab_size", 32000))
 
 
 def payload(mb: float) -> dict[str, torch.Tensor]:
@@ -59,7 +58,11 @@ class EmulatedGenerationEngine(GenerationEngine):
         self.time_scale = time_scale
         self.len_median, self.len_sigma = len_median, len_sigma
         self.seed = seed
-        self.vocab, self.eos = _vocab_and_eos(model_path)
+        self.vocab = _vocab(model_path)
+        # an answer ends with the folder's first stop token; placeholders never hit one before the target
+        self.stop_ids = stop_token_ids(model_path)
+        self.eos = self.stop_ids[0]
+        self._not_stop = np.setdiff1d(np.arange(self.vocab), self.stop_ids)
         self.rng = np.random.default_rng(seed)
         self._weights = payload(payload_mb)
         self.running: list[InFlight] = []
@@ -100,7 +103,7 @@ class EmulatedGenerationEngine(GenerationEngine):
             self.running.append(seq)
         context = sum(len(s.request.prompt_ids) + len(s.ids) for s in self.running)
         self._spend(self.cost.prefill_s(prefill) + float(self.cost.decode_step_s(len(self.running), context)))
-        tokens = self.rng.integers(0, self.vocab, len(self.running))
+        tokens = self._not_stop[self.rng.integers(0, len(self._not_stop), len(self.running))]
         logprobs = -self.rng.exponential(1.0, len(self.running))
         still = []
         for seq, tok, lp in zip(self.running, tokens.tolist(), logprobs.tolist()):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from areal_hpc.engines.base import GenerationEngine, InFlight
 from areal_hpc.model import load_causal_lm
+from areal_hpc.model import stop_token_ids as model_stop_ids
 from areal_hpc.types import GenOutput, GenRequest
 
 
@@ -41,7 +42,7 @@ class TorchGenerationEngine(GenerationEngine):
         top_p: float = 1.0,
         dtype: str = "float32",
         seed: int = 0,
-        eos_token_id: int | None = None,
+        stop_token_ids: list[int] | None = None,
         pad_token_id: int | None = None,
         device: str = "cpu",
         max_num_seqs: int = 256,
@@ -52,8 +53,8 @@ class TorchGenerationEngine(GenerationEngine):
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype).to(self.device).eval()
         cfg = self.model.config
-        self.eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
-        self.stop_ids = set(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else {self.eos_token_id}
+        # None: every EOS the model folder declares (generation_config.json, config.json, tokenizer)
+        self.stop_ids = set(stop_token_ids if stop_token_ids is not None else model_stop_ids(model_path))
         if pad_token_id is None:
             pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else min(self.stop_ids)
         self.pad_token_id = pad_token_id

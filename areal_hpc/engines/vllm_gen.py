@@ -9,6 +9,7 @@ import torch
 
 from areal_hpc.engines.base import GenerationEngine, InFlight
 from areal_hpc.model import load_causal_lm
+from areal_hpc.model import stop_token_ids as model_stop_ids
 from areal_hpc.types import GenOutput, GenRequest
 
 # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; close() restores it
@@ -49,9 +50,13 @@ class VLLMGenerationEngine(GenerationEngine):
         kv_cache_gib: float = 1.0,
         device: str = "cpu",
         max_num_seqs: int = 256,
+        stop_token_ids: list[int] | None = None,
     ):
         super().__init__(max_num_seqs, temperature, top_p)
         _vllm_env(device)
+        # None: every EOS the model folder declares. vLLM also reads generation_config.json's own; the set is
+        # given explicitly so it stops on exactly what the torch engine does (config.json's, the tokenizer's)
+        self.stop_ids = list(stop_token_ids if stop_token_ids is not None else model_stop_ids(model_path))
         import vllm
         from vllm.sampling_params import RequestOutputKind
 
@@ -126,6 +131,7 @@ class VLLMGenerationEngine(GenerationEngine):
             detokenize=False,
             output_kind=self._delta,
             ignore_eos=self.ignore_eos,
+            stop_token_ids=[] if self.ignore_eos else self.stop_ids,
             temperature=0.0 if greedy else self.temperature,
             top_p=1.0 if greedy else self.top_p,
         )

@@ -48,6 +48,7 @@ def mpirun_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
 def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     """A new run dir (refusing one that holds a run) or an existing one with a checkpoint to resume."""
     from areal_hpc.config import save_config
+    from areal_hpc.data import check_prompts_fit
     from areal_hpc.model import ensure_model
 
     run = RunDir(Path(cfg.store.run_dir).resolve())
@@ -59,7 +60,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
             run.create(cfg, hint="resume it with --resume or pick another run_name=...")
     except RunDirError as err:
         raise RunFailed(str(err)) from None
-    ensure_model(cfg.model)  # built once here, never by several ranks at once
+    check_prompts_fit(cfg, ensure_model(cfg.model))  # built once here, never by several ranks at once
     run.before_start()
     return run
 

@@ -87,9 +87,9 @@ def warm_start(trainer: TrainEngine, tokenizer, dataset: MathDataset, cfg: Confi
         batch = rng.sample(examples, min(tc.warm_start_batch, len(examples)))
         seqs, masks = [], []
         for p in batch:
-            prompt = tokenizer.encode(p.prompt)
+            prompt = p.prompt_ids  # built as every rollout's prompt is (chat template included)
             target = arithmetic_completion(p.answer) if cfg.data.kind == "arithmetic" else p.answer
-            answer = tokenizer.encode(target) + [eos]
+            answer = tokenizer.encode(target, add_special_tokens=False) + [eos]
             seqs.append(np.asarray(prompt + answer))
             masks.append(np.asarray([0] * len(prompt) + [1] * len(answer)))
         loss = trainer.supervised_step(seqs, masks, tc.warm_start_lr)

@@ -78,7 +78,7 @@ class Generator(RoleLoop):
         self.engine = build_generation_engine(cfg, model_dir, seed=cfg.trainer.seed + 1000 * self.rank)
         self.meter = EngineMeter(self.run_dir, self.rank, self.engine.capacity)
         self.tokenizer = load_tokenizer(model_dir)
-        dataset = load_dataset(cfg.data)
+        dataset = load_dataset(cfg.data, self.tokenizer)
         self.train, self.heldout = dataset.train, dataset.heldout[: cfg.logging.eval_prompts]
         self.pool = (
             EmulatedRewards(cfg.emulation.p_correct, cfg.trainer.seed)
@@ -201,9 +201,7 @@ class Generator(RoleLoop):
         for idx, gid in prompts:
             p = self.train[idx]
             self.groups[gid] = _Group(p, now)
-            reqs += group_requests(
-                self.tokenizer.encode(p.prompt), gid, self.cfg.rollout.n_samples, self.cfg.rollout.max_new_tokens
-            )
+            reqs += group_requests(p.prompt_ids, gid, self.cfg.rollout.n_samples, self.cfg.rollout.max_new_tokens)
         self._submit(reqs)
 
     def _submit(self, reqs: list[GenRequest]) -> None:
@@ -317,12 +315,7 @@ class Generator(RoleLoop):
             return
         self.eval = _Eval(tag, self.engine.version, time.time())
         mnt = self.cfg.rollout.max_new_tokens
-        self._submit(
-            [
-                GenRequest(str(EvalId(i)), self.tokenizer.encode(p.prompt), mnt, greedy=True)
-                for i, p in enumerate(self.heldout)
-            ]
-        )
+        self._submit([GenRequest(str(EvalId(i)), p.prompt_ids, mnt, greedy=True) for i, p in enumerate(self.heldout)])
 
     def _score_eval(self) -> None:
         ev = self.eval

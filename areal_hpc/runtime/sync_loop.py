@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from areal_hpc.algo.advantages import batch_advantages
 from areal_hpc.config import Config
-from areal_hpc.data import load_dataset
+from areal_hpc.data import check_fits_context, load_dataset
 from areal_hpc.engines.base import generate
 from areal_hpc.evaluation import heldout_accuracy
 from areal_hpc.metrics import MetricsLogger
@@ -50,7 +50,8 @@ def run_sync(cfg: Config) -> RunSummary:
         raise FileExistsError(str(err)) from None
     model_dir = ensure_model(cfg.model)
     tokenizer = load_tokenizer(model_dir)
-    dataset = load_dataset(cfg.data)
+    dataset = load_dataset(cfg.data, tokenizer)
+    check_fits_context(dataset, cfg, model_dir)
 
     rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
     gen = build_generation_engine(cfg, model_dir, seed=tc.seed)
@@ -84,7 +85,7 @@ def run_sync(cfg: Config) -> RunSummary:
                 cursor += 1
             reqs, answers, prompt_of = [], [], []
             for g, p in enumerate(problems):
-                ids = tokenizer.encode(p.prompt)
+                ids = p.prompt_ids
                 group_id = (step - 1) * rc.batch_prompts + g
                 reqs += group_requests(ids, group_id, rc.n_samples, rc.max_new_tokens)
                 answers += [p.answer] * rc.n_samples

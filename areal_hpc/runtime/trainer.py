@@ -89,9 +89,8 @@ class Trainer(RoleLoop):
                 self.engine.load_checkpoint(self.run_dir.trainer_checkpoint(v))
         elif self.cfg.trainer.warm_start_steps:
             with self.timeline.span("train"):
-                warm_start(
-                    self.engine, load_tokenizer(self.model_dir), load_dataset(self.cfg.data), self.cfg, progress=False
-                )
+                tok = load_tokenizer(self.model_dir)
+                warm_start(self.engine, tok, load_dataset(self.cfg.data, tok), self.cfg, progress=False)
         body = {"version": self.engine.version, "raw_gbps": None}
         # gathered once per publish (collective under ZeRO-3: every trainer calls weights() once here)
         state = self.engine.weights() if (self.sender is not None or self.engine.collective_weights) else None

@@ -1,0 +1,60 @@
+"""Prompt building: the tokenizer's chat template, prompt token ids, and length limits against the model's context."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")  # data.chat_template
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_enabled(tokenizer, mode: str, system_prompt: str = "") -> bool:
+    """Whether prompts go through the tokenizer's chat template (auto: when the tokenizer has one)."""
+    if mode not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"data.chat_template={mode!r} is not allowed; choose one of {', '.join(CHAT_TEMPLATE_MODES)}")
+    if mode == "on" and not has_chat_template(tokenizer):
+        raise ValueError("data.chat_template=on but the model folder's tokenizer has no chat template; use auto or off")
+    chat = has_chat_template(tokenizer) if mode == "auto" else mode == "on"
+    if system_prompt and not chat:
+        # without a template there is no place for a system turn that the model was trained to read
+        raise ValueError(
+            "data.system_prompt is set but prompts use no chat template; set data.chat_template=on or auto"
+        )
+    return chat
+
+
+def build_prompt(tokenizer, text: str, chat: bool, system_prompt: str = "") -> str:
+    """The text fed to the model: `text` as the user's turn plus the generation prompt, or `text` itself."""
+    if not chat:
+        return text
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": text}
+    ]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a built prompt; a chat template writes its own special tokens (BOS included), so none are added."""
+    return list(tokenizer.encode(prompt, add_special_tokens=not chat))
+
+
+def max_context(model_dir: str | Path) -> int | None:
+    """The model's context length (config.json's max_position_embeddings), None when it declares none."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    n = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+    return int(n) if n else None
+
+
+def check_context(model_dir: str | Path, longest_prompt: int, max_new_tokens: int, limit_key: str) -> None:
+    """Refuse, in one line, a run whose longest prompt + rollout.max_new_tokens does not fit the model's context."""
+    ctx = max_context(model_dir)
+    if ctx is not None and longest_prompt + max_new_tokens > ctx:
+        raise ValueError(
+            f"prompts of up to {longest_prompt} tokens ({limit_key}) + rollout.max_new_tokens={max_new_tokens} = "
+            f"{longest_prompt + max_new_tokens} tokens do not fit the model's max_position_embeddings={ctx} "
+            f"({Path(model_dir) / 'config.json'}); lower data.max_prompt_tokens or rollout.max_new_tokens"
+        )
