@@ -13,7 +13,7 @@ import torch
 from areal_hpc.config import Config, concurrent_groups
 from areal_hpc.data import Problem, load_dataset
 from areal_hpc.model import load_tokenizer
-from areal_hpc.reward import RewardPool
+from areal_hpc.reward import reward_pool_for
 from areal_hpc.reward.emulated import EmulatedRewards
 from areal_hpc.rollout import completion_texts, final_rewards, group_requests, to_trajectory
 from areal_hpc.runtime.build import build_generation_engine
@@ -83,7 +83,7 @@ class Generator(RoleLoop):
         self.pool = (
             EmulatedRewards(cfg.emulation.p_correct, cfg.trainer.seed)
             if cfg.rollout.engine == "emulated"
-            else RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+            else reward_pool_for(cfg)  # data.kind=code: refuses here if reward.sandbox cannot run
         )
         sc = cfg.sync
         self.receiver = WeightReceiver(

@@ -19,7 +19,7 @@ from areal_hpc.engines.base import generate
 from areal_hpc.evaluation import heldout_accuracy
 from areal_hpc.metrics import MetricsLogger
 from areal_hpc.model import ensure_model, load_tokenizer
-from areal_hpc.reward import RewardPool
+from areal_hpc.reward import reward_pool_for
 from areal_hpc.rollout import group_requests, score_outputs, to_trajectory
 from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.runtime.build import build_generation_engine, build_train_engine, warm_start
@@ -62,7 +62,7 @@ def run_sync(cfg: Config) -> RunSummary:
     heldout = dataset.heldout[: cfg.logging.eval_prompts]
     progress = cfg.logging.progress
 
-    with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+    with reward_pool_for(cfg) as pool:
         acc_before = heldout_accuracy(gen, tokenizer, pool, heldout, rc.max_new_tokens)
         acc_warm = acc_before
         if tc.warm_start_steps:
