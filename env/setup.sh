@@ -8,9 +8,9 @@ REQ="$ROOT/env/requirements-cpu.txt"
 ENGINES="$ROOT/env/requirements-cpu-engines.txt"
 VLLM="$ROOT/env/requirements-cpu-vllm.txt"
 
-# System packages: Open MPI (mpi4py builds/links against it), a C++ compiler.
+# System packages: Open MPI (mpi4py builds/links against it), a C++ compiler, bubblewrap (the code reward's sandbox).
 need_apt=()
-for pkg in openmpi-bin libopenmpi-dev g++ make; do
+for pkg in openmpi-bin libopenmpi-dev g++ make bubblewrap; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then
