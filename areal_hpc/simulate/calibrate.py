@@ -101,28 +101,26 @@ def _busy_overlap(spans: pd.DataFrame, m: pd.DataFrame) -> float:
 def _core_sharing(cfg: Config, summary: dict, tl: pd.DataFrame, m: pd.DataFrame) -> dict:
     """How the run's ranks shared the host's cores: each CPU-bound role's share of a core (CPU over wall
     seconds of its work), and the load from outside the loop that explains the shares left over. A role
-    whose work took under half its wall time in CPU computes elsewhere (a GPU, an engine process, an
-    emulated sleep) and is not counted. Runs from before CPU time was recorded share nothing."""
+    computes on the host's cores when the run is on CPU and its engine is not emulated; runs from before
+    CPU time was recorded share nothing."""
     cores = float(summary.get("host_cpus") or math.inf)
-    threads = float(cfg.cluster.threads_per_rank)
+    on_cpu = cfg.cluster.device == "cpu"
+    threads = {
+        "gen": float(cfg.cluster.threads_per_rank) * (on_cpu and cfg.rollout.engine != "emulated"),
+        "train": float(cfg.cluster.threads_per_rank) * (on_cpu and cfg.trainer.engine != "emulated"),
+    }
     trains = tl[(tl["role"] == "trainer") & (tl["event"] == "train")].dropna(subset=["cpu_s"])
     if cfg.trainer.warm_start_steps and not trains.empty:  # each trainer's first span is the warm start
         trains = trains[trains.groupby("rank")["t_start"].rank(method="first") > 1]
     out = {"cores": cores, "gen_share": 1.0, "train_share": 1.0, "gen_threads": 0.0, "train_threads": 0.0}
     out["train_wait_s"] = 0.0  # trainer seconds waiting for a core, over the PPO versions' train spans
-    if not math.isfinite(cores) or "cpu_s" not in m:
+    if not math.isfinite(cores) or "cpu_s" not in m or (not threads["gen"] and not threads["train"]):
         return out | {"external_load": 0.0}
-    if m["step_s"].sum() > 0:
-        out["gen_share"] = float(m["cpu_s"].sum() / m["step_s"].sum())
-    if trains["duration"].sum() > 0:
-        out["train_share"] = float(trains["cpu_s"].sum() / trains["duration"].sum())
-    for role in ("gen", "train"):
-        if out[f"{role}_share"] < 0.5:
-            out[f"{role}_share"] = 1.0
-        else:
-            out[f"{role}_threads"] = threads
-            out[f"{role}_share"] = min(1.0, out[f"{role}_share"])
-    if out["train_threads"]:
+    if threads["gen"] and m["step_s"].sum() > 0:
+        out["gen_share"], out["gen_threads"] = min(1.0, float(m["cpu_s"].sum() / m["step_s"].sum())), threads["gen"]
+    if threads["train"] and trains["duration"].sum() > 0:
+        out["train_share"] = min(1.0, float(trains["cpu_s"].sum() / trains["duration"].sum()))
+        out["train_threads"] = threads["train"]
         out["train_wait_s"] = float((trains["duration"] - trains["cpu_s"]).clip(lower=0).sum())
     # external load = cores / share - the loop's own demand, where a share below 1 shows it (else 0)
     estimates = []
