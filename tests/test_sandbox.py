@@ -29,6 +29,8 @@ TASKS = ROOT / "jobs" / "data" / "code_tasks.jsonl"
 HAVE_BWRAP = isolation("auto").name == "bwrap"
 needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap cannot run here (env/setup.sh installs it)")
 BOTH = ["auto", pytest.param("none", id="rlimits-only")]
+# Under rlimits only, code run by an ordinary user (not root, so not dropped to nobody) may signal this process.
+CAN_SIGNAL_US = not HAVE_BWRAP and os.geteuid() != 0
 
 ADD_TESTS = "assert add(1, 2) == 3\nassert add(-4, 4) == 0"
 GOOD = "I add them.\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
@@ -203,6 +205,8 @@ def test_the_run_directory_and_the_home_directory_cannot_be_read(tmp_path):
 
 @pytest.mark.parametrize("mode", BOTH)
 def test_killing_the_parent_leaves_the_scorer_alive(mode):
+    if mode == "none" and os.geteuid() != 0:
+        pytest.skip("rlimits only, as an ordinary user, cannot stop this (docs/sandbox.md)")
     code = f"""
     import os, signal
     os.kill(os.getppid(), signal.SIGKILL)
@@ -240,6 +244,7 @@ def test_printing_a_gigabyte_is_cut_short_with_bounded_memory(mode):
 # ----------------------------------------------------------------- the pool, the data, the config
 
 
+@pytest.mark.skipif(CAN_SIGNAL_US, reason="rlimits only, as an ordinary user: a hostile answer could kill pytest")
 def test_the_reward_pool_scores_a_code_batch_end_to_end(tmp_path):
     cfg = load_config(RECIPE, ["model.path=/m", "reward.num_workers=2", "reward.timeout_s=2", "reward.sandbox=auto"])
     completions = [
