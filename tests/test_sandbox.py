@@ -140,6 +140,33 @@ def test_a_fork_bomb_is_stopped_by_the_process_limit(mode):
     still_scores_one(mode)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's processes are told apart by their user, nobody, as root")
+@pytest.mark.parametrize("mode", BOTH)
+def test_the_sandbox_dies_with_its_scorer(mode):
+    # a scorer killed mid-answer (the pool kills hung workers) must not leave the answer running
+    script = textwrap.dedent(
+        f"""
+        from areal_hpc.reward import code_reward
+        code_reward("```python\\nimport time\\ntime.sleep(60)\\n```", "assert 1", timeout_s=60, sandbox={mode!r})
+        """
+    )
+    before = _sandbox_leftovers()
+    scorer = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        end = time.monotonic() + 30
+        while len(_sandbox_leftovers()) <= len(before) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert time.monotonic() < end
+        time.sleep(0.5)  # the sleeping answer is up
+    finally:
+        scorer.kill()
+        scorer.wait()
+    end = time.monotonic() + 5
+    while _sandbox_leftovers() != before and time.monotonic() < end:
+        time.sleep(0.1)
+    assert _sandbox_leftovers() == before
+
+
 @pytest.mark.parametrize("mode", BOTH)
 def test_a_10_gb_allocation_fails_fast(mode):
     r, took = score(hostile("x = bytearray(10 * 1024**3)"), mode)

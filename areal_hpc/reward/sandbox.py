@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
@@ -163,16 +164,34 @@ del _os
 """
 
 
+def _find_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _find_prctl()  # looked up here, in the parent: nothing is loaded between fork and exec
+_PR_SET_PDEATHSIG = 1
+
+
 def _limiter(limits: Limits, user: tuple[int, int] | None, nproc: int | None):
     cpu = max(1, math.ceil(limits.wall_s))
     mem = limits.memory_mb << 20
     fsize = limits.file_mb << 20
+    parent = os.getpid()
 
     def preexec() -> None:  # in the child, between fork and exec: only system calls
         if user is not None:
             os.setgroups([])
             os.setgid(user[1])
             os.setuid(user[0])
+        if _PRCTL is not None:
+            # if the scorer is killed (a reward pool rebuilt after a hang), nobody would killpg: die with it
+            # (after setuid, which clears the setting); bwrap's --die-with-parent then ends everything inside
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:
+                os._exit(1)
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
