@@ -10,6 +10,7 @@ import pwd
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -73,16 +74,36 @@ class Result:
 
 
 def _interpreter() -> tuple[str, str | None]:
-    """The Python run in the sandbox, and a folder outside /usr to bind for it (None when it lives in /usr).
+    """The Python run in the sandbox, and a folder outside /usr to bind read-only for it (None: under /usr).
 
-    The system python3 first: it sits under /usr, which the sandbox mounts anyway, and a venv or a pyenv
-    under the home directory would need the home directory made visible.
+    The run's own base interpreter (not its venv: the answer gets the standard library only), so answers
+    meet the Python version the run was set up with; only its install prefix is made visible. When the
+    sandbox runs as nobody and cannot reach that prefix (a pyenv or conda under /root), the system python3.
     """
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    prefix = os.path.realpath(sys.base_prefix)
+    if prefix.startswith("/usr/"):
+        return exe, None
+    if _unprivileged() is None or _others_can_run(prefix):
+        return exe, prefix
     if os.access("/usr/bin/python3", os.X_OK):
         return "/usr/bin/python3", None
-    exe = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-    prefix = os.path.realpath(sys.base_prefix)
-    return exe, None if prefix.startswith("/usr/") else prefix
+    return exe, prefix
+
+
+def _others_can_run(prefix: str) -> bool:
+    """Whether a user with no rights of its own can reach prefix and read its files (mode bits only)."""
+    path = prefix
+    while True:
+        try:
+            if not os.stat(path).st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+        if path == "/":
+            break
+        path = os.path.dirname(path)
+    return bool(os.stat(prefix).st_mode & stat.S_IROTH)
 
 
 def _unprivileged() -> tuple[int, int] | None:
