@@ -82,6 +82,8 @@ def test_correct_code_scores_one_and_wrong_code_zero(mode):
         "import sys\nsys.exit(0)",
         "raise SystemExit(0)",
         "print('ok')\nimport os\nos._exit(0)",
+        "import builtins\nbuiltins.exec = lambda *a, **k: None",  # the tests would never run
+        "import os\nos._exit = lambda code: None\nos.write = lambda fd, data: len(data)",
     ],
 )
 def test_code_that_exits_before_the_tests_scores_zero(trick):

@@ -34,12 +34,14 @@ def extract_last_python_block(text: str) -> str | None:
 # (sys.exit(0), os._exit(0)) or prints a fake success line scores 0. The token is in this process's memory,
 # so only code that searches the interpreter's own objects for it could forge it.
 _RUNNER = """
-def _areal_run(code, tests, token):
+def _areal_run(code, tests, token, run=exec, build=compile):
+    # exec, compile and the exits are bound before the candidate runs: it may replace the builtins and os
     import os, sys
+    write, leave = os.write, os._exit
     ns = {{"__name__": "solution", "__builtins__": __builtins__}}
     try:
-        exec(compile(code, "solution.py", "exec"), ns)
-        exec(compile(tests, "tests.py", "exec"), ns)
+        run(build(code, "solution.py", "exec"), ns)
+        run(build(tests, "tests.py", "exec"), ns)
         sys.stdout.flush()
         sys.stderr.flush()
     except BaseException:
@@ -48,9 +50,9 @@ def _areal_run(code, tests, token):
             traceback.print_exc(limit=3)
             sys.stderr.flush()
         finally:
-            os._exit(1)
-    os.write(1, b"\\n" + token)
-    os._exit(0)
+            leave(1)
+    write(1, b"\\n" + token)
+    leave(0)
 _areal_run({code!r}, {tests!r}, {token!r})
 """
 
