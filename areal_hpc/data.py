@@ -1,4 +1,4 @@
-"""Math datasets: jsonl/parquet question+answer loaders and the synthetic arithmetic task."""
+"""Datasets: jsonl/parquet math question+answer and jsonl code prompt+tests loaders, the synthetic arithmetic task."""
 
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def load_math_dataset(
     heldout_size: int = 500,
     seed: int = 0,
 ) -> MathDataset:
-    """Load question/answer rows from jsonl or parquet; malformed rows are skipped and counted."""
+    """Load question/answer rows from jsonl or parquet (kind=code: prompt/tests rows from jsonl); malformed rows are
+    skipped and counted."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
