@@ -75,16 +75,17 @@ class Generator(RoleLoop):
 
     def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
         super().__init__(cfg, run_dir, comm, layout, resume)
+        # first: data.kind=code refuses here, in one line, if reward.sandbox cannot run (before minutes of engine load)
+        self.pool = (
+            EmulatedRewards(cfg.emulation.p_correct, cfg.trainer.seed)
+            if cfg.rollout.engine == "emulated"
+            else reward_pool_for(cfg)
+        )
         self.engine = build_generation_engine(cfg, model_dir, seed=cfg.trainer.seed + 1000 * self.rank)
         self.meter = EngineMeter(self.run_dir, self.rank, self.engine.capacity)
         self.tokenizer = load_tokenizer(model_dir)
         dataset = load_dataset(cfg.data, self.tokenizer)
         self.train, self.heldout = dataset.train, dataset.heldout[: cfg.logging.eval_prompts]
-        self.pool = (
-            EmulatedRewards(cfg.emulation.p_correct, cfg.trainer.seed)
-            if cfg.rollout.engine == "emulated"
-            else reward_pool_for(cfg)  # data.kind=code: refuses here if reward.sandbox cannot run
-        )
         sc = cfg.sync
         self.receiver = WeightReceiver(
             sc.method, sync_group, self.run_dir, self.engine.state_dict(), sc.bucket_mb, cfg.cluster.device
