@@ -152,6 +152,11 @@ class RunDir:
         return next(self.logs.glob(f"{rank}-*.log"), None)
 
     @property
+    def eval_output(self) -> str:
+        """`areal-hpc eval --slurm` jobs' output (sbatch fills in %j)."""
+        return str(self.logs / "eval-%j.out")
+
+    @property
     def mpirun_log(self) -> Path:
         return self.logs / "mpirun.log"
 

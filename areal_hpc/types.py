@@ -60,7 +60,8 @@ class SampleId:
 
 @dataclass(frozen=True)
 class EvalId:
-    """A held-out evaluation request: the `index`-th held-out problem (the engine sees "eval:index")."""
+    """A held-out evaluation request: sample s of held-out problem i, k samples each, has index i * k + s
+    (the engine sees "eval:index")."""
 
     index: int
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -77,3 +78,19 @@ def test_stop_tokens_are_every_eos_the_folder_declares(tiny_model_dir, tmp_path)
     gen = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [7, tok.eos_token_id, 9]}))
     assert stop_token_ids(folder) == sorted({7, 9, tok.eos_token_id})
+
+
+def test_eval_sampling_and_chat_template_settings_are_checked(tiny_model_dir, tmp_path):
+    from areal_hpc.config import ConfigError
+
+    for bad, says in (
+        (["data.chat_template=maybe"], "choose one of auto, on, off"),
+        (["logging.eval_n_samples=4"], "eval_temperature=0 (greedy) gives identical samples"),
+        (["logging.eval_n_samples=4", "logging.eval_temperature=0.6"], "must be 0 (greedy) or rollout.temperature"),
+        (["data.max_prompt_tokens=-1"], "data.max_prompt_tokens=-1 is out of range"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            _cfg(tmp_path, tiny_model_dir, *bad)
+    assert _cfg(tmp_path, tiny_model_dir, "data.chat_template=off").data.chat_template == "off"  # YAML's boolean
+    ok = _cfg(tmp_path, tiny_model_dir, "logging.eval_n_samples=4", "logging.eval_temperature=1.0")
+    assert ok.logging.eval_n_samples == 4

@@ -41,7 +41,7 @@ class _Eval:
     tag: str
     version: int  # the weights it started on; a weight load meanwhile resumes it under the newer ones
     t_start: float
-    outputs: dict[int, GenOutput] = field(default_factory=dict)  # held-out index -> output
+    outputs: dict[int, GenOutput] = field(default_factory=dict)  # held-out index * k + sample -> output
     ordered: list[GenOutput] = field(default_factory=list)  # every output, in held-out order, once all are in
     score: Future | None = None
 
@@ -228,7 +228,7 @@ class Generator(RoleLoop):
             rid = parse_request_id(o.request_id)
             if isinstance(rid, EvalId):
                 self.eval.outputs[rid.index] = o
-                if len(self.eval.outputs) == len(self.heldout):
+                if len(self.eval.outputs) == len(self.heldout) * self.cfg.logging.eval_n_samples:
                     self._score_eval()
                 continue
             gid = rid.group_id
@@ -301,8 +301,9 @@ class Generator(RoleLoop):
 
     # -- held-out evaluation --------------------------------------------------------------------
     def _start_eval(self) -> None:
-        """The next evaluation asked for, as greedy requests in the stream (on the newest weights received
-        when interruption is on: they are loaded just before)."""
+        """The next evaluation asked for, as requests in the stream: greedy, or logging.eval_n_samples per prompt
+        at the engine's temperature (on the newest weights received when interruption is on: they are loaded
+        just before)."""
         if self.eval is not None or not self.eval_tags:
             return
         tag = self.eval_tags.pop(0)
@@ -316,12 +317,21 @@ class Generator(RoleLoop):
             return
         self.eval = _Eval(tag, self.engine.version, time.time())
         mnt = self.cfg.rollout.max_new_tokens
-        self._submit([GenRequest(str(EvalId(i)), p.prompt_ids, mnt, greedy=True) for i, p in enumerate(self.heldout)])
+        k, greedy = self.cfg.logging.eval_n_samples, self.cfg.logging.eval_temperature == 0  # avg@k when k > 1
+        self._submit(
+            [
+                GenRequest(str(EvalId(i * k + s)), p.prompt_ids, mnt, greedy=greedy)
+                for i, p in enumerate(self.heldout)
+                for s in range(k)
+            ]
+        )
 
     def _score_eval(self) -> None:
         ev = self.eval
-        ev.ordered = [ev.outputs[i] for i in range(len(self.heldout))]
-        ev.score = self.pool.submit(completion_texts(self.tokenizer, ev.ordered), [p.answer for p in self.heldout])
+        k = self.cfg.logging.eval_n_samples
+        ev.ordered = [ev.outputs[i] for i in range(len(self.heldout) * k)]
+        answers = [p.answer for p in self.heldout for _ in range(k)]
+        ev.score = self.pool.submit(completion_texts(self.tokenizer, ev.ordered), answers)
 
     def _finish_eval(self) -> None:
         ev = self.eval

@@ -63,12 +63,16 @@ def run_sync(cfg: Config) -> RunSummary:
     progress = cfg.logging.progress
 
     with reward_pool_for(cfg) as pool:
-        acc_before = heldout_accuracy(gen, tokenizer, pool, heldout, rc.max_new_tokens)
+        lc = cfg.logging  # greedy, or avg@k at rollout.temperature (the engine's)
+        evaluate = lambda: heldout_accuracy(  # noqa: E731
+            gen, tokenizer, pool, heldout, rc.max_new_tokens, lc.eval_n_samples, lc.eval_temperature == 0
+        )
+        acc_before = evaluate()
         acc_warm = acc_before
         if tc.warm_start_steps:
             warm_start(trainer, tokenizer, dataset, cfg, progress)
             gen.update_weights(trainer.weights(), trainer.version)
-            acc_warm = heldout_accuracy(gen, tokenizer, pool, heldout, rc.max_new_tokens)
+            acc_warm = evaluate()
         metrics.log(0, {"heldout_acc": acc_warm, "reward_mean": math.nan, "wall_s": time.time() - t0})
 
         order = list(range(len(dataset.train)))
@@ -129,7 +133,7 @@ def run_sync(cfg: Config) -> RunSummary:
             }
             last = step == tc.versions or (tc.max_wall_s and t_end - t_rl >= tc.max_wall_s)
             if last or (cfg.logging.eval_every and step % cfg.logging.eval_every == 0):
-                acc = heldout_accuracy(gen, tokenizer, pool, heldout, rc.max_new_tokens)
+                acc = evaluate()
                 row["heldout_acc"] = acc
             metrics.log(trainer.version, row)
             if tc.checkpoint_every and trainer.version % tc.checkpoint_every == 0 and not last:

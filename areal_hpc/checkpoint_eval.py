@@ -1,0 +1,187 @@
+"""`areal-hpc eval`: a checkpoint or Hugging Face folder on a data set, reported as papers do (avg@k, pass@k)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_hpc.config import Config, load_config
+from areal_hpc.rundir import RunDir
+
+HELDOUT = "heldout"  # --data value: the run's own held-out prompts (what it logged as heldout_acc)
+
+
+class EvalError(ValueError):
+    """A model path or data set eval cannot use; one line saying what is wrong and what is allowed."""
+
+
+@dataclass
+class EvalTarget:
+    """What is evaluated: a loadable HF folder, the config its prompts come from, and where it came from."""
+
+    folder: Path  # config.json, weights, tokenizer (a checkpoint's weights linked beside its base model's files)
+    cfg: Config
+    run_dir: RunDir | None  # the run a checkpoint belongs to
+    version: int | None  # the checkpoint's policy version
+
+    def close(self) -> None:
+        """Remove the linked folder made for a checkpoint (never a user's HF folder)."""
+        if self.run_dir is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _run_of_checkpoint(path: Path) -> tuple[RunDir, int] | None:
+    """The run dir and version of RUN_DIR/checkpoints/vN, None for any other folder."""
+    run = RunDir(path.parent.parent)
+    if not path.name[1:].isdigit():
+        return None
+    version = int(path.name[1:])
+    if run.trainer_checkpoint(version) != path or not run.config.is_file():
+        return None
+    return run, version
+
+
+def resolve(path: str, config_path: str | None = None, overrides: list[str] | None = None) -> EvalTarget:
+    """An HF folder (config.json + weights + tokenizer) or a torch trainer's checkpoint in RUN_DIR/checkpoints/vN."""
+    p = Path(path).resolve()
+    if not p.is_dir():
+        where = RunDir("RUN_DIR").trainer_checkpoint(0).with_name("vN")
+        raise EvalError(f"{path!r} is not a folder; give a run's checkpoint ({where}) or a Hugging Face model folder")
+    found = _run_of_checkpoint(p)
+    run, version = found if found else (None, None)
+    if config_path is None and run is not None:
+        config_path = str(run.config)
+    model_ov = [] if run is not None else [f"model.path={p}", "model.build_tiny=false"]
+    cfg = load_config(config_path, model_ov + list(overrides or []))
+    if run is None:
+        from areal_hpc.model import check_model_folder
+
+        return EvalTarget(check_model_folder(p), cfg, None, None)
+    if not (p / "model.safetensors").is_file():
+        raise EvalError(
+            f"checkpoint {str(p)!r} has no model.safetensors (a DeepSpeed checkpoint?); "
+            "export it as a Hugging Face folder and evaluate that"
+        )
+    base = Path(cfg.model.path)
+    if not base.is_absolute():
+        base = (Path.cwd() / base).resolve()
+    if not (base / "config.json").is_file():
+        raise EvalError(f"checkpoint {str(p)!r}: its run's model folder {str(base)!r} (model.path) has no config.json")
+    # the base folder's config, tokenizer and generation config with the checkpoint's weights: no copy
+    folder = Path(tempfile.mkdtemp(prefix="areal-eval-"))
+    for f in base.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json")):
+            os.symlink(f, folder / f.name)
+    os.symlink(p / "model.safetensors", folder / "model.safetensors")
+    return EvalTarget(folder, cfg, run, version)
+
+
+def pick_engine(name: str) -> str:
+    """auto: vLLM when it is installed (production), else the torch engine."""
+    if name == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+    return name
+
+
+def eval_problems(target: EvalTarget, data: str, tokenizer):
+    """The run's held-out prompts (as many as it evaluated), or every row of a jsonl/parquet file."""
+    from areal_hpc.data import load_dataset
+
+    cfg = target.cfg
+    if data == HELDOUT:
+        ds = load_dataset(cfg.data, tokenizer)
+        return ds.heldout[: cfg.logging.eval_prompts], ds.too_long
+    f = Path(data)
+    kinds = {".jsonl": "jsonl", ".parquet": "parquet"}
+    if f.suffix not in kinds:
+        raise EvalError(f"--data {data!r} must be {HELDOUT!r} (the run's held-out prompts) or a .jsonl/.parquet file")
+    if not f.is_file():
+        raise EvalError(f"--data {data!r} does not exist")
+    cfg.data.kind, cfg.data.path, cfg.data.heldout_size = kinds[f.suffix], str(f), 0  # every row is evaluated
+    ds = load_dataset(cfg.data, tokenizer)
+    return ds.train, ds.too_long
+
+
+def run_eval(
+    target: EvalTarget,
+    data: str,
+    n_samples: int,
+    temperature: float,
+    max_new_tokens: int | None,
+    engine: str = "auto",
+    seed: int = 0,
+) -> dict:
+    """Generate n_samples answers per problem, score them with the training reward, return the figures."""
+    from areal_hpc.engines import make_generation_engine
+    from areal_hpc.evaluation import evaluate
+    from areal_hpc.model import load_tokenizer
+    from areal_hpc.prompts import check_context
+    from areal_hpc.reward import RewardPool
+
+    if temperature < 0 or n_samples < 1:
+        raise EvalError(f"--temperature must be >= 0 and --n-samples >= 1, got {temperature} and {n_samples}")
+    if temperature == 0 and n_samples > 1:
+        raise EvalError(f"--temperature 0 (greedy) gives one answer per problem; --n-samples {n_samples} needs T > 0")
+    cfg = target.cfg
+    mnt = max_new_tokens or cfg.rollout.max_new_tokens
+    tokenizer = load_tokenizer(target.folder)
+    problems, too_long = eval_problems(target, data, tokenizer)
+    check_context(target.folder, max(len(p.prompt_ids) for p in problems), mnt, "the longest evaluated")
+    name = pick_engine(engine)
+    extra = {"kv_cache_gib": cfg.rollout.kv_cache_gib} if name == "vllm" else {}
+    t0 = time.time()
+    eng = make_generation_engine(
+        name,
+        model_path=str(target.folder),
+        temperature=temperature or 1.0,  # greedy requests ignore it
+        dtype=cfg.model.dtype,
+        seed=seed,
+        device=cfg.cluster.device,
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        **extra,
+    )
+    t_gen = time.time()
+    try:
+        with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+            res = evaluate(eng, tokenizer, pool, problems, mnt, n_samples, greedy=temperature == 0)
+    finally:
+        eng.close()
+    t_end = time.time()
+    return {
+        "model": str(target.folder if target.run_dir is None else target.run_dir.trainer_checkpoint(target.version)),
+        "version": target.version,
+        "data": data,
+        "engine": name,
+        "temperature": temperature,
+        "max_new_tokens": mnt,
+        "skipped_too_long": too_long,
+        **res.as_dict(),
+        "engine_start_s": t_gen - t0,
+        "eval_s": t_end - t_gen,
+    }
+
+
+def summary_lines(out: dict) -> list[str]:
+    k = out["n_samples"]
+    passes = ", ".join(f"pass@{kk} {v:.1%}" for kk, v in out["pass_at_k"].items() if kk != "1")
+    what = f"{out['n_problems']} problems x {k} sample(s) at T={out['temperature']:g}"
+    return [
+        f"model:     {out['model']}" + (f" (version {out['version']})" if out["version"] is not None else ""),
+        f"data:      {out['data']}: {what}, max {out['max_new_tokens']} new tokens, engine {out['engine']}",
+        f"pass@1:    {out['avg_at_k']:.1%} +- {out['avg_at_k_stderr']:.1%} (avg@{k}, standard error over problems)"
+        + (f"; {passes}" if passes else ""),
+        f"answers:   {out['mean_response_tokens']:.1f} tokens on average, {out['truncated_share']:.1%} truncated",
+        f"time:      {out['eval_s']:.1f} s to generate and score ({out['engine_start_s']:.1f} s engine start)",
+    ]
+
+
+def write_json(out: dict, path: str) -> None:
+    from areal_hpc.utils import atomic_write_text
+
+    atomic_write_text(Path(path), json.dumps(out, indent=1))
