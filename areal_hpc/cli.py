@@ -353,6 +353,10 @@ def status_cmd(run_dir: str) -> None:
     except SlurmError as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"job {job['job_id']}: {state}")
+    from areal_hpc.launch.restarts import restarts_line
+
+    if line := restarts_line(Path(run_dir)):
+        click.echo(line)
     try:
         p = json.loads(RunDir(run_dir).progress.read_text())
     except (OSError, ValueError):

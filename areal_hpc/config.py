@@ -129,6 +129,10 @@ class ClusterConfig:
     n_generators: int = 1
     n_trainers: int = 1
     threads_per_rank: int = 1
+    # a rank that sends rank 0 nothing for this long is hung (stopped, or deadlocked outside its loop):
+    # the run ends with one line naming it, and the job script restarts it. Longer than any one step
+    # of work (a PPO version, a weight load); 0: off
+    hang_timeout_s: float = 600.0
     device: str = "cpu"  # cpu | cuda
     mpirun: str = "mpirun"  # local launcher: the mpirun binary
 
@@ -149,6 +153,9 @@ class SlurmConfig:
     mem: str = ""  # per node, e.g. 64G ("" = partition default)
     signal_s: int = 120  # USR1 this long before the time limit: checkpoint, stop, requeue
     requeue: bool = True
+    # a world that dies (a rank killed, hung, crashed) is started again from the newest complete
+    # checkpoint inside the same allocation, this many times, before the job fails
+    max_restarts: int = 2
     venv: str = ""  # virtual environment to activate ("" = the one running areal-hpc)
     setup: list[str] = field(default_factory=list)  # shell lines before the run (module load ...)
     extra_sbatch: list[str] = field(default_factory=list)  # more "#SBATCH" options, e.g. "--exclusive"

@@ -78,6 +78,8 @@ _LOWER = {
     "cluster.n_generators": (1, True),
     "cluster.n_trainers": (1, True),
     "cluster.threads_per_rank": (1, True),
+    "cluster.hang_timeout_s": (0, True),
+    "slurm.max_restarts": (0, True),
     "slurm.train_nodes": (1, True),
     "slurm.gen_nodes": (1, True),
     "slurm.gpus_per_node": (0, True),

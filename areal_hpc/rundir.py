@@ -135,6 +135,16 @@ class RunDir:
     def rank_log(self, rank: int, role: str) -> Path:
         return self.logs / f"rank{rank:03d}-{role}.log"
 
+    @property
+    def heartbeat(self) -> Path:
+        """Rank 0's heartbeat (its time, rewritten every cluster.hang_timeout_s / 4): the job script's watchdog."""
+        return self.logs / "heartbeat.json"
+
+    @property
+    def restarts(self) -> Path:
+        """Every automatic restart inside an allocation: when, why, with which exit code."""
+        return self.root / "restarts.json"
+
     def rank_pid(self, rank: int) -> Path:
         return self.logs / f"rank{rank:03d}.pid"
 

@@ -154,7 +154,7 @@ def test_requeue_mid_run_resumes_from_checkpoint(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     assert s["start_version"] >= 4 and s["versions"] == 16  # the second start resumed, it did not start over
     out = next((run / "logs").glob("slurm-*.out")).read_text()
-    assert "restart count 1" in out and "resuming" in out
+    assert "requeue count 1" in out and "resuming" in out
     _audit(run, eta=2, versions=16)
     assert RunDir(run).latest_checkpoint() == 16
 

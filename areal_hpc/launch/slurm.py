@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import shlex
@@ -107,6 +108,8 @@ def render_sbatch(cfg: Config, source: str = "") -> str:
         time=sc.time,
         requeue=sc.requeue,
         signal_s=sc.signal_s,
+        max_restarts=sc.max_restarts,
+        hang_timeout_s=int(math.ceil(cfg.cluster.hang_timeout_s)),
         component_options=component_options(sc),
         setup=list(sc.setup),
         venv=job_venv(cfg),

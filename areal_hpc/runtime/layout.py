@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 SCHEDULER, GENERATOR, TRAINER = "scheduler", "generator", "trainer"
 TRAIN_GROUP, GEN_GROUP = "train", "gen"  # the two parts of a heterogeneous Slurm job
@@ -18,6 +18,7 @@ class Layout:
     """
 
     roles: tuple[str, ...]
+    hosts: tuple[str, ...] = ()  # where each rank runs, once the world has told (`with_hosts`)
 
     @classmethod
     def from_counts(cls, n_generators: int, n_trainers: int) -> Layout:
@@ -34,6 +35,14 @@ class Layout:
         return cls(
             tuple(SCHEDULER if r == 0 else (TRAINER if g == TRAIN_GROUP else GENERATOR) for r, g in enumerate(groups))
         )
+
+    def with_hosts(self, hosts: list[str]) -> Layout:
+        return replace(self, hosts=tuple(hosts))
+
+    def describe(self, rank: int) -> str:
+        """'rank 3 (generator on n2)': how a message names a rank to the user."""
+        host = self.hosts[rank] if rank < len(self.hosts) else "?"
+        return f"rank {rank} ({self.role(rank)} on {host})"
 
     @property
     def world_size(self) -> int:

@@ -31,6 +31,7 @@ scheduler -> trainer
                                                share, one list per PPO minibatch
   CHECKPOINT  {"version": v}
 any -> scheduler
+  HEARTBEAT   {}                               still here (from the role loop, every cluster.hang_timeout_s / 4)
   BYE         {"interrupted": n}               answer to STOP: this rank sends nothing more (generators:
                                                how many requests they aborted for new weights; trainers: 0)
 scheduler -> any
@@ -63,6 +64,7 @@ class Tag(IntEnum):
     CKPT_DONE = 23
     BATCH = 30
     CHECKPOINT = 31
+    HEARTBEAT = 89
     BYE = 90
     STOP = 91
 
@@ -82,6 +84,7 @@ FIELDS: dict[Tag, tuple[str, ...]] = {
     Tag.CKPT_DONE: ("version", "path"),
     Tag.BATCH: ("version", "share"),
     Tag.CHECKPOINT: ("version",),
+    Tag.HEARTBEAT: (),
     Tag.BYE: ("interrupted",),
     Tag.STOP: (),
 }

@@ -15,7 +15,14 @@ from areal_hpc.utils import atomic_write_text
 
 def save_scheduler_state(run_dir: Path, version: int, state: dict) -> None:
     """Written after the trainers' checkpoint is in place: its presence marks the checkpoint complete."""
-    atomic_write_text(RunDir(run_dir).scheduler_state(version), json.dumps(state))
+    atomic_write_text(RunDir(run_dir).scheduler_state(version), json.dumps(state, default=_plain))
+
+
+def _plain(obj):
+    """numpy scalars in the metrics rows the state carries, as Python numbers."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"{type(obj).__name__} in the scheduler state is not JSON")
 
 
 def load_scheduler_state(run_dir: Path, version: int) -> dict:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from areal_hpc.config import Config
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.layout import Layout
+from areal_hpc.runtime.liveness import Liveness
 from areal_hpc.runtime.protocol import Mailbox, Tag
 from areal_hpc.runtime.timeline import Timeline
 
@@ -30,6 +31,12 @@ class RoleLoop:
         self.mail = Mailbox(comm)
         self.timeline = Timeline(self.run_dir, self.rank, self.role)
         self._handlers: dict[Tag, Handler] | None = None  # built on first use, once the role is set up
+        self.liveness = Liveness(
+            self.rank,
+            cfg.cluster.hang_timeout_s,
+            describe=layout.describe,
+            heartbeat_file=self.run_dir.heartbeat if self.listen_to is None else None,
+        )
 
     def handlers(self) -> dict[Tag, Handler]:
         raise NotImplementedError
@@ -48,11 +55,20 @@ class RoleLoop:
         got = False
         while (msg := self.mail.poll(self.listen_to)) is not None:
             src, tag, body = msg
+            self.liveness.heard(src)
+            if tag == Tag.HEARTBEAT:
+                continue
+            if tag == Tag.BYE:
+                self.liveness.forget(src)
             handler = self._handlers.get(tag)
             if handler is None:
                 raise RuntimeError(f"{self.role} got unexpected message {tag.name} from rank {src}")
             handler(src, body)
             got = True
+        if self.listen_to is None:
+            self.liveness.check()
+        elif self.liveness.beat_due():
+            self.mail.send(0, Tag.HEARTBEAT)
         return got
 
     def loop(self) -> None:

@@ -59,14 +59,22 @@ class RunReport:
         self.metrics = MetricsLogger(
             self.run_dir, self.cfg.logging.tensorboard, keep_upto=start_version if resumed else None
         )
+        if resumed and state is not None:
+            # rows the checkpointed launch had not written yet (it died waiting for a weight load or an
+            # evaluation): written now with the parts they have, so no trained version lacks its row
+            have = {int(float(r["version"])) for r in self.metrics.rows}
+            for v, row in sorted((int(k), r) for k, r in state.get("rows", {}).items()):
+                if v not in have:
+                    self.metrics.log(v, row)
 
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps of the report (the rest is per launch)."""
+    def state_dict(self, upto: int) -> dict:
+        """What a checkpoint of version `upto` keeps of the report (the rest is per launch)."""
         return {
             "tokens_consumed": self.tokens_consumed,
             "samples_consumed": self.samples_consumed,
             "evals": self.evals,
             "dropped_on_resume": self.dropped_on_resume,
+            "rows": {str(v): r for v, r in self.rows.items() if v <= upto and "train" in self.row_got.get(v, ())},
         }
 
     # -- the parts of a row -----------------------------------------------------------------------

@@ -176,7 +176,7 @@ class Scheduler(RoleLoop):
             "version": v,
             "core": self.core.state_dict(),
             "next_group_id": self.next_group_id,
-            **self.report.state_dict(),
+            **self.report.state_dict(v),
         }
         save_scheduler_state(self.run_dir, v, state)
         self.last_ckpt, self.ckpt_pending = v, None

@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         run_dir.rank_pid(rank).write_text(str(os.getpid()))
         layout.check(comm.Get_size(), cfg.cluster.n_generators, cfg.cluster.n_trainers)
+        # a hung rank is named with its node (Slurm's name for it: virtual nodes share one hostname)
+        layout = layout.with_hosts(comm.allgather(os.environ.get("SLURMD_NODENAME") or socket.gethostname()))
         # decided once, by rank 0: every rank must agree even if a shared filesystem's caches do not
         resume = comm.bcast(
             "--resume" in opts or ("--resume-auto" in opts and run_dir.latest_checkpoint() is not None), root=0
@@ -169,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(line + "\n")
         finally:
+            # MPI_Abort can hang when a peer is stopped (PMIx's abort agent times out): leave anyway, and
+            # srun (--kill-on-bad-exit) or mpirun ends the rest on this rank's non-zero exit
+            threading.Timer(10.0, os._exit, (1,)).start()
             comm.Abort(1)
     exit_rank()
 

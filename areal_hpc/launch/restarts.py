@@ -1,0 +1,94 @@
+"""Automatic restarts inside an allocation: why a world died, and the run directory's record of restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from areal_hpc.rundir import RunDir
+from areal_hpc.utils import atomic_write_text
+
+# srun's line for a task that died ("srun: error: n2: task 0: Killed"); Killed/Terminated: by a signal
+_SRUN_DEATH = re.compile(
+    r"error: (\S+): tasks? ([\d,-]+): (Killed|Terminated|Exited with exit code \d+|.*fault|Aborted)"
+)
+
+
+def death_cause(run_dir: Path, code: int, since: float, job_output: Path | None = None, watchdog: str = "") -> str:
+    """One line: why the world that started at `since` ended with `code`.
+
+    `watchdog`: the job script ended the world because rank 0's heartbeat went quiet; a rank's own error
+    line, if one was written (rank 0 naming a silent rank, then hanging in MPI_Abort), says more. Else a
+    task killed by a signal (srun's first such line: its peers' errors, such as a failed broadcast,
+    follow from it), else the first rank error written, else srun's first line on a task, else the code.
+    """
+    run = RunDir(run_dir)
+    errors = [p for p in run.rank_errors() if p.stat().st_mtime >= since]
+    first_error = errors[0].read_text(errors="replace").strip().splitlines()[0] if errors else ""
+    if watchdog:
+        return first_error or watchdog
+    deaths = []
+    if job_output is not None and job_output.is_file():
+        lines = job_output.read_text(errors="replace").splitlines()
+        starts = [i for i, ln in enumerate(lines) if ln.startswith("[areal]") and " starting on " in ln]
+        deaths = [m for ln in lines[starts[-1] if starts else 0 :] if (m := _SRUN_DEATH.search(ln))]
+    if deaths and deaths[0].group(3) in ("Killed", "Terminated"):
+        m = deaths[0]
+        return f"a task was killed by a signal: srun says {m.group(1)}: task {m.group(2)}: {m.group(3)} (code {code})"
+    if first_error:
+        return first_error
+    if deaths:
+        m = deaths[0]
+        return f"srun exited with code {code}: {m.group(1)}: task {m.group(2)}: {m.group(3)}"
+    return f"srun exited with code {code}"
+
+
+def load_restarts(run_dir: Path) -> list[dict]:
+    path = RunDir(run_dir).restarts
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def record_restart(run_dir: Path, attempt: int, code: int, since: float, watchdog: str = "", job_output=None) -> dict:
+    """Append one restart to RUN_DIR/restarts.json (rewritten atomically) and return it."""
+    entry = {
+        "attempt": attempt,
+        "time": time.time(),
+        "world_started": since,
+        "exit_code": code,
+        "cause": death_cause(run_dir, code, since, Path(job_output) if job_output else None, watchdog),
+        "checkpoint": RunDir(run_dir).latest_checkpoint(),
+    }
+    atomic_write_text(RunDir(run_dir).restarts, json.dumps(load_restarts(run_dir) + [entry], indent=1))
+    return entry
+
+
+def restarts_line(run_dir: Path) -> str | None:
+    """`areal-hpc status`'s line on restarts, None when there were none."""
+    rs = load_restarts(run_dir)
+    if not rs:
+        return None
+    last = rs[-1]
+    when = time.strftime("%H:%M:%S", time.localtime(last["time"]))
+    return f"restarts: {len(rs)} (last at {when}, from checkpoint v{last['checkpoint']}: {last['cause']})"
+
+
+def main(argv: list[str]) -> int:
+    """The job script's call after a world died: `python -m areal_hpc.launch.restarts RUN_DIR ATTEMPT CODE
+    SINCE [WATCHDOG_LINE]`; prints the restart's one line."""
+    run_dir, attempt, code, since = Path(argv[0]), int(argv[1]), int(argv[2]), float(argv[3])
+    watchdog = argv[4] if len(argv) > 4 else ""
+    job = RunDir(run_dir).slurm_output.replace("%j", os.environ.get("SLURM_JOB_ID", ""))
+    entry = record_restart(run_dir, attempt, code, since, watchdog, job)
+    print(f"restart {attempt} from checkpoint v{entry['checkpoint']}: {entry['cause']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
