@@ -206,9 +206,16 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-def _one_line(err: OmegaConfBaseException) -> str:
+def _one_line(err: OmegaConfBaseException, overrides: list[str] | None = None) -> str:
     msg = str(err).strip().splitlines()[0]
     key = getattr(err, "full_key", None)
+    if not key:  # some errors (a tuple of the wrong length) lose the key: find the override that fails alone
+        for ov in overrides or []:
+            try:
+                OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([ov]))
+            except OmegaConfBaseException:
+                key = ov.split("=", 1)[0]
+                break
     return f"config {key}: {msg}" if key else f"config: {msg}"
 
 
@@ -246,7 +253,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config {missing[0]} is required but not set")
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
-        raise ConfigError(_one_line(err)) from None
+        raise ConfigError(_one_line(err, overrides)) from None
     return validate(cfg)
 
 

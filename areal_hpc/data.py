@@ -84,11 +84,23 @@ def _tests_text(raw) -> str | None:
     return raw if isinstance(raw, str) and raw.strip() else None
 
 
+MAX_ROW_BYTES = 1 << 20  # a row past 1 MiB is no prompt any model's context holds: skipped, not loaded
+_NOT_UTF8, _TOO_BIG = "not UTF-8", "over 1 MiB"
+
+
 def _read_rows(path: Path, kind: str):
+    """(line number, row) per row: the parsed JSON, None when it is not JSON, or a skip reason (str)."""
     if kind in ("jsonl", "code"):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                line = line.strip()
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if len(raw) > MAX_ROW_BYTES:
+                    yield lineno, _TOO_BIG
+                    continue
+                try:
+                    line = raw.decode("utf-8").strip()
+                except UnicodeDecodeError:
+                    yield lineno, _NOT_UTF8
+                    continue
                 if not line:
                     continue
                 try:
@@ -101,7 +113,8 @@ def _read_rows(path: Path, kind: str):
         import pandas as pd
 
         for i, row in enumerate(pd.read_parquet(path).to_dict("records"), 1):
-            yield i, row
+            big = any(isinstance(v, str) and len(v) > MAX_ROW_BYTES for v in row.values())
+            yield i, _TOO_BIG if big else row
 
 
 def load_math_dataset(
@@ -127,6 +140,9 @@ def load_math_dataset(
         reasons[why] = reasons.get(why, 0) + 1
 
     for _, row in _read_rows(p, kind):
+        if isinstance(row, str):
+            skip(row)
+            continue
         if not isinstance(row, dict):
             skip("not a JSON object")
             continue
@@ -140,13 +156,14 @@ def load_math_dataset(
             continue
         problems.append(Problem(len(problems), prompt_template.replace("{question}", q.strip()), a))
     skipped = sum(reasons.values())
-    if skipped:
-        detail = ", ".join(f"{n} {why}" for why, n in reasons.items())
-        warnings.warn(f"dataset {p.name}: skipped {skipped} malformed rows ({detail})", stacklevel=2)
-    if not problems:
+    detail = ", ".join(f"{n} {why}" for why, n in reasons.items())
+    if not problems:  # one line with the reasons (no warning first)
         raise ValueError(
-            f"dataset {str(p)!r} has no usable rows (keys {question_key!r}/{answer_key!r}); skipped {skipped}"
+            f"dataset {str(p)!r} has no usable rows (keys {question_key!r}/{answer_key!r}); "
+            f"skipped {skipped}" + (f": {detail}" if detail else "")
         )
+    if skipped:
+        warnings.warn(f"dataset {p.name}: skipped {skipped} malformed rows ({detail})", stacklevel=2)
     order = list(range(len(problems)))
     random.Random(seed).shuffle(order)
     n_held = min(heldout_size, len(problems) // 2)

@@ -47,13 +47,10 @@ class MetricsLogger:
     def log(self, version: int, row: dict) -> None:
         row = {"version": version, **row}
         self.rows.append(row)
-        new = [k for k in row if k not in self.fields]
-        if new or not self.csv_path.exists():
-            self.fields += new
-            self._rewrite()
-        else:
-            with open(self.csv_path, "a", newline="") as f:
-                csv.DictWriter(f, fieldnames=self.fields, restval="").writerow(row)
+        self.fields += [k for k in row if k not in self.fields]
+        # rewritten whole and renamed, not appended: a full disk or a kill mid-write never leaves half a row
+        # (a few hundred rows of a few hundred bytes: cheap next to a training version)
+        self._rewrite()
         if self._tb is not None:
             for k, v in row.items():
                 if k != "version" and isinstance(v, (int, float)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import time
@@ -105,6 +106,11 @@ class RunDir:
 
     def weights_version(self, version: int) -> Path:
         return self.weights / _versioned(version)
+
+    @property
+    def quarantine(self) -> Path:
+        """Shards a resume found corrupt (torn, flipped bytes), moved out of the store; their groups regenerate."""
+        return self.root / "quarantine"
 
     @property
     def durable_dirs(self) -> tuple[Path, ...]:
@@ -213,6 +219,26 @@ class RunDir:
         cfg.store.run_dir = str(self.root)
         save_config(cfg, self.config)
         return self
+
+    def storage_problem(self) -> str | None:
+        """One line if the run directory cannot take writes now (full, over quota, read-only), else None:
+        a small file is written, synced and removed."""
+        probe = self.root / f".probe-{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * 65536)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                return f"run dir {str(self.root)!r} cannot be written: {err.strerror}; make room or fix it, then resume"
+            return None
+        finally:
+            try:
+                probe.unlink()
+            except OSError:
+                pass
+        return None
 
     def require_checkpoint(self) -> int:
         n = self.latest_checkpoint()

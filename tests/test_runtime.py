@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import pandas as pd
 import pytest
 import torch
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 from areal_hpc.config import load_config
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.launch.local import launch
+from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.timeline import load_timeline
 from areal_hpc.runtime.weight_sync import weights_checksum
 from areal_hpc.store import Ledger, list_shards, load_trajectories, read_shard_summary
@@ -274,6 +276,18 @@ def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
     assert proc.returncode != 0 and "mpirun exited with code" in err, err
     assert len(err.strip().splitlines()) == 1  # one clear line
     crashed_at = Ledger(run).last_version()
+    # the disk damages two shards the resume will read from: one torn, one with a flipped byte in its tokens
+    ckpt = RunDir(run).latest_checkpoint()
+    kept = {shard for v in range(ckpt) for shard, _ in Ledger(run).entries(v)}
+    spare = [p for p in list_shards(run / "rollouts") if p.name not in kept]
+    assert len(spare) >= 2, "the crash left fewer than two shards beyond the checkpoint"
+    torn, flipped = spare[-2], spare[-1]
+    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    with h5py.File(flipped, "r") as f:
+        at = f["input_ids"].id.get_offset() + 5
+    raw = bytearray(flipped.read_bytes())
+    raw[at] ^= 0xFF
+    flipped.write_bytes(bytes(raw))
 
     r = subprocess.run(
         [*CLI, "run", "--resume", str(run), "--no-progress"], capture_output=True, text=True, timeout=300
@@ -281,6 +295,9 @@ def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads((run / "summary.json").read_text())
     assert s["start_version"] in (3, 6) and s["start_version"] <= crashed_at + 1 and s["versions"] == 14
+    # both quarantined, one line each; their groups regenerated, so every batch below is still full
+    assert len(s["quarantined_shards"]) == 2 and "checksum mismatch" in " ".join(s["quarantined_shards"])
+    assert sorted(p.name for p in RunDir(run).quarantine.iterdir()) == sorted([torn.name, flipped.name])
     eaten = _audit(run, eta=1)
     assert len(eaten) == 14 * 16 * 8  # every version consumed one full batch, none twice
     assert (eaten["version_start"] == eaten["version_end"]).all()  # interrupt off: one version per trajectory

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -330,19 +331,23 @@ class TorchTrainEngine(TrainEngine):
     def save_checkpoint(self, path: Path) -> None:
         """Model (safetensors), optimizer, RNG and version; written to a temp dir and renamed."""
         tmp = new_tmp_dir_beside(Path(path))
-        sd = {k: v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()}
-        save_file(sd, str(tmp / "model.safetensors"))  # clones: tied weights saved twice, re-tied on load
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "numpy_rng": np.random.get_state(),
-                "python_rng": random.getstate(),
-            },
-            tmp / "trainer_state.pt",
-        )
-        (tmp / "meta.json").write_text(json.dumps({"version": self.version}))
-        atomic_publish_dir(tmp, Path(path))
+        try:
+            sd = {k: v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()}
+            save_file(sd, str(tmp / "model.safetensors"))  # clones: tied weights saved twice, re-tied on load
+            torch.save(
+                {
+                    "optimizer": self.optimizer.state_dict(),
+                    "torch_rng": torch.get_rng_state(),
+                    "numpy_rng": np.random.get_state(),
+                    "python_rng": random.getstate(),
+                },
+                tmp / "trainer_state.pt",
+            )
+            (tmp / "meta.json").write_text(json.dumps({"version": self.version}))
+            atomic_publish_dir(tmp, Path(path))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half checkpoint behind
+            raise
 
     def load_checkpoint(self, path: Path) -> None:
         path = Path(path)

@@ -50,15 +50,16 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     from areal_hpc.config import save_config
     from areal_hpc.data import check_prompts_fit
     from areal_hpc.model import ensure_model
+    from areal_hpc.runtime.resume import CheckpointError, check_resumable
 
     run = RunDir(Path(cfg.store.run_dir).resolve())
     try:
         if resume:
-            run.require_checkpoint()
+            check_resumable(run.root)  # one line on a damaged checkpoint, before the config is rewritten
             save_config(cfg, run.config)  # a resume may change settings (more versions, a new time limit)
         else:
             run.create(cfg, hint="resume it with --resume or pick another run_name=...")
-    except RunDirError as err:
+    except (RunDirError, CheckpointError) as err:
         raise RunFailed(str(err)) from None
     check_prompts_fit(cfg, ensure_model(cfg.model))  # built once here, never by several ranks at once
     run.before_start()
@@ -69,6 +70,8 @@ def failure_line(run_dir: Path, returncode: int) -> str:
     """One line naming why a run failed: a rank killed by a signal first (its peers' errors, such as a reset
     connection, follow from it), else the first rank's own error, else mpirun's exit code."""
     run = RunDir(run_dir)
+    if problem := run.storage_problem():  # the ranks' own error lines could not be written there either
+        return problem
     errors = run.rank_errors()
     erred = {int(re.search(r"(\d+)", p.stem).group(1)) for p in errors}
     lines = run.mpirun_log.read_text(errors="replace").splitlines() if run.mpirun_log.exists() else []

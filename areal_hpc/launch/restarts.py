@@ -81,8 +81,12 @@ def restarts_line(run_dir: Path) -> str | None:
 
 def main(argv: list[str]) -> int:
     """The job script's call after a world died: `python -m areal_hpc.launch.restarts RUN_DIR ATTEMPT CODE
-    SINCE [WATCHDOG_LINE]`; prints the restart's one line."""
+    SINCE [WATCHDOG_LINE]`; prints the restart's one line. Exit code 2: do not restart (the run
+    directory cannot be written)."""
     run_dir, attempt, code, since = Path(argv[0]), int(argv[1]), int(argv[2]), float(argv[3])
+    if problem := RunDir(run_dir).storage_problem():
+        print(f"not restarting: {problem}")  # a new world would die the same way
+        return 2
     watchdog = argv[4] if len(argv) > 4 else ""
     job = RunDir(run_dir).slurm_output.replace("%j", os.environ.get("SLURM_JOB_ID", ""))
     entry = record_restart(run_dir, attempt, code, since, watchdog, job)

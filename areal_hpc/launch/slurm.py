@@ -237,6 +237,9 @@ def prepare_run_dir(run_dir: Path) -> str:
         save_job(run_dir, info)
     n = run.latest_checkpoint()
     if n is not None:
+        from areal_hpc.runtime.resume import check_resumable
+
+        check_resumable(run.root)  # CheckpointError (a ValueError): one line in the job's log, no world started
         return f"resuming {run_dir} from checkpoint v{n}"
     if run.rollouts.exists() or run.ledger.exists():
         # a start that died before its first checkpoint: nothing was trained; keep it aside

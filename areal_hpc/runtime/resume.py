@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -25,8 +26,62 @@ def _plain(obj):
     raise TypeError(f"{type(obj).__name__} in the scheduler state is not JSON")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint a resume would start from is damaged; the message is one line naming what and how to go on."""
+
+
+def check_resumable(run_dir: Path) -> int:
+    """The newest complete checkpoint's version, after reading what a resume needs from it: rank 0's state
+    (JSON), the trainers' meta.json, and the headers of their safetensors files. Raises CheckpointError
+    before any rank starts, so a damaged checkpoint costs one line and touches nothing."""
+    from safetensors import safe_open
+
+    run = RunDir(run_dir)
+    v = run.latest_checkpoint()
+    if v is None:
+        raise CheckpointError(f"run dir {str(run.root)!r} has no complete checkpoint to resume from")
+    ck = run.trainer_checkpoint(v)
+    hint = f"move {ck.name}* out of {run.checkpoints} to resume from the one before"
+    try:
+        load_scheduler_state(run_dir, v)
+        if (ck / "meta.json").exists():
+            json.loads((ck / "meta.json").read_text())
+        files = sorted(ck.rglob("*.safetensors"))
+        if not any(ck.iterdir()):
+            raise CheckpointError(f"checkpoint v{v} ({ck}) is empty; {hint}")
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                h.keys()
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any unreadable part makes the checkpoint unusable
+        what = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        raise CheckpointError(f"checkpoint v{v} in {str(run.root)!r} is damaged ({what}); {hint}") from None
+    return v
+
+
 def load_scheduler_state(run_dir: Path, version: int) -> dict:
     return json.loads(RunDir(run_dir).scheduler_state(version).read_text())
+
+
+def quarantine_corrupt_shards(run_dir: Path, consumed: dict) -> list[str]:
+    """Move every shard a resume would read from that fails its checks to RUN_DIR/quarantine/; returns one
+    line per shard. A shard is read from when some trajectory in it is not consumed, and those are
+    verified in full (token data too). Their groups then never reach a batch: new grants replace them,
+    so no batch is short. A shard whose trajectories were all consumed is not read again."""
+    run = RunDir(run_dir)
+    lines = []
+    for path in list_shards(run.rollouts):
+        try:
+            s = read_shard_summary(path)
+            if all((path.name, i) in consumed for i in range(s.n_trajectories)):
+                continue
+            read_shard_summary(path, verify_tokens=True)
+        except CorruptShardError as err:
+            run.quarantine.mkdir(exist_ok=True)
+            os.replace(path, run.quarantine / path.name)
+            lines.append(f"{err}; moved to {run.quarantine.name}/, its groups will be generated again")
+    return lines
 
 
 def unconsumed_groups(

@@ -41,6 +41,7 @@ class RunReport:
         self.tokens_generated = 0
         self.aborted_requests = 0  # requests generators interrupted for new weights (and resumed)
         self.dropped_on_resume = 0
+        self.quarantined: list[str] = []  # corrupt shards this launch's resume moved out of the store
         self.raw_gbps = math.nan
         self.sync_gbps: list[float] = []
         self.evals: dict[str, float] = {}  # evaluation tag -> held-out accuracy
@@ -227,6 +228,7 @@ class RunReport:
             "dropped_stale": self.core.dropped_stale,
             "rejected_uniform": self.core.rejected,
             "dropped_on_resume": self.dropped_on_resume,
+            "quarantined_shards": self.quarantined,
             "sync_gbps_mean": sum(self.sync_gbps) / len(self.sync_gbps) if self.sync_gbps else None,
             "raw_broadcast_gbps": None if math.isnan(self.raw_gbps) else self.raw_gbps,
             "eta": self.cfg.rollout.eta,

@@ -12,7 +12,13 @@ from areal_hpc.model import load_tokenizer
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
-from areal_hpc.runtime.resume import clean_temporaries, load_scheduler_state, save_scheduler_state, unconsumed_groups
+from areal_hpc.runtime.resume import (
+    clean_temporaries,
+    load_scheduler_state,
+    quarantine_corrupt_shards,
+    save_scheduler_state,
+    unconsumed_groups,
+)
 from areal_hpc.runtime.role_loop import Handler, RoleLoop
 from areal_hpc.runtime.run_report import RunReport
 from areal_hpc.runtime.scheduler_core import BatchPlan, ReadyGroup, SchedulerCore, fair_shares
@@ -78,6 +84,9 @@ class Scheduler(RoleLoop):
         clean_temporaries(self.run_dir)
         state = load_scheduler_state(self.run_dir, n)
         removed = self.ledger.truncate_after(n - 1)  # batches recorded after the checkpoint were not kept
+        for line in quarantine_corrupt_shards(self.run_dir, self.ledger.consumed()):
+            log.warning("%s", line)
+            self.report.quarantined.append(line)
         stored, max_gid = unconsumed_groups(self.run_dir, self.ledger.consumed(), skip_uniform=self.core.reject_uniform)
         reused, stale = self.core.restore(n, state["core"], stored)
         self.next_group_id = max(state["next_group_id"], max_gid + 1)

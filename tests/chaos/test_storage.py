@@ -1,0 +1,118 @@
+"""Chaos suite, storage: the run directory's filesystem fills up, then turns read-only, mid-run.
+
+The run directory lies on a size-limited tmpfs (a real filesystem with a real ENOSPC and EROFS). Each
+fault must stop the run with one line naming it, leave no half-written file under a final name, and
+be recovered by the one documented command, `areal-hpc run --resume RUN_DIR`, once the disk is fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from safetensors.torch import load_file
+
+from areal_hpc.rundir import RunDir
+from areal_hpc.store import Ledger, list_shards, load_trajectories, read_shard
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "areal_hpc.cli"]
+B, N, ETA, VERSIONS = 8, 8, 2, 12
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 16 MB tmpfs: two of the demo's checkpoints (6 MB each) and a few shards fill it."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _remount(mnt: Path, opts: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{opts}", str(mnt)], check=True)
+
+
+def _whole(run: Path) -> None:
+    """Every file under a final name is complete: shards verify, JSON parses, checkpoints load, metrics
+    rows are whole. Only temporaries (which a resume deletes) may be left, by ranks killed mid-write."""
+    for p in list_shards(run / "rollouts"):
+        read_shard(p)  # raises CorruptShardError on a torn or damaged file
+    rd = RunDir(run)
+    for p in [*rd.ledger.glob("*.json"), *rd.checkpoints.glob("*.json"), rd.progress]:
+        if p.exists():
+            json.loads(p.read_text())
+    for v in range((rd.latest_checkpoint() or 0) + 1):
+        if rd.scheduler_state(v).exists():
+            assert load_file(str(rd.trainer_checkpoint(v) / "model.safetensors"))
+    if rd.metrics.exists():
+        m = pd.read_csv(rd.metrics)
+        assert m["version"].notna().all() and m["reward_mean"].notna().all()
+    # temporaries (a name with .tmp, which the resume removes) lie only where atomic writes put them
+    temps = [p for p in run.rglob("*") if ".tmp" in p.name]
+    assert all(p.parent in (*rd.durable_dirs, run, rd.logs) for p in temps), temps
+
+
+def _run(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "run", *args, "--no-progress"], capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_line_and_resume_loses_nothing(small_fs, tmp_path):
+    run = small_fs / "run"
+    r = _run(
+        str(ROOT / "jobs" / "demo.yaml"),
+        f"store.run_dir={run}",
+        f"model.path={tmp_path / 'model'}",  # outside the small filesystem
+        f"rollout.batch_prompts={B}",
+        f"rollout.eta={ETA}",
+        f"trainer.versions={VERSIONS}",
+        "trainer.checkpoint_every=1",
+        "trainer.max_wall_s=0",
+        "logging.eval_prompts=20",
+        "logging.eval_every=0",
+        "logging.tensorboard=false",
+    )
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0], r.stderr[-2000:]
+    print(f"\n[chaos] full disk: {lines[0]}")
+    _whole(run)
+    stopped_at = RunDir(run).latest_checkpoint()
+    assert stopped_at is not None and stopped_at < VERSIONS
+
+    # room made; the resumed run then loses its filesystem's write access mid-run
+    _remount(small_fs, "size=256m")
+    proc = subprocess.Popen(
+        [*CLI, "run", "--resume", str(run), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    end = time.time() + 240
+    while time.time() < end and proc.poll() is None:
+        if (RunDir(run).latest_checkpoint() or 0) >= stopped_at + 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    _remount(small_fs, "ro")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Read-only file system" in lines[0], err[-2000:]
+    print(f"[chaos] read-only: {lines[0]}")
+    _whole(run)
+
+    _remount(small_fs, "rw")
+    r = _run("--resume", str(run))
+    assert r.returncode == 0, r.stderr[-2000:]
+    _whole(run)
+    ledger = Ledger(run)  # raises on a trajectory consumed twice
+    df = load_trajectories(run)
+    eaten = df[df["consumed_version"] >= 0]
+    assert df.attrs["unmatched_ledger_entries"] == 0
+    assert len(eaten) == len(ledger.consumed()) == VERSIONS * B * N
+    assert (eaten["staleness"] <= ETA).all()
+    assert set(range(1, VERSIONS + 1)) <= set(pd.read_csv(run / "metrics.csv")["version"].astype(int))
