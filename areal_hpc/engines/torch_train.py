@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import shutil
@@ -10,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
 
 from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
 from areal_hpc.algo.ppo import decoupled_ppo_loss, loglinear_prox_logp
@@ -333,7 +335,10 @@ class TorchTrainEngine(TrainEngine):
         tmp = new_tmp_dir_beside(Path(path))
         try:
             sd = {k: v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()}
-            save_file(sd, str(tmp / "model.safetensors"))  # clones: tied weights saved twice, re-tied on load
+            # serialised in memory, then written as plain files: a full disk then fails with OSError ENOSPC,
+            # where torch.save writing to disk itself says only "unexpected pos"
+            (tmp / "model.safetensors").write_bytes(save_safetensors(sd))  # clones: tied weights saved twice
+            state = io.BytesIO()
             torch.save(
                 {
                     "optimizer": self.optimizer.state_dict(),
@@ -341,8 +346,9 @@ class TorchTrainEngine(TrainEngine):
                     "numpy_rng": np.random.get_state(),
                     "python_rng": random.getstate(),
                 },
-                tmp / "trainer_state.pt",
+                state,
             )
+            (tmp / "trainer_state.pt").write_bytes(state.getbuffer())
             (tmp / "meta.json").write_text(json.dumps({"version": self.version}))
             atomic_publish_dir(tmp, Path(path))
         except BaseException:
