@@ -103,7 +103,8 @@ def eval_problems(target: EvalTarget, data: str, tokenizer):
         raise EvalError(f"--data {data!r} must be {HELDOUT!r} (the run's held-out prompts) or a .jsonl/.parquet file")
     if not f.is_file():
         raise EvalError(f"--data {data!r} does not exist")
-    cfg.data.kind, cfg.data.path, cfg.data.heldout_size = kinds[f.suffix], str(f), 0  # every row is evaluated
+    kind = "code" if cfg.data.kind == "code" and f.suffix == ".jsonl" else kinds[f.suffix]  # a code run's tasks
+    cfg.data.kind, cfg.data.path, cfg.data.heldout_size = kind, str(f), 0  # every row is evaluated
     ds = load_dataset(cfg.data, tokenizer)
     return ds.train, ds.too_long
 
@@ -122,7 +123,7 @@ def run_eval(
     from areal_hpc.evaluation import evaluate
     from areal_hpc.model import load_tokenizer
     from areal_hpc.prompts import check_context
-    from areal_hpc.reward import RewardPool
+    from areal_hpc.reward import reward_pool_for
 
     if temperature < 0 or n_samples < 1:
         raise EvalError(f"--temperature must be >= 0 and --n-samples >= 1, got {temperature} and {n_samples}")
@@ -148,7 +149,7 @@ def run_eval(
     )
     t_gen = time.time()
     try:
-        with RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+        with reward_pool_for(cfg) as pool:  # the run's reward: math-verify, or code in its sandbox
             res = evaluate(eng, tokenizer, pool, problems, mnt, n_samples, greedy=temperature == 0)
     finally:
         eng.close()

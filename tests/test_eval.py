@@ -53,6 +53,16 @@ def test_greedy_eval_equals_the_accuracy_the_run_logged(demo_run, tmp_path):
     assert got["avg_at_k"] == pytest.approx(logged) == pytest.approx(demo_run.acc_after)
     assert f"pass@1:    {logged:.1%}" in text
 
+    # the same weights as a plain Hugging Face folder (what an export holds) give the same figure
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(demo_run.run_dir.parent / "model", hf)
+    shutil.copy(ckpt / "model.safetensors", hf / "model.safetensors")
+    cfg = RunDir(demo_run.run_dir).config
+    _eval([str(hf), "--config", str(cfg), "--engine", "torch", "--json", str(out)])
+    assert json.loads(out.read_text())["avg_at_k"] == pytest.approx(logged)
+
 
 def test_sampled_eval_agrees_with_a_direct_count(demo_run, tmp_path):
     ckpt = RunDir(demo_run.run_dir).trainer_checkpoint(demo_run.versions)
