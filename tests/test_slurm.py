@@ -142,19 +142,20 @@ def test_sweep_runs_as_a_job_array_and_collects(tmp_path):
     assert (df["versions"] == 4).all() and df["consumed_tokens_per_s"].gt(0).all() and df["acc_final"].notna().all()
 
 
-def test_requeue_mid_run_resumes_from_checkpoint(tmp_path):
+def test_requeue_twice_mid_run_resumes_from_checkpoint_each_time(tmp_path):
     job_id = _sbatch(tmp_path, "trainer.versions=16", "trainer.checkpoint_every=4")
     run = tmp_path / "run"
-    _wait_version(run, 6, job_id)
-    subprocess.run(["scontrol", "requeue", job_id], check=True)
-    time.sleep(2)
-    # Slurm holds a requeued job for 2 minutes before it is eligible again; start it now
-    subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)
+    for at in (6, 11):
+        _wait_version(run, at, job_id)
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+        time.sleep(2)
+        # Slurm holds a requeued job for 2 minutes before it is eligible again; start it now
+        subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)
     assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"
     s = json.loads((run / "summary.json").read_text())
-    assert s["start_version"] >= 4 and s["versions"] == 16  # the second start resumed, it did not start over
+    assert s["start_version"] >= 8 and s["versions"] == 16  # the third start resumed, it did not start over
     out = next((run / "logs").glob("slurm-*.out")).read_text()
-    assert "requeue count 1" in out and "resuming" in out
+    assert "requeue count 2" in out and out.count("resuming") >= 2
     _audit(run, eta=2, versions=16)
     assert RunDir(run).latest_checkpoint() == 16
 

@@ -61,6 +61,29 @@ def _pin_one_gpu() -> None:
         os.environ["OMPI_COMM_WORLD_LOCAL_RANK"] = "0"
 
 
+def job_seconds_left() -> float | None:
+    """Seconds until this Slurm job's end time (squeue's %e), None outside Slurm or when unlimited."""
+    import datetime
+    import subprocess
+
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True, text=True, timeout=20)
+        end = datetime.datetime.fromisoformat(out.stdout.strip().splitlines()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None  # unlimited ("N/A"), or squeue unreachable: the configured timeout stands
+    return (end - datetime.datetime.now()).total_seconds()
+
+
+def collective_timeout(configured_s: float, left_s: float | None) -> float:
+    """The configured collective timeout, cut to end a minute before the allocation does (at least 30 s)."""
+    if left_s is None:
+        return configured_s
+    return max(30.0, min(configured_s, left_s - 60.0))
+
+
 def exit_rank() -> None:
     """Flush, finalize MPI and leave at once: in interpreter teardown a torch/gloo thread can still
     drop a tensor after the GIL is gone and abort a run that ended cleanly."""
@@ -116,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.cluster.threads_per_rank)
         if cfg.cluster.device == "cuda" and role != SCHEDULER:
             _pin_one_gpu()
+        # every collective gives up before the allocation ends, so a hang there still leaves time to restart
+        timeout_s = collective_timeout(cfg.sync.timeout_s, comm.bcast(job_seconds_left() if rank == 0 else None))
         in_sync = role == GENERATOR or rank == layout.trainer0
         sync_comm = comm.Split(0 if in_sync else MPI.UNDEFINED, 0 if rank == layout.trainer0 else rank)
         trainer_comm = comm.Split(1 if role == TRAINER else MPI.UNDEFINED, rank)
@@ -127,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if in_sync and cfg.sync.method == "broadcast":
             from areal_hpc.runtime.weight_sync import SyncGroup, backend_for
 
-            sync_group = SyncGroup(sync_comm, backend_for(cfg.sync.backend, cfg.cluster.device), cfg.sync.timeout_s)
+            sync_group = SyncGroup(sync_comm, backend_for(cfg.sync.backend, cfg.cluster.device), timeout_s)
 
         if role == SCHEDULER:
             from areal_hpc.runtime.scheduler import Scheduler
@@ -145,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             if layout.n_trainers > 1:
                 from areal_hpc.runtime.torch_groups import init_trainer_group
 
-                init_trainer_group(trainer_comm, cfg.sync.timeout_s, "nccl" if cfg.cluster.device == "cuda" else "gloo")
+                init_trainer_group(trainer_comm, timeout_s, "nccl" if cfg.cluster.device == "cuda" else "gloo")
             from areal_hpc.runtime.trainer import Trainer
 
             tr = Trainer(cfg, run_dir, comm, layout, sync_group, model_dir, resume)

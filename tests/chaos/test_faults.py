@@ -160,3 +160,11 @@ def test_faults_mid_run_restart_inside_the_allocation_and_lose_nothing(tmp_path)
     assert status.returncode == 0 and f"restarts: {len(faults)}" in status.stdout, status.stdout + status.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["versions"] == VERSIONS and summary["start_version"] > 0
+
+
+def test_collectives_give_up_a_minute_before_the_allocation_ends():
+    from areal_hpc.runtime.worker import collective_timeout
+
+    assert collective_timeout(1800, None) == 1800  # outside Slurm, or no time limit
+    assert collective_timeout(1800, 600) == 540  # 10 minutes left: a hung collective ends with 1 to spare
+    assert collective_timeout(120, 3600) == 120 and collective_timeout(1800, 10) == 30
