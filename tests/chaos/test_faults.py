@@ -29,7 +29,7 @@ from areal_hpc.store import Ledger, load_trajectories
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "areal_hpc.cli"]
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-B, N, ETA, VERSIONS, HANG_S = 8, 8, 2, 20, 10
+B, N, ETA, VERSIONS, HANG_S = 8, 8, 2, 22, 10
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -107,7 +107,7 @@ def test_faults_mid_run_restart_inside_the_allocation_and_lose_nothing(tmp_path)
             "trainer.checkpoint_every=2",
             "trainer.max_wall_s=0",
             f"cluster.hang_timeout_s={HANG_S}",
-            "slurm.max_restarts=4",
+            "slurm.max_restarts=5",
             "logging.eval_prompts=20",
             "logging.eval_every=0",
             "logging.tensorboard=false",
@@ -127,6 +127,7 @@ def test_faults_mid_run_restart_inside_the_allocation_and_lose_nothing(tmp_path)
         ("kill -9 of a generator", "generator", signal.SIGKILL, "killed by a signal"),
         ("SIGSTOP of a generator", "generator", signal.SIGSTOP, "sent nothing for"),
         ("kill -9 of a trainer", "trainer", signal.SIGKILL, "killed by a signal"),
+        ("kill -9 of rank 0", "scheduler", signal.SIGKILL, "killed by a signal"),
         ("SIGSTOP of rank 0", "scheduler", signal.SIGSTOP, "rank 0 (scheduler) wrote no heartbeat"),
     ]
     rows, world_since = [], 0.0
