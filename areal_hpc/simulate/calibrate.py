@@ -66,10 +66,9 @@ def _prompt_tokens(cfg: Config, sample: int = 200) -> int:
     return max(1, round(sum(len(p.prompt_ids) for p in prompts) / max(1, len(prompts))))
 
 
-def _decode_fit(run: RunDir) -> tuple[float, float]:
+def _decode_fit(run: RunDir, m: pd.DataFrame) -> tuple[float, float]:
     """(per-step overhead, per-sequence compute) from the engine meter: step time against batch size,
     plus the time between steps inside generate spans (the generator's own work), as overhead."""
-    m = load_engine_samples(run.root)
     m = m[m["seq_steps"] > 0]
     if m.empty:
         raise ValueError(f"{run.root}: no engine steps recorded under timeline/engine-rank*.csv; nothing to calibrate")
@@ -124,13 +123,14 @@ def _core_sharing(cfg: Config, summary: dict, tl: pd.DataFrame, m: pd.DataFrame)
         out["train_wait_s"] = float((trains["duration"] - trains["cpu_s"]).clip(lower=0).sum())
     # external load = cores / share - the loop's own demand, where a share below 1 shows it (else 0)
     estimates = []
+    overlap = _busy_overlap(trains, m)  # generators stepping per second of training
     if out["train_threads"] and out["train_share"] < 0.97:
-        own = out["train_threads"] * cfg.cluster.n_trainers + out["gen_threads"] * _busy_overlap(trains, m)
+        own = out["train_threads"] * cfg.cluster.n_trainers + out["gen_threads"] * overlap
         estimates.append((cores / out["train_share"] - own, trains["duration"].sum()))
     if out["gen_threads"] and out["gen_share"] < 0.97:
         gen_wall, n_gen = float(m["step_s"].sum()), cfg.cluster.n_generators
         span = max(float(m["t_end"].max() - m["t_start"].min()), 1e-9)
-        with_training = _busy_overlap(trains, m) * float(trains["duration"].sum()) / max(gen_wall, 1e-9)
+        with_training = overlap * float(trains["duration"].sum()) / max(gen_wall, 1e-9)
         own = out["gen_threads"] * (1 + (n_gen - 1) * gen_wall / (n_gen * span))
         own += out["train_threads"] * cfg.cluster.n_trainers * with_training
         estimates.append((cores / out["gen_share"] - own, gen_wall))
@@ -168,9 +168,10 @@ def calibrate(run_dir, overrides: list[str] | None = None) -> tuple[SimConfig, d
     metrics = pd.read_csv(run.metrics).dropna(subset=["tokens"])
     tl = load_timeline(run.root)
     trajs = load_trajectories(run.root)
-    overhead, per_seq = _decode_fit(run)
+    engine = load_engine_samples(run.root)
+    overhead, per_seq = _decode_fit(run, engine)
     latencies = _latencies(tl)
-    sharing = _core_sharing(cfg, summary, tl, load_engine_samples(run.root))
+    sharing = _core_sharing(cfg, summary, tl, engine)
     # the costs on cores of its own: the simulator slows them again by the sharing it models
     overhead, per_seq = overhead * sharing["gen_share"], per_seq * sharing["gen_share"]
 
