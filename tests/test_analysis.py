@@ -170,7 +170,7 @@ def test_simulator_calibrated_on_the_async_run_predicts_the_sync_run(two_runs):
     itself = simulate(sim)
     # within the same bound as the prediction: the model's core sharing is taken per span, not per step
     assert itself.consumed_tokens_per_s == pytest.approx(measured["consumed_tokens_per_s"], rel=0.15)
-    assert measured["core_sharing"]["cores"] >= 1 and measured["core_sharing"]["train_threads"] == 1
+    assert 0 < measured["core_sharing"]["train_share"] <= 1 and measured["core_sharing"]["train_slowdown"] >= 0
     predicted = simulate(calibrate(two_runs[1], ["rollout.eta=0"])[0])
     real = json.loads((two_runs[0] / "summary.json").read_text())["consumed_tokens_per_s"]
     assert predicted.consumed_tokens_per_s == pytest.approx(real, rel=0.15)

@@ -97,48 +97,29 @@ def _busy_overlap(spans: pd.DataFrame, m: pd.DataFrame) -> float:
     return total / max(spans["duration"].sum(), 1e-9)
 
 
-def _core_sharing(cfg: Config, summary: dict, tl: pd.DataFrame, m: pd.DataFrame) -> dict:
-    """How the run's ranks shared the host's cores: each CPU-bound role's share of a core (CPU over wall
-    seconds of its work), and the load from outside the loop that explains the shares left over. A role
-    computes on the host's cores when the run is on CPU and its engine is not emulated; runs from before
-    CPU time was recorded share nothing."""
-    cores = float(summary.get("host_cpus") or math.inf)
+def _core_sharing(cfg: Config, tl: pd.DataFrame, m: pd.DataFrame) -> dict:
+    """How much each role slowed while the other one ran, from the share of a core its work got (CPU over
+    wall seconds) and how much of that work overlapped the other role. A role counts when the run is on
+    CPU and its engine is not emulated; a run whose roles never overlapped (synchronous, or from before
+    CPU time was recorded) shows no sharing."""
     on_cpu = cfg.cluster.device == "cpu"
-    threads = {
-        "gen": float(cfg.cluster.threads_per_rank) * (on_cpu and cfg.rollout.engine != "emulated"),
-        "train": float(cfg.cluster.threads_per_rank) * (on_cpu and cfg.trainer.engine != "emulated"),
-    }
     trains = tl[(tl["role"] == "trainer") & (tl["event"] == "train")].dropna(subset=["cpu_s"])
     if cfg.trainer.warm_start_steps and not trains.empty:  # each trainer's first span is the warm start
         trains = trains[trains.groupby("rank")["t_start"].rank(method="first") > 1]
-    out = {"cores": cores, "gen_share": 1.0, "train_share": 1.0, "gen_threads": 0.0, "train_threads": 0.0}
-    out["train_wait_s"] = 0.0  # trainer seconds waiting for a core, over the PPO versions' train spans
-    if not math.isfinite(cores) or "cpu_s" not in m or (not threads["gen"] and not threads["train"]):
-        return out | {"external_load": 0.0}
-    if threads["gen"] and m["step_s"].sum() > 0:
-        out["gen_share"], out["gen_threads"] = min(1.0, float(m["cpu_s"].sum() / m["step_s"].sum())), threads["gen"]
-    if threads["train"] and trains["duration"].sum() > 0:
-        out["train_share"] = min(1.0, float(trains["cpu_s"].sum() / trains["duration"].sum()))
-        out["train_threads"] = threads["train"]
+    out = {"gen_share": 1.0, "train_share": 1.0, "gen_slowdown": 0.0, "train_slowdown": 0.0, "train_wait_s": 0.0}
+    if not on_cpu or "cpu_s" not in m or trains.empty or m.empty:
+        return out
+    gen_wall, train_wall = float(m["step_s"].sum()), float(trains["duration"].sum())
+    # generator-steps per second of training, per generator; and the share of the steps taken while training
+    stepping = _busy_overlap(trains, m) / cfg.cluster.n_generators
+    while_training = stepping * cfg.cluster.n_generators * train_wall / max(gen_wall, 1e-9)
+    if cfg.rollout.engine != "emulated" and gen_wall > 0 and while_training > 0.05:
+        out["gen_share"] = min(1.0, float(m["cpu_s"].sum()) / gen_wall)
+        out["gen_slowdown"] = (1 / out["gen_share"] - 1) / min(1.0, while_training)
+    if cfg.trainer.engine != "emulated" and train_wall > 0 and stepping > 0.05:
+        out["train_share"] = min(1.0, float(trains["cpu_s"].sum()) / train_wall)
+        out["train_slowdown"] = (1 / out["train_share"] - 1) / min(1.0, stepping)
         out["train_wait_s"] = float((trains["duration"] - trains["cpu_s"]).clip(lower=0).sum())
-    # external load = cores / share - the loop's own demand, where a share below 1 shows it (else 0)
-    estimates = []
-    overlap = _busy_overlap(trains, m)  # generators stepping per second of training
-    if out["train_threads"] and out["train_share"] < 0.97:
-        own = out["train_threads"] * cfg.cluster.n_trainers + out["gen_threads"] * overlap
-        estimates.append((cores / out["train_share"] - own, trains["duration"].sum()))
-    if out["gen_threads"] and out["gen_share"] < 0.97:
-        gen_wall, n_gen = float(m["step_s"].sum()), cfg.cluster.n_generators
-        span = max(float(m["t_end"].max() - m["t_start"].min()), 1e-9)
-        with_training = overlap * float(trains["duration"].sum()) / max(gen_wall, 1e-9)
-        own = out["gen_threads"] * (1 + (n_gen - 1) * gen_wall / (n_gen * span))
-        own += out["train_threads"] * cfg.cluster.n_trainers * with_training
-        estimates.append((cores / out["gen_share"] - own, gen_wall))
-    if estimates:
-        load = sum(v * w for v, w in estimates) / sum(w for _, w in estimates)
-        out["external_load"] = max(0.0, float(load))
-    else:
-        out["external_load"] = 0.0
     return out
 
 
@@ -171,7 +152,7 @@ def calibrate(run_dir, overrides: list[str] | None = None) -> tuple[SimConfig, d
     engine = load_engine_samples(run.root)
     overhead, per_seq = _decode_fit(run, engine)
     latencies = _latencies(tl)
-    sharing = _core_sharing(cfg, summary, tl, engine)
+    sharing = _core_sharing(cfg, tl, engine)
     # the costs on cores of its own: the simulator slows them again by the sharing it models
     overhead, per_seq = overhead * sharing["gen_share"], per_seq * sharing["gen_share"]
 
@@ -210,10 +191,8 @@ def calibrate(run_dir, overrides: list[str] | None = None) -> tuple[SimConfig, d
         p_uniform=measured["p_uniform"],
         reward_s=measured["reward_s"],
         reward_workers=cfg.reward.num_workers,
-        cores=sharing["cores"],
-        external_load=sharing["external_load"],
-        gen_threads=sharing["gen_threads"],
-        train_threads=sharing["train_threads"],
+        gen_slowdown=sharing["gen_slowdown"],
+        train_slowdown=sharing["train_slowdown"],
         **latencies,
     )
     measured["cost"] = cost.to_dict()

@@ -62,12 +62,10 @@ class SimConfig:
     train_overhead_s: float = 0.0  # per version and trainer: loading the shards, optimizer step
     eval_every: int = 0
     eval_prompts: int = 0  # held-out requests on generator 0 at the start and every eval_every versions
-    # the host's cores, when ranks share them (CPU runs): a busy rank's work runs slower by
-    # (external_load + busy ranks' threads) / cores when that exceeds 1 (inf: no sharing, as on GPUs)
-    cores: float = math.inf
-    external_load: float = 0.0  # cores kept busy by other work on the host
-    gen_threads: float = 0.0  # threads a stepping generator keeps on the cores (0: its compute is elsewhere)
-    train_threads: float = 0.0  # threads a training trainer keeps on the cores
+    # roles sharing a host's cores (CPU runs; 0 on GPUs): how much longer a generator step takes while the
+    # trainers train, and a training version while every generator steps (in proportion to those stepping)
+    gen_slowdown: float = 0.0
+    train_slowdown: float = 0.0
     seed: int = 0
 
 
@@ -187,8 +185,8 @@ class _Generator:
         ctx0 = sum(self.sim.cfg.prompt_len + s.done for s in self.running)
         t = cost.decode_step_s(b, ctx0 + b * np.arange(k))
         t[0] += cost.prefill_s(prefill)
-        # the share of the cores when the chunk starts holds for all of it (chunks end at each finish)
-        return t * self.sim.slowdown()
+        # the sharing when the chunk starts holds for all of it (chunks end at each finish)
+        return t * (1.0 + self.sim.cfg.gen_slowdown * self.sim.training)
 
     def run(self):
         env, c = self.sim.env, self.sim.cfg
@@ -275,14 +273,10 @@ class Simulation:
         self.version_wall_s: list[float] = []
         self.version_tokens: list[int] = []
 
-    def slowdown(self) -> float:
-        """How much longer busy work takes now than on cores of its own (1 without host sharing)."""
-        c = self.cfg
-        if not math.isfinite(c.cores):
-            return 1.0
-        demand = c.external_load + c.gen_threads * sum(bool(g.running) for g in self.gens)
-        demand += c.train_threads * c.n_trainers * self.training
-        return max(1.0, demand / c.cores)
+    def train_slowdown(self) -> float:
+        """How much longer training takes now than with the cores to itself (1 without sharing)."""
+        stepping = sum(bool(g.running) for g in self.gens) / max(1, len(self.gens))
+        return 1.0 + self.cfg.train_slowdown * stepping
 
     def draw_length(self) -> int:
         return max(1, int(self.cfg.lengths.quantile(float(self.rng.random()))))
@@ -332,7 +326,7 @@ class Simulation:
                 yield self.env.timeout(c.batch_latency_s)
             shares = [sum(plan.groups[i].n_tokens for mb in share for i in mb) for share in plan.shares]
             self.training = True
-            slow = self.slowdown()
+            slow = self.train_slowdown()
             t = c.train_overhead_s + max(c.cost.train_s(n) for n in shares) * slow
             yield self.env.timeout(t + c.publish_s)
             self.training = False
