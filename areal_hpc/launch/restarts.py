@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.liveness import RankSilent
 from areal_hpc.utils import atomic_write_text
 
 # srun's line for a task that died ("srun: error: n2: task 0: Killed"); Killed/Terminated: by a signal
@@ -22,15 +23,19 @@ def death_cause(run_dir: Path, code: int, since: float, job_output: Path | None 
     """One line: why the world that started at `since` ended with `code`.
 
     `watchdog`: the job script ended the world because rank 0's heartbeat went quiet; a rank's own error
-    line, if one was written (rank 0 naming a silent rank, then hanging in MPI_Abort), says more. Else a
-    task killed by a signal (srun's first such line: its peers' errors, such as a failed broadcast,
-    follow from it), else the first rank error written, else srun's first line on a task, else the code.
+    line, if one was written (rank 0 naming a silent rank, then hanging in MPI_Abort), says more. Else
+    rank 0's verdict on a silent rank: srun then kills the stopped rank, and its "Killed" line is a
+    consequence. Else a task killed by a signal (srun's first such line: its peers' errors, such as a
+    failed broadcast, follow from it), else the first rank error written, else srun's first line on a
+    task, else the code.
     """
     run = RunDir(run_dir)
-    errors = [p for p in run.rank_errors() if p.stat().st_mtime >= since]
-    first_error = errors[0].read_text(errors="replace").strip().splitlines()[0] if errors else ""
+    errors = [_first_line(p) for p in run.rank_errors() if p.stat().st_mtime >= since]
+    first_error = errors[0] if errors else ""
     if watchdog:
         return first_error or watchdog
+    if silent := [e for e in errors if f" {RankSilent.__name__}: " in e]:
+        return silent[0]
     deaths = []
     if job_output is not None and job_output.is_file():
         lines = job_output.read_text(errors="replace").splitlines()
@@ -45,6 +50,11 @@ def death_cause(run_dir: Path, code: int, since: float, job_output: Path | None 
         m = deaths[0]
         return f"srun exited with code {code}: {m.group(1)}: task {m.group(2)}: {m.group(3)}"
     return f"srun exited with code {code}"
+
+
+def _first_line(path: Path) -> str:
+    lines = path.read_text(errors="replace").strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def load_restarts(run_dir: Path) -> list[dict]:

@@ -169,3 +169,21 @@ def test_collectives_give_up_a_minute_before_the_allocation_ends():
     assert collective_timeout(1800, None) == 1800  # outside Slurm, or no time limit
     assert collective_timeout(1800, 600) == 540  # 10 minutes left: a hung collective ends with 1 to spare
     assert collective_timeout(120, 3600) == 120 and collective_timeout(1800, 10) == 30
+
+
+def test_a_silent_ranks_verdict_outranks_the_kill_that_follows_it(tmp_path):
+    """Rank 0 names a stopped rank, aborts, and srun kills the stopped rank: srun's "Killed" line may come
+    first in the job output (as in one CI run), yet the cause is the silence; a kill with no verdict stays
+    the cause."""
+    from areal_hpc.launch.restarts import death_cause
+
+    rd = RunDir(tmp_path)
+    rd.logs.mkdir(parents=True)
+    out = tmp_path / "job.out"
+    out.write_text("[areal] 10:00:00 job 7 starting on h\nsrun: error: n2: task 0-1: Killed\n")
+    assert death_cause(tmp_path, 1, 0.0, out).startswith("a task was killed by a signal: srun says n2")
+    verdict = "rank 0 (scheduler) failed: RankSilent: rank 2 (generator) on h sent nothing for 11 s (...)"
+    rd.rank_error(0).write_text(verdict + "\n")
+    assert death_cause(tmp_path, 1, 0.0, out) == verdict
+    rd.rank_error(1).write_text("rank 1 (trainer) failed: RuntimeError: broadcast failed\n")
+    assert death_cause(tmp_path, 1, 0.0, out) == verdict
