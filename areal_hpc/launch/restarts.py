@@ -20,34 +20,40 @@ _SRUN_DEATH = re.compile(
 
 
 def death_cause(run_dir: Path, code: int, since: float, job_output: Path | None = None, watchdog: str = "") -> str:
-    """One line: why the world that started at `since` ended with `code`.
+    """One line: why the world that started at `since` ended with `code`, from the rank error files
+    written since then and this world's part of the job output (srun's lines on its tasks, in order).
 
-    `watchdog`: the job script ended the world because rank 0's heartbeat went quiet; a rank's own error
-    line, if one was written (rank 0 naming a silent rank, then hanging in MPI_Abort), says more. Else
-    rank 0's verdict on a silent rank: srun then kills the stopped rank, and its "Killed" line is a
-    consequence. Else a task killed by a signal (srun's first such line: its peers' errors, such as a
-    failed broadcast, follow from it), else the first rank error written, else srun's first line on a
-    task, else the code.
+    In order of preference:
+    1. rank 0's verdict on a silent rank. srun then kills the stopped rank, and its "Killed" line, which
+       can come first, is a consequence; so is the watchdog's line when rank 0 then hangs in MPI_Abort.
+    2. `watchdog`, the job script's line on rank 0's quiet heartbeat, or a rank's own error line, which
+       says more; unless srun reported a task's death before it: a world being torn down writes no
+       heartbeat either.
+    3. a task killed by a signal (srun's first such line: its peers' errors, such as a failed
+       broadcast, follow from it);
+    4. the first rank error written, then srun's first line on a task, then the code.
     """
-    run = RunDir(run_dir)
-    errors = [_first_line(p) for p in run.rank_errors() if p.stat().st_mtime >= since]
-    first_error = errors[0] if errors else ""
-    if watchdog:
-        return first_error or watchdog
+    errors = [_first_line(p) for p in RunDir(run_dir).rank_errors() if p.stat().st_mtime >= since]
     if silent := [e for e in errors if f" {RankSilent.__name__}: " in e]:
         return silent[0]
-    deaths = []
+    first_error = errors[0] if errors else ""
+    lines = []
     if job_output is not None and job_output.is_file():
         lines = job_output.read_text(errors="replace").splitlines()
         starts = [i for i, ln in enumerate(lines) if ln.startswith("[areal]") and " starting on " in ln]
-        deaths = [m for ln in lines[starts[-1] if starts else 0 :] if (m := _SRUN_DEATH.search(ln))]
-    if deaths and deaths[0].group(3) in ("Killed", "Terminated"):
-        m = deaths[0]
+        lines = lines[starts[-1] if starts else 0 :]
+    deaths = [(i, m) for i, ln in enumerate(lines) if (m := _SRUN_DEATH.search(ln))]
+    if watchdog:
+        said_at = next((i for i, ln in enumerate(lines) if watchdog in ln), len(lines))
+        if not deaths or deaths[0][0] > said_at:
+            return first_error or watchdog
+    if deaths and deaths[0][1].group(3) in ("Killed", "Terminated"):
+        m = deaths[0][1]
         return f"a task was killed by a signal: srun says {m.group(1)}: task {m.group(2)}: {m.group(3)} (code {code})"
     if first_error:
         return first_error
     if deaths:
-        m = deaths[0]
+        m = deaths[0][1]
         return f"srun exited with code {code}: {m.group(1)}: task {m.group(2)}: {m.group(3)}"
     return f"srun exited with code {code}"
 

@@ -131,13 +131,16 @@ def test_faults_mid_run_restart_inside_the_allocation_and_lose_nothing(tmp_path)
         ("SIGSTOP of rank 0", "scheduler", signal.SIGSTOP, "rank 0 (scheduler) wrote no heartbeat"),
     ]
     rows, world_since = [], 0.0
-    for i, (name, role, sig, cause) in enumerate(faults):
-        row, entry = _inject(run, job_id, i, name, role, sig, world_since)
-        assert cause in entry["cause"], entry
-        rows.append(row)
-        world_since = entry["time"]
-
-    assert wait_for(job_id, DONE, 400) == "COMPLETED", (run / "logs").iterdir()
+    try:
+        for i, (name, role, sig, cause) in enumerate(faults):
+            row, entry = _inject(run, job_id, i, name, role, sig, world_since)
+            assert cause in entry["cause"], entry
+            rows.append(row)
+            world_since = entry["time"]
+        assert wait_for(job_id, DONE, 400) == "COMPLETED", (run / "logs").iterdir()
+    except BaseException:
+        subprocess.run(["scancel", job_id], check=False)  # a failed test leaves no job on the shared cluster
+        raise
     print("\n" + pd.DataFrame(rows).to_string(index=False))
 
     # the audit, from the store and the ledger alone
@@ -171,19 +174,27 @@ def test_collectives_give_up_a_minute_before_the_allocation_ends():
     assert collective_timeout(120, 3600) == 120 and collective_timeout(1800, 10) == 30
 
 
-def test_a_silent_ranks_verdict_outranks_the_kill_that_follows_it(tmp_path):
+def test_restart_causes_follow_the_order_things_happened(tmp_path):
     """Rank 0 names a stopped rank, aborts, and srun kills the stopped rank: srun's "Killed" line may come
-    first in the job output (as in one CI run), yet the cause is the silence; a kill with no verdict stays
-    the cause."""
+    first in the job output (as in one CI run), yet the cause is the silence. A kill with no verdict is
+    the cause, also when a slow teardown then trips the heartbeat watchdog (as in another run); a
+    watchdog line with no death before it is the cause."""
     from areal_hpc.launch.restarts import death_cause
 
     rd = RunDir(tmp_path)
     rd.logs.mkdir(parents=True)
     out = tmp_path / "job.out"
-    out.write_text("[areal] 10:00:00 job 7 starting on h\nsrun: error: n2: task 0-1: Killed\n")
-    assert death_cause(tmp_path, 1, 0.0, out).startswith("a task was killed by a signal: srun says n2")
+    start = "[areal] 10:00:00 job 7 starting on h (requeue count 0, restart 0 of at most 5)\n"
+    watchdog = "rank 0 (scheduler) wrote no heartbeat for 11 s (cluster.hang_timeout_s=10): stopped or stuck"
+    killed = "srun: error: n2: task 0: Killed\n"
+    out.write_text(f"{start}[areal] 10:00:30 {watchdog}\n{killed}")
+    assert death_cause(tmp_path, 137, 0.0, out, watchdog) == watchdog
+    out.write_text(f"{start}{killed}srun: error: n1: task 1: Exited with exit code 1\n[areal] 10:00:30 {watchdog}\n")
+    broadcast = "rank 1 (trainer) failed: RuntimeError: weight broadcast of version 4 failed (see the log)"
+    rd.rank_error(1).write_text(broadcast + "\n")
+    for dog in ("", watchdog):
+        assert death_cause(tmp_path, 137, 0.0, out, dog).startswith("a task was killed by a signal: srun says n2")
     verdict = "rank 0 (scheduler) failed: RankSilent: rank 2 (generator) on h sent nothing for 11 s (...)"
     rd.rank_error(0).write_text(verdict + "\n")
-    assert death_cause(tmp_path, 1, 0.0, out) == verdict
-    rd.rank_error(1).write_text("rank 1 (trainer) failed: RuntimeError: broadcast failed\n")
-    assert death_cause(tmp_path, 1, 0.0, out) == verdict
+    for dog in ("", watchdog):
+        assert death_cause(tmp_path, 1, 0.0, out, dog) == verdict
