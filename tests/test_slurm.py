@@ -68,14 +68,25 @@ def _sbatch(tmp_path, *overrides) -> str:
     ).stdout.strip()
 
 
-def _wait_version(run: Path, version: int, job_id: str, timeout: float = 180) -> None:
+def _progress(run: Path, since: float = 0.0) -> int:
+    """The version progress.json says, if it was written after `since`; -1 if not (or not yet)."""
+    try:
+        doc = json.loads((run / "progress.json").read_text())
+        return doc["version"] if doc["time"] > since else -1
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def _world_starts(run: Path) -> int:
+    """How many MPI worlds the job script has started so far (its job output, appended across requeues)."""
+    return sum(p.read_text().count(" starting on ") for p in (run / "logs").glob("slurm-*.out"))
+
+
+def _wait_version(run: Path, version: int, job_id: str, timeout: float = 180, since: float = 0.0) -> None:
     end = time.time() + timeout
     while time.time() < end:
-        try:
-            if json.loads((run / "progress.json").read_text())["version"] >= version:
-                return
-        except (OSError, ValueError):
-            pass
+        if _progress(run, since) >= version:
+            return
         assert job_state(job_id) not in DONE, job_state(job_id)
         time.sleep(0.3)
     raise AssertionError(f"job {job_id} did not reach version {version}")
@@ -147,10 +158,16 @@ def test_requeue_twice_mid_run_resumes_from_checkpoint_each_time(tmp_path):
     run = tmp_path / "run"
     for at in (6, 11):
         _wait_version(run, at, job_id)
+        t_requeue, v_requeue, starts = time.time(), _progress(run), _world_starts(run)
         subprocess.run(["scontrol", "requeue", job_id], check=True)
         time.sleep(2)
         # Slurm holds a requeued job for 2 minutes before it is eligible again; start it now
         subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)
+        end = time.time() + 120
+        while _world_starts(run) == starts and time.time() < end:
+            time.sleep(0.3)
+        _wait_version(run, v_requeue + 1, job_id, since=time.time())  # progress of the new world only
+        print(f"\n[chaos] scontrol requeue at v{v_requeue}: past it again {time.time() - t_requeue:.1f} s later")
     assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"
     s = json.loads((run / "summary.json").read_text())
     assert s["start_version"] >= 8 and s["versions"] == 16  # the third start resumed, it did not start over
@@ -191,16 +208,23 @@ def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
     job_id = _sbatch(tmp_path, "trainer.versions=20", "trainer.checkpoint_every=100")
     run = tmp_path / "run"
     _wait_version(run, 6, job_id)
+    t_signal = time.time()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
     end = time.time() + 120
     while (
         "requeueing job" not in "".join(p.read_text() for p in (run / "logs").glob("slurm-*.out")) and time.time() < end
     ):
         time.sleep(0.5)
+    t_stopped = time.time()
     stopped_at = json.loads((run / "summary.json").read_text())["versions"]
     assert RunDir(run).latest_checkpoint() == stopped_at >= 6  # a clean stop checkpoints where it stopped
     time.sleep(2)
     subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)  # skip the requeue hold
+    _wait_version(run, stopped_at + 1, job_id, since=t_stopped)
+    print(
+        f"\n[chaos] USR1 at v{stopped_at}: checkpointed and requeued {t_stopped - t_signal:.1f} s later,"
+        f" past v{stopped_at} again {time.time() - t_signal:.1f} s after the signal"
+    )
     assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"
     s = json.loads((run / "summary.json").read_text())
     assert s["start_version"] == stopped_at and s["versions"] == 20  # resumed exactly where it stopped

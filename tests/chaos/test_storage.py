@@ -89,10 +89,13 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_line_and_resume_lo
         "logging.eval_every=0",
         "logging.tensorboard=false",
     )
+    t_stopped = time.time()
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "No space left on device" in lines[0], r.stderr[-2000:]
-    print(f"\n[chaos] full disk: {lines[0]}")
+    t_failed = min(p.stat().st_mtime for p in RunDir(run).rank_errors())  # the first rank's failed write
+    print(f"\n[chaos] full disk at v{RunDir(run).latest_checkpoint()}: stopped {t_stopped - t_failed:.1f} s after")
+    print(f"[chaos] the first failed write: {lines[0]}")
     _whole(run)
     stopped_at = RunDir(run).latest_checkpoint()
     assert stopped_at is not None and stopped_at < VERSIONS
@@ -113,7 +116,9 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_line_and_resume_lo
         # the ranks hold log files open; files already open stay writable, as on a server that turns read-only)
         _mount("--bind", str(run), str(run))
         _mount("-o", "remount,bind,ro", str(run))
+        t_ro = time.time()
         _, err = proc.communicate(timeout=120)
+        t_stopped = time.time()
     finally:
         if proc.poll() is None:  # a failed step must not leave a run writing into the fixture's folder
             proc.kill()
@@ -121,12 +126,15 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_line_and_resume_lo
     assert proc.returncode != 0
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Read-only file system" in lines[0], err[-2000:]
-    print(f"[chaos] read-only: {lines[0]}")
+    at = RunDir(run).latest_checkpoint()
+    print(f"[chaos] read-only at v{at}: stopped {t_stopped - t_ro:.1f} s later: {lines[0]}")
     _whole(run)
 
     subprocess.run(["umount", str(run)], check=True)
+    t_resume, resumed_from = time.time(), RunDir(run).latest_checkpoint()
     r = _run("--resume", str(run))
     assert r.returncode == 0, r.stderr[-2000:]
+    print(f"[chaos] --resume from v{resumed_from} finished v{VERSIONS} in {time.time() - t_resume:.1f} s")
     _whole(run)
     ledger = Ledger(run)  # raises on a trajectory consumed twice
     df = load_trajectories(run)
@@ -134,4 +142,6 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_line_and_resume_lo
     assert df.attrs["unmatched_ledger_entries"] == 0
     assert len(eaten) == len(ledger.consumed()) == VERSIONS * B * N
     assert (eaten["staleness"] <= ETA).all()
+    after = eaten[eaten["consumed_version"] > stopped_at]["staleness"].max()
+    print(f"[chaos] max staleness after the first stop: {after}")
     assert set(range(1, VERSIONS + 1)) <= set(pd.read_csv(run / "metrics.csv")["version"].astype(int))
