@@ -136,23 +136,25 @@ def run_eval(
     check_context(target.folder, max(len(p.prompt_ids) for p in problems), mnt, "the longest evaluated")
     name = pick_engine(engine)
     extra = {"kv_cache_gib": cfg.rollout.kv_cache_gib} if name == "vllm" else {}
-    t0 = time.time()
-    eng = make_generation_engine(
-        name,
-        model_path=str(target.folder),
-        temperature=temperature or 1.0,  # greedy requests ignore it
-        dtype=cfg.model.dtype,
-        seed=seed,
-        device=cfg.cluster.device,
-        max_num_seqs=cfg.rollout.max_num_seqs,
-        **extra,
-    )
-    t_gen = time.time()
-    try:
-        with reward_pool_for(cfg) as pool:  # the run's reward: math-verify, or code in its sandbox
+    # the run's reward (math-verify, or code in its sandbox) first: a sandbox that cannot run refuses
+    # before the engine loads
+    with reward_pool_for(cfg) as pool:
+        t0 = time.time()
+        eng = make_generation_engine(
+            name,
+            model_path=str(target.folder),
+            temperature=temperature or 1.0,  # greedy requests ignore it
+            dtype=cfg.model.dtype,
+            seed=seed,
+            device=cfg.cluster.device,
+            max_num_seqs=cfg.rollout.max_num_seqs,
+            **extra,
+        )
+        t_gen = time.time()
+        try:
             res = evaluate(eng, tokenizer, pool, problems, mnt, n_samples, greedy=temperature == 0)
-    finally:
-        eng.close()
+        finally:
+            eng.close()
     t_end = time.time()
     return {
         "model": str(target.folder if target.run_dir is None else target.run_dir.trainer_checkpoint(target.version)),

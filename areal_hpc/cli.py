@@ -343,7 +343,6 @@ def _eval_job(target, model_path, data, config_path, json_path, submit, override
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 def status_cmd(run_dir: str) -> None:
     """Slurm state (sacct) and progress (version, reward, throughput) of the run in RUN_DIR."""
-    import json
 
     from areal_hpc.launch.slurm import SlurmError, job_state, load_job
 
@@ -357,9 +356,7 @@ def status_cmd(run_dir: str) -> None:
 
     if line := restarts_line(Path(run_dir)):
         click.echo(line)
-    try:
-        p = json.loads(RunDir(run_dir).progress.read_text())
-    except (OSError, ValueError):
+    if (p := RunDir(run_dir).read_progress()) is None:
         click.echo("progress: none yet (the run has not published its first version)")
         return
     reward = "n/a" if p.get("reward_mean") is None else f"{p['reward_mean']:.3f}"

@@ -13,8 +13,8 @@ from areal_hpc.utils import atomic_write_text
 class MetricsLogger:
     """One row per version in metrics.csv, mirrored to TensorBoard.
 
-    Rows are appended and flushed; when a row brings a new column the file is rewritten (atomically)
-    with the wider header, so the table stays tidy for pandas.
+    Every row rewrites the file whole (atomically), with a header that widens when a row brings a new
+    column, so the table stays tidy for pandas and is never left with half a row.
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, keep_upto: int | None = None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import time
@@ -51,6 +52,13 @@ class RunDir:
     @property
     def progress(self) -> Path:
         return self.root / "progress.json"
+
+    def read_progress(self) -> dict | None:
+        """progress.json's contents; None before the first version (or while a crash left none)."""
+        try:
+            return json.loads(self.progress.read_text())
+        except (OSError, ValueError):
+            return None
 
     @property
     def summary(self) -> Path:
@@ -162,6 +170,11 @@ class RunDir:
         """Error files, first written first: the first is the cause, later ones are peers losing it."""
         return sorted(self.logs.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
 
+    def rank_error_lines(self, since: float = 0.0) -> list[str]:
+        """The first line of each error file written since `since` (epoch seconds), first written first."""
+        files = [p for p in self.rank_errors() if p.stat().st_mtime >= since]
+        return [(p.read_text(errors="replace").strip().splitlines() or [""])[0] for p in files]
+
     def log_of_error(self, error_file: Path) -> Path | None:
         """The rank log that goes with an error file."""
         rank = error_file.name.removeprefix("error-").removesuffix(".txt")
@@ -239,12 +252,6 @@ class RunDir:
             except OSError:
                 pass
         return None
-
-    def require_checkpoint(self) -> int:
-        n = self.latest_checkpoint()
-        if n is None:
-            raise RunDirError(f"run dir {str(self.root)!r} has no complete checkpoint to resume from")
-        return n
 
     def before_start(self) -> None:
         """Every start (fresh, resumed or requeued): no stale stop request or error files."""

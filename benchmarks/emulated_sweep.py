@@ -1,6 +1,7 @@
 """Planning figures: the simulator on AReaL's 1.5B shape (eta sweep, interruption on and off) beside AReaL's
 table; with --emulated instead, the emulated cluster (the real runtime, 16 generators + 5 trainers) at
-eta 0 and 4 and without interruption, each against the simulator's prediction for the same config.
+the --variants asked for (eta, interruption on or off), each against the simulator's prediction for the
+same config.
 
     python benchmarks/emulated_sweep.py [--versions 12] [--emulated] [--out benchmarks/results/emulated_sweep.json]
 
@@ -64,6 +65,9 @@ def main() -> None:
         }.items():
             if a in done and b in done:
                 done[key] = done[a]["measured_tokens_per_s"] / done[b]["measured_tokens_per_s"]
+        for off in [k for k in done if k.endswith("_no_interrupt")]:
+            if (on := off.removesuffix("_no_interrupt")) in done:
+                done[f"interruption_gain_{on}"] = done[on]["measured_tokens_per_s"] / done[off]["measured_tokens_per_s"]
         out.write_text(json.dumps(done, indent=1, default=float))
         print(f"wrote {out}")
         return
@@ -71,8 +75,6 @@ def main() -> None:
     rows = []
     for eta in (0, 1, 2, 4, 8, 16, "unbounded"):
         for interrupt in (True, False):
-            if not interrupt and eta not in (4, "unbounded"):
-                continue
             r = simulate(replace(base, eta=UNBOUNDED if eta == "unbounded" else eta, interrupt=interrupt))
             rows.append({"eta": eta, "interrupt": interrupt, **r.row()})
             print(

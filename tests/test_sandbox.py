@@ -105,6 +105,11 @@ def test_the_solution_may_use_its_private_directory():
 # ----------------------------------------------------------------- hostile programs fail safely
 
 
+def _new_sandbox_processes(before: list[int]) -> set[int]:
+    """Sandbox processes that were not there before (one of those may have ended meanwhile)."""
+    return set(_sandbox_leftovers()) - set(before)
+
+
 @pytest.mark.parametrize("mode", BOTH)
 def test_an_infinite_loop_is_stopped_at_the_timeout(mode):
     busy, took = score(hostile("while True:\n    pass"), mode, timeout_s=1.5)
@@ -136,9 +141,9 @@ def test_a_fork_bomb_is_stopped_by_the_process_limit(mode):
     r, took = score(hostile(bomb), mode, timeout_s=5)
     assert r == 0.0 and took < 5
     end = time.monotonic() + 3  # a killed process is gone once the kernel has torn it down
-    while _sandbox_leftovers() != before and time.monotonic() < end:
+    while _new_sandbox_processes(before) and time.monotonic() < end:
         time.sleep(0.1)
-    assert _sandbox_leftovers() == before  # every child died with the sandbox
+    assert not _new_sandbox_processes(before)  # every child died with the sandbox
     still_scores_one(mode)
 
 
@@ -156,7 +161,7 @@ def test_the_sandbox_dies_with_its_scorer(mode):
     scorer = subprocess.Popen([sys.executable, "-c", script])
     try:
         end = time.monotonic() + 30
-        while len(_sandbox_leftovers()) <= len(before) and time.monotonic() < end:
+        while not _new_sandbox_processes(before) and time.monotonic() < end:
             time.sleep(0.1)
         assert time.monotonic() < end
         time.sleep(0.5)  # the sleeping answer is up
@@ -164,15 +169,15 @@ def test_the_sandbox_dies_with_its_scorer(mode):
         scorer.kill()
         scorer.wait()
     end = time.monotonic() + 5
-    while _sandbox_leftovers() != before and time.monotonic() < end:
+    while _new_sandbox_processes(before) and time.monotonic() < end:
         time.sleep(0.1)
-    assert _sandbox_leftovers() == before
+    assert not _new_sandbox_processes(before)
 
 
 @pytest.mark.parametrize("mode", BOTH)
 def test_a_10_gb_allocation_fails_fast(mode):
-    r, took = score(hostile("x = bytearray(10 * 1024**3)"), mode)
-    assert r == 0.0 and took < 2
+    r, took = score(hostile("x = bytearray(10 * 1024**3)"), mode, timeout_s=10)
+    assert r == 0.0 and took < 5  # refused by the memory limit, long before the wall timeout
     still_scores_one(mode)
 
 

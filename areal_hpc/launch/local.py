@@ -19,6 +19,7 @@ from areal_hpc.engines import require_installed
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.runtime.layout import Layout
+from areal_hpc.runtime.liveness import silence_verdict
 
 
 class RunFailed(RuntimeError):
@@ -67,12 +68,15 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
 
 
 def failure_line(run_dir: Path, returncode: int) -> str:
-    """One line naming why a run failed: a rank killed by a signal first (its peers' errors, such as a reset
-    connection, follow from it), else the first rank's own error, else mpirun's exit code."""
+    """One line naming why a run failed: rank 0's verdict on a silent rank first, then a rank killed by a
+    signal (its peers' errors, such as a reset connection, follow from it), else the first rank's own
+    error, else mpirun's exit code."""
     run = RunDir(run_dir)
     if problem := run.storage_problem():  # the ranks' own error lines could not be written there either
         return problem
     errors = run.rank_errors()
+    if silent := silence_verdict(run.rank_error_lines()):  # mpirun's kill of the stopped rank follows it
+        return f"{silent} (logs: {run.logs})"
     erred = {int(re.search(r"(\d+)", p.stem).group(1)) for p in errors}
     lines = run.mpirun_log.read_text(errors="replace").splitlines() if run.mpirun_log.exists() else []
     signalled = [
@@ -85,13 +89,6 @@ def failure_line(run_dir: Path, returncode: int) -> str:
     hints = signalled or [ln.strip() for ln in lines if "exited on signal" in ln or "killed" in ln.lower()]
     hint = f": {hints[0]}" if hints else ""
     return f"mpirun exited with code {returncode}{hint} (logs: {run.logs})"
-
-
-def _read_progress(run: RunDir) -> dict | None:
-    try:
-        return json.loads(run.progress.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_s: float = 120.0) -> dict:
@@ -117,7 +114,7 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
         while proc.poll() is None:
             try:
                 time.sleep(0.5)
-                p = _read_progress(run_dir)
+                p = run_dir.read_progress()
                 if p and progress:
                     bar.n = p["version"]
                     post = {"tok/s": f"{p['consumed_tokens_per_s']:.0f}"}

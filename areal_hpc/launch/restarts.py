@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from areal_hpc.rundir import RunDir
-from areal_hpc.runtime.liveness import RankSilent
+from areal_hpc.runtime.liveness import silence_verdict
 from areal_hpc.utils import atomic_write_text
 
 # srun's line for a task that died ("srun: error: n2: task 0: Killed"); Killed/Terminated: by a signal
@@ -33,9 +33,9 @@ def death_cause(run_dir: Path, code: int, since: float, job_output: Path | None 
        broadcast, follow from it);
     4. the first rank error written, then srun's first line on a task, then the code.
     """
-    errors = [_first_line(p) for p in RunDir(run_dir).rank_errors() if p.stat().st_mtime >= since]
-    if silent := [e for e in errors if f" {RankSilent.__name__}: " in e]:
-        return silent[0]
+    errors = RunDir(run_dir).rank_error_lines(since)
+    if silent := silence_verdict(errors):
+        return silent
     first_error = errors[0] if errors else ""
     lines = []
     if job_output is not None and job_output.is_file():
@@ -56,11 +56,6 @@ def death_cause(run_dir: Path, code: int, since: float, job_output: Path | None 
         m = deaths[0][1]
         return f"srun exited with code {code}: {m.group(1)}: task {m.group(2)}: {m.group(3)}"
     return f"srun exited with code {code}"
-
-
-def _first_line(path: Path) -> str:
-    lines = path.read_text(errors="replace").strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def load_restarts(run_dir: Path) -> list[dict]:
@@ -85,6 +80,11 @@ def record_restart(run_dir: Path, attempt: int, code: int, since: float, watchdo
     return entry
 
 
+def _resumed_from(entry: dict) -> str:
+    """A world that died before its first checkpoint starts the run again from the beginning."""
+    return "from the start" if entry["checkpoint"] is None else f"from checkpoint v{entry['checkpoint']}"
+
+
 def restarts_line(run_dir: Path) -> str | None:
     """`areal-hpc status`'s line on restarts, None when there were none."""
     rs = load_restarts(run_dir)
@@ -92,7 +92,7 @@ def restarts_line(run_dir: Path) -> str | None:
         return None
     last = rs[-1]
     when = time.strftime("%H:%M:%S", time.localtime(last["time"]))
-    return f"restarts: {len(rs)} (last at {when}, from checkpoint v{last['checkpoint']}: {last['cause']})"
+    return f"restarts: {len(rs)} (last at {when}, {_resumed_from(last)}: {last['cause']})"
 
 
 def main(argv: list[str]) -> int:
@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     watchdog = argv[4] if len(argv) > 4 else ""
     job = RunDir(run_dir).slurm_output.replace("%j", os.environ.get("SLURM_JOB_ID", ""))
     entry = record_restart(run_dir, attempt, code, since, watchdog, job)
-    print(f"restart {attempt} from checkpoint v{entry['checkpoint']}: {entry['cause']}")
+    print(f"restart {attempt} {_resumed_from(entry)}: {entry['cause']}")
     return 0
 
 

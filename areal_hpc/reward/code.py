@@ -7,6 +7,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from areal_hpc.reward.emulated import EmulatedRewards
 from areal_hpc.reward.pool import RewardPool
 from areal_hpc.reward.sandbox import Limits, isolation, run_python
 
@@ -96,13 +97,16 @@ class CodeScorer:
         return _score(completion, tests, self.how, self.limits)
 
 
-def reward_pool_for(cfg) -> RewardPool:
-    """The reward pool a run's config asks for: math-verify, or code in the sandbox (data.kind=code).
+def reward_pool_for(cfg) -> RewardPool | EmulatedRewards:
+    """The reward pool a run's config asks for: math-verify, code in the sandbox (data.kind=code), or the
+    emulated rewards of an emulated engine (its placeholder answers cannot be right).
 
     For code the isolation is checked here, at start-up: the run stops with one line (SandboxUnavailable)
     when reward.sandbox asks for isolation this machine cannot give.
     """
     rc = cfg.reward
+    if cfg.rollout.engine == "emulated":
+        return EmulatedRewards(cfg.emulation.p_correct, cfg.trainer.seed)
     if cfg.data.kind != "code":
         return RewardPool(num_workers=rc.num_workers, timeout_s=rc.timeout_s)
     iso = isolation(rc.sandbox)

@@ -41,3 +41,9 @@ class EmulatedRewards:
 
     def close(self) -> None:
         pass
+
+    def __enter__(self) -> EmulatedRewards:  # used as RewardPool is (`with reward_pool_for(cfg) as pool`)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -292,7 +292,7 @@ def _problem(how: str) -> str | None:
         return "bwrap is not on PATH"
     try:
         r = run_python("print('sandbox-ok')", Limits(wall_s=20), how)
-    except OSError as err:
+    except (OSError, subprocess.SubprocessError) as err:  # e.g. a limit preexec_fn could not set
         return f"{type(err).__name__}: {err}"
     text = r.output_tail.decode(errors="replace").strip()
     if r.returncode == 0 and text.endswith("sandbox-ok"):

@@ -14,7 +14,6 @@ from areal_hpc.config import Config, concurrent_groups
 from areal_hpc.data import Problem, load_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import reward_pool_for
-from areal_hpc.reward.emulated import EmulatedRewards
 from areal_hpc.rollout import completion_texts, final_rewards, group_requests, to_trajectory
 from areal_hpc.runtime.build import build_generation_engine
 from areal_hpc.runtime.layout import Layout
@@ -76,11 +75,7 @@ class Generator(RoleLoop):
     def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
         super().__init__(cfg, run_dir, comm, layout, resume)
         # first: data.kind=code refuses here, in one line, if reward.sandbox cannot run (before minutes of engine load)
-        self.pool = (
-            EmulatedRewards(cfg.emulation.p_correct, cfg.trainer.seed)
-            if cfg.rollout.engine == "emulated"
-            else reward_pool_for(cfg)
-        )
+        self.pool = reward_pool_for(cfg)
         self.engine = build_generation_engine(cfg, model_dir, seed=cfg.trainer.seed + 1000 * self.rank)
         self.meter = EngineMeter(self.run_dir, self.rank, self.engine.capacity)
         self.tokenizer = load_tokenizer(model_dir)

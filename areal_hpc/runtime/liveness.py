@@ -14,6 +14,12 @@ class RankSilent(RuntimeError):
     """A rank sent nothing for longer than cluster.hang_timeout_s: stopped, or blocked outside its loop."""
 
 
+def silence_verdict(error_lines: list[str]) -> str | None:
+    """Rank 0's line naming a silent rank, among the ranks' error lines: the launcher's cause of death,
+    ahead of the kill of the stopped rank that follows it (srun's or mpirun's "killed" line)."""
+    return next((ln for ln in error_lines if f" {RankSilent.__name__}: " in ln), None)
+
+
 class Liveness:
     """One rank's side of hang detection (`timeout_s` 0: off).
 

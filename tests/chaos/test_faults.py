@@ -39,12 +39,9 @@ def slurm_cluster():
 
 
 def _progress(run: Path, since: float = 0.0) -> int:
-    """The version progress.json says, if it was written after `since` (by a world started since)."""
-    try:
-        doc = json.loads((run / "progress.json").read_text())
-        return doc["version"] if doc["time"] > since else -1
-    except (OSError, ValueError, KeyError):
-        return -1
+    """The version progress.json says, if it was written after `since` (by a world started since); else -1."""
+    p = RunDir(run).read_progress()
+    return p["version"] if p is not None and p["time"] > since else -1
 
 
 def _wait(run: Path, job_id: str, what: str, cond, timeout: float = 240) -> None:
