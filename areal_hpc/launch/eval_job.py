@@ -11,7 +11,15 @@ from pathlib import Path
 import jinja2
 
 from areal_hpc.config import Config
-from areal_hpc.launch.slurm import TEMPLATES, SlurmError, _run, check_request, component_options, job_venv, which_slurm
+from areal_hpc.launch.slurm import (
+    TEMPLATES,
+    SlurmError,
+    check_request,
+    component_options,
+    job_venv,
+    slurm_command,
+    which_slurm,
+)
 from areal_hpc.rundir import RunDir
 
 EVAL_TEMPLATE = "areal_eval.sbatch.j2"
@@ -85,7 +93,7 @@ def submit_eval_sbatch(script: str) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as f:
         f.write(script)
     try:
-        return _run(["sbatch", "--parsable", f.name]).strip().split(";")[0]
+        return slurm_command(["sbatch", "--parsable", f.name]).strip().split(";")[0]
     finally:
         os.unlink(f.name)
 

@@ -48,7 +48,8 @@ class SlurmError(RuntimeError):
     """A Slurm request that cannot work; the message is one line naming what and what is allowed."""
 
 
-def _run(cmd: list[str], timeout: float = 30) -> str:
+def slurm_command(cmd: list[str], timeout: float = 30) -> str:
+    """Run a Slurm (or findmnt) command and return its stdout; SlurmError with one line if it fails."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
@@ -131,7 +132,8 @@ class PartitionInfo:
 
 def partition_info(partition: str = "") -> PartitionInfo:
     """Nodes, CPUs and GPUs of a partition ('' = the default one), from sinfo/scontrol."""
-    rows = [ln.split("|") for ln in _run(["sinfo", "-h", "-N", "-o", "%R|%N|%c|%G|%P"]).splitlines() if ln.strip()]
+    out = slurm_command(["sinfo", "-h", "-N", "-o", "%R|%N|%c|%G|%P"])
+    rows = [ln.split("|") for ln in out.splitlines() if ln.strip()]
     names = {r[0] for r in rows}
     if not partition:
         default = [r[4].rstrip("*") for r in rows if r[4].endswith("*")]
@@ -147,7 +149,7 @@ def partition_info(partition: str = "") -> PartitionInfo:
         gpus = max(gpus, int(m.group(1)) if m else 0)
     node_names = sorted({r[1] for r in mine})
     hosts = set()
-    for line in _run(["scontrol", "show", "node", ",".join(node_names), "-o"]).splitlines():
+    for line in slurm_command(["scontrol", "show", "node", ",".join(node_names), "-o"]).splitlines():
         m = re.search(r"NodeHostName=(\S+)", line)
         if m:
             hosts.add(m.group(1))
@@ -159,7 +161,7 @@ def _fs_type(path: Path) -> str:
     p = path
     while not p.exists():
         p = p.parent
-    return _run(["findmnt", "-n", "-o", "FSTYPE", "-T", str(p)]).strip()
+    return slurm_command(["findmnt", "-n", "-o", "FSTYPE", "-T", str(p)]).strip()
 
 
 def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
@@ -273,7 +275,7 @@ def load_job(run_dir: Path) -> dict:
 
 def job_state(job_id: str) -> str:
     """Slurm's state of a (het) job from sacct: PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ..."""
-    out = _run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,State"])
+    out = slurm_command(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,State"])
     states = [ln.split("|")[1].split()[0] for ln in out.splitlines() if ln.strip()]
     if not states:  # not in accounting yet: ask the controller
         out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True)
@@ -305,7 +307,7 @@ def wait_for(job_id: str, states: set[str], timeout_s: float, poll_s: float = 0.
 
 
 def cancel(job_id: str) -> None:
-    _run(["scancel", str(job_id)])
+    slurm_command(["scancel", str(job_id)])
 
 
 def which_slurm() -> bool:
