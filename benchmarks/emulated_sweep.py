@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from areal_hpc.config import load_config  # noqa: E402
 from areal_hpc.costmodel import ResponseLengths  # noqa: E402
 from areal_hpc.simulate import sim_config, simulate  # noqa: E402
+from areal_hpc.utils import atomic_write_text  # noqa: E402
 
 AREAL_ETA_KTOK = {0: 128.7, 1: 269.3, 2: 356.6, 4: 356.6, 8: 371.7, 16: 382.4, "unbounded": 396.8}
 UNBOUNDED = 10**6  # the gate never binds
@@ -58,18 +59,9 @@ def main() -> None:
         out = Path(args.out).with_name("emulated_cluster.json")
         # points already measured are kept: the runs take minutes each, so a sweep can be run in parts
         done = json.loads(out.read_text()) if out.is_file() else {}
-        done.update(emulated_runs(args.variants.split(",")))
-        for key, (a, b) in {
-            "async_over_sync": ("eta4", "eta0"),
-            "interruption_gain": ("eta4", "eta4_no_interrupt"),
-        }.items():
-            if a in done and b in done:
-                done[key] = done[a]["measured_tokens_per_s"] / done[b]["measured_tokens_per_s"]
-        for off in [k for k in done if k.endswith("_no_interrupt")]:
-            if (on := off.removesuffix("_no_interrupt")) in done:
-                done[f"interruption_gain_{on}"] = done[on]["measured_tokens_per_s"] / done[off]["measured_tokens_per_s"]
-        out.write_text(json.dumps(done, indent=1, default=float))
-        print(f"wrote {out}")
+        for name, row in emulated_runs(args.variants.split(",")):
+            done[name] = row
+            write_emulated(out, done)  # after every point: a sweep stopped midway keeps what it measured
         return
     base = paper_shape(args.versions)
     rows = []
@@ -99,6 +91,20 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+def write_emulated(out: Path, done: dict) -> None:
+    """The emulated points so far, with the ratios that both of their points make."""
+    pairs = {"async_over_sync": ("eta4", "eta0"), "interruption_gain": ("eta4", "eta4_no_interrupt")}
+    for key, (a, b) in pairs.items():
+        if a in done and b in done:
+            done[key] = done[a]["measured_tokens_per_s"] / done[b]["measured_tokens_per_s"]
+    for off in [k for k in done if k.endswith("_no_interrupt")]:
+        if (on := off.removesuffix("_no_interrupt")) in done:
+            done[f"interruption_gain_{on}"] = done[on]["measured_tokens_per_s"] / done[off]["measured_tokens_per_s"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(done, indent=1, default=float))
+    print(f"wrote {out}", flush=True)
+
+
 def summarize(rows: list[dict], versions: int) -> dict:
     """Ratios to eta=0 and the interruption gain, on consumed tokens/s over the whole run (as AReaL's table).
 
@@ -126,13 +132,13 @@ def _variant(name: str) -> list[str]:
     return [f"rollout.eta={value}", f"rollout.interrupt={'false' if rest == 'no_interrupt' else 'true'}"]
 
 
-def emulated_runs(variants: list[str]) -> dict:
-    """The real runtime with emulated engines at 16 + 5 ranks, one run per variant, each beside its prediction."""
+def emulated_runs(variants: list[str]):
+    """The real runtime with emulated engines at 16 + 5 ranks, one run per variant, each beside its
+    prediction; yields (variant, figures) as each run ends."""
     from areal_hpc.launch.local import launch
     from areal_hpc.runtime.timeline import load_timeline
     from areal_hpc.simulate import calibrate
 
-    out = {}
     work = ROOT / "runs" / "bench-emulated"
     for name in variants:
         extra = _variant(name)
@@ -148,7 +154,7 @@ def emulated_runs(variants: list[str]) -> dict:
         gen_s = tl[(tl.role == "generator") & (tl.event == "generate")].duration.sum()
         calibrated, _ = calibrate(work / name)
         self_pred = simulate(calibrated).consumed_tokens_per_s * scale  # its costs are in wall seconds
-        out[name] = {
+        row = {
             "measured_tokens_per_s": measured,
             "predicted_tokens_per_s": predicted.consumed_tokens_per_s,
             "error": predicted.consumed_tokens_per_s / measured - 1,
@@ -158,12 +164,12 @@ def emulated_runs(variants: list[str]) -> dict:
         }
         print(
             f"emulated {name}: {measured:.0f} tok/s (modelled time); cost-model simulation "
-            f"{predicted.consumed_tokens_per_s:.0f} ({out[name]['error']:+.1%}); simulation calibrated on "
-            f"the run {out[name]['calibrated_self_error']:+.1%}; generators generating "
-            f"{out[name]['gen_generating']:.0%} of the RL time",
+            f"{predicted.consumed_tokens_per_s:.0f} ({row['error']:+.1%}); simulation calibrated on "
+            f"the run {row['calibrated_self_error']:+.1%}; generators generating "
+            f"{row['gen_generating']:.0%} of the RL time",
             flush=True,
         )
-    return out
+        yield name, row
 
 
 if __name__ == "__main__":
