@@ -160,9 +160,10 @@ def test_requeue_twice_mid_run_resumes_from_checkpoint_each_time(tmp_path):
         time.sleep(2)
         # Slurm holds a requeued job for 2 minutes before it is eligible again; start it now
         subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)
-        end = time.time() + 120
+        end = time.time() + 150
         while _world_starts(run) == starts and time.time() < end:
-            time.sleep(0.3)
+            time.sleep(2)  # again: an update sent while the job was still leaving RUNNING may not take
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False, capture_output=True)
         _wait_version(run, v_requeue + 1, job_id, since=time.time())  # progress of the new world only
         print(f"\n[chaos] scontrol requeue at v{v_requeue}: past it again {time.time() - t_requeue:.1f} s later")
     assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"
