@@ -79,6 +79,15 @@ def _world_starts(run: Path) -> int:
     return sum(p.read_text().count(" starting on ") for p in (run / "logs").glob("slurm-*.out"))
 
 
+def _start_requeued(run: Path, job_id: str, starts: int, timeout: float = 150) -> None:
+    """Slurm holds a requeued job for 2 minutes before it is eligible again: start it now, and ask again
+    until a new world starts (an update sent while the job is still leaving RUNNING may not take)."""
+    end = time.time() + timeout
+    while _world_starts(run) <= starts and time.time() < end:
+        time.sleep(2)
+        subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False, capture_output=True)
+
+
 def _wait_version(run: Path, version: int, job_id: str, timeout: float = 180, since: float = 0.0) -> None:
     end = time.time() + timeout
     while time.time() < end:
@@ -157,13 +166,7 @@ def test_requeue_twice_mid_run_resumes_from_checkpoint_each_time(tmp_path):
         _wait_version(run, at, job_id)
         t_requeue, v_requeue, starts = time.time(), _progress(run), _world_starts(run)
         subprocess.run(["scontrol", "requeue", job_id], check=True)
-        time.sleep(2)
-        # Slurm holds a requeued job for 2 minutes before it is eligible again; start it now
-        subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)
-        end = time.time() + 150
-        while _world_starts(run) == starts and time.time() < end:
-            time.sleep(2)  # again: an update sent while the job was still leaving RUNNING may not take
-            subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False, capture_output=True)
+        _start_requeued(run, job_id, starts)
         _wait_version(run, v_requeue + 1, job_id, since=time.time())  # progress of the new world only
         print(f"\n[chaos] scontrol requeue at v{v_requeue}: past it again {time.time() - t_requeue:.1f} s later")
     assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"
@@ -216,8 +219,7 @@ def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
     t_stopped = time.time()
     stopped_at = json.loads((run / "summary.json").read_text())["versions"]
     assert RunDir(run).latest_checkpoint() == stopped_at >= 6  # a clean stop checkpoints where it stopped
-    time.sleep(2)
-    subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False)  # skip the requeue hold
+    _start_requeued(run, job_id, _world_starts(run))  # until a world starts after the stopped one
     _wait_version(run, stopped_at + 1, job_id, since=t_stopped)
     print(
         f"\n[chaos] USR1 at v{stopped_at}: checkpointed and requeued {t_stopped - t_signal:.1f} s later,"
