@@ -310,6 +310,15 @@ def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
         f" {t_resumed - t_detected:.1f} s; max staleness after the resume {after}"
     )
     assert (eaten["version_start"] == eaten["version_end"]).all()  # interrupt off: one version per trajectory
+    # interrupt off: rank 0 grants a generator nothing between new weights and their load (the work would
+    # sit held back through the drain); groups granted just before the weights arrived are allowed
+    tl = load_timeline(run)
+    for rank, ev in tl[tl.role == "generator"].groupby("rank"):
+        syncs, loads = ev[ev.event == "sync"], ev[ev.event == "load"].sort_values("t_start")
+        granted = ev[ev.event == "group"].t_start.to_numpy()
+        for t_received in syncs.t_end:
+            t_loaded = loads[loads.t_start >= t_received].t_end.min()
+            assert not ((granted > t_received) & (granted < t_loaded)).any(), f"rank {rank} granted while loading"
     m = pd.read_csv(run / "metrics.csv")
     assert list(m["version"]) == list(range(15))
     assert not list((run / "rollouts").glob("*.tmp"))

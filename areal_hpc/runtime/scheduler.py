@@ -49,6 +49,10 @@ class Scheduler(RoleLoop):
         self.report = RunReport(cfg, self.run_dir, layout, self.core)
         self.ledger = Ledger(self.run_dir)
         self.want = {g: 0 for g in layout.generator_ranks}  # prompts each generator asked for, not granted yet
+        # without interruption a generator admits nothing between a new version and its load: generator ->
+        # the version it must load first. Room is not granted to it meanwhile (it would sit held back
+        # through the drain while a generator that has loaded could run it)
+        self.loading: dict[int, int] = {}
         self.next_group_id = 0
         self.started = False  # trainer 0 has published the starting weights
 
@@ -69,7 +73,7 @@ class Scheduler(RoleLoop):
             Tag.READY: self._on_ready,
             Tag.TRAIN_DONE: self._on_train_done,
             Tag.SYNC_DONE: lambda src, body: self.report.sync_done(body),
-            Tag.WEIGHTS_OK: self.report.weights_loaded,
+            Tag.WEIGHTS_OK: self._on_weights_ok,
             Tag.EVAL_RESULT: lambda src, body: self.report.eval_result(body),
             Tag.CKPT_DONE: self._on_ckpt_done,
             Tag.BYE: self._on_bye,
@@ -105,6 +109,11 @@ class Scheduler(RoleLoop):
     def _on_want(self, src: int, body: dict) -> None:
         self.want[src] += body["k"]
 
+    def _on_weights_ok(self, src: int, body: dict) -> None:
+        self.report.weights_loaded(src, body)
+        if not body["skipped"] and body["version"] >= self.loading.get(src, body["version"]):
+            self.loading.pop(src, None)
+
     def _on_groups_done(self, src: int, body: dict) -> None:
         for g in body["groups"]:
             g = dict(g)
@@ -135,6 +144,8 @@ class Scheduler(RoleLoop):
         self.core.version_trained(v)
         for g in self.layout.generator_ranks:
             self.mail.send(g, Tag.NEW_VERSION, {"version": v})
+            if not self.cfg.rollout.interrupt:
+                self.loading[g] = v
         self.report.published(v, row)
 
     def _on_train_done(self, src: int, body: dict) -> None:
@@ -196,7 +207,8 @@ class Scheduler(RoleLoop):
         room = self.core.gate.capacity()
         if room <= 0:
             return
-        for g, k in fair_shares(self.want, room).items():  # by free capacity when there is not enough for all
+        ready = {g: w for g, w in self.want.items() if g not in self.loading}
+        for g, k in fair_shares(ready, room).items():  # by free capacity when there is not enough for all
             idx = self.core.grant(k)
             if not idx:
                 continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 from tqdm import tqdm
 
-from areal_hpc.simulate.calibrate import SIM_KEYS, apply_overrides, calibrate, sim_config
+from areal_hpc.simulate.calibrate import SIM_KEYS, apply_overrides, calibrate, sim_config, trained_span_tokens_per_s
 from areal_hpc.simulate.loop import EmpiricalLengths, SimConfig, SimResult, simulate
 
 
@@ -52,4 +52,5 @@ __all__ = [
     "simulate",
     "sweep",
     "sweep_figure",
+    "trained_span_tokens_per_s",
 ]

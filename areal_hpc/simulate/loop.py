@@ -17,7 +17,7 @@ import numpy as np
 import simpy
 
 from areal_hpc.costmodel import CostModel
-from areal_hpc.runtime.scheduler_core import ReadyGroup, SchedulerCore
+from areal_hpc.runtime.scheduler_core import ReadyGroup, SchedulerCore, fair_shares
 
 
 class Lengths(Protocol):
@@ -141,6 +141,7 @@ class _Generator:
         self.sim, self.index = sim, index
         self.version = -1
         self.staged: int | None = None
+        self.loading = False
         self.running: list[_Seq] = []
         self.waiting: deque[_Seq] = deque()
         self.groups: dict[int, _Group] = {}
@@ -152,20 +153,32 @@ class _Generator:
         if not self.wake.triggered:
             self.wake.succeed()
 
+    def admitting(self) -> bool:
+        """Has weights and may take new work (without interruption, not between a new version and its load)."""
+        return self.version >= 0 and (self.sim.cfg.interrupt or (self.staged is None and not self.loading))
+
     def _ask(self) -> None:
-        c, sim = self.sim.cfg, self.sim
-        if self.version < 0 or (self.staged is not None and not c.interrupt):
+        """Ask rank 0 for groups as the runtime's generator does: enough to fill the slots with one group
+        queued beyond them, up to max_groups in flight; what is not granted now stays asked for."""
+        c = self.sim.cfg
+        if not self.admitting():
             return
-        load = len(self.running) + len(self.waiting)
+        load = len(self.running) + len(self.waiting) + self.sim.want[self.index] * c.n_samples
         want = -(-(c.capacity + c.n_samples - load) // c.n_samples)
-        k = min(want, c.max_groups - len(self.groups))
-        if k <= 0:
-            return
-        for _ in sim.core.grant(k):
+        k = min(want, c.max_groups - len(self.groups) - self.sim.want[self.index])
+        if k > 0:
+            self.sim.want[self.index] += k
+            self.sim.grant()
+
+    def take(self, n: int) -> None:
+        """`n` granted groups: their samples join the engine at the next step."""
+        c, sim = self.sim.cfg, self.sim
+        for _ in range(n):
             gid = sim.next_group
             sim.next_group += 1
             self.groups[gid] = _Group(c.n_samples, 1 << 30)
             self.waiting.extend(_Seq(gid, sim.draw_length()) for _ in range(c.n_samples))
+        self.notify()
 
     def _load(self):
         c = self.sim.cfg
@@ -176,9 +189,12 @@ class _Generator:
             self.waiting.extendleft(reversed(self.running))
             self.running = []
         v, self.staged = self.staged, None
+        self.loading = True
         yield self.sim.env.timeout(c.cost.sync_s)
+        self.loading = False
         self.busy_s += c.cost.sync_s
         self.version = v
+        self.sim.grant()  # what it asked for before the load (and was held back from) may go now
 
     def _step_times(self, k: int, prefill: int) -> np.ndarray:
         cost, b = self.sim.cfg.cost, len(self.running)
@@ -261,6 +277,7 @@ class Simulation:
             seed=cfg.seed,
         )
         self.gens = [_Generator(self, i) for i in range(cfg.n_generators)]
+        self.want = [0] * cfg.n_generators  # groups each generator asked for and was not granted yet
         self.next_group = 0
         self.gen_tokens = 0
         self.interrupted = 0
@@ -281,13 +298,21 @@ class Simulation:
     def draw_length(self) -> int:
         return max(1, int(self.cfg.lengths.quantile(float(self.rng.random()))))
 
-    def _notify_all(self, idle_only: bool = False) -> None:
-        """Wake the generators: all of them for new weights; for freed gate slots only idle ones, since a
-        stepping generator asks again when its next sequence finishes (a step-exact wake of every
-        generator per freed slot made the paper's shape 10x slower to simulate)."""
+    def grant(self) -> None:
+        """Rank 0's grant round: the gate's room shared by what each generator that admits asked for."""
+        room = self.core.gate.capacity()
+        if room <= 0:
+            return
+        wants = {i: w for i, w in enumerate(self.want) if w > 0 and self.gens[i].admitting()}
+        for i, k in fair_shares(wants, room).items():
+            granted = len(self.core.grant(k))
+            if granted:
+                self.want[i] -= granted
+                self.gens[i].take(granted)
+
+    def _notify_all(self) -> None:
         for g in self.gens:
-            if not idle_only or not g.running:
-                g.notify()
+            g.notify()
 
     def score(self, gid: int, g: _Group, pool: simpy.Resource):
         if self.cfg.reward_s:
@@ -296,7 +321,7 @@ class Simulation:
                 yield self.env.timeout(self.cfg.reward_s)
         uniform = bool(self.rng.random() < self.cfg.p_uniform)
         if not self.core.group_done(ReadyGroup("", [], 0, gid, g.tokens, g.v_start), uniform):
-            self._notify_all(idle_only=True)  # its slot is free again
+            self.grant()  # its slot is free again
         if not self.batch_ready.triggered:
             self.batch_ready.succeed()
 
@@ -306,6 +331,7 @@ class Simulation:
         self.core.version_trained(version)
         for gen in self.gens:
             gen.staged = version
+        self.grant()
         if self.cfg.eval_every and version % self.cfg.eval_every == 0 and self.cfg.eval_prompts:
             self.gens[0].add_eval()
         self._notify_all()
@@ -317,7 +343,7 @@ class Simulation:
             dropped = self.core.dropped_stale
             plan = self.core.next_batch()
             if self.core.dropped_stale != dropped:
-                self._notify_all(idle_only=True)  # dropped groups returned their slots
+                self.grant()  # dropped groups returned their slots
             if plan is None:
                 self.batch_ready = self.env.event()
                 yield self.batch_ready
