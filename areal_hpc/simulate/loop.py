@@ -278,6 +278,7 @@ class Simulation:
         )
         self.gens = [_Generator(self, i) for i in range(cfg.n_generators)]
         self.want = [0] * cfg.n_generators  # groups each generator asked for and was not granted yet
+        self._grant_due = False
         self.next_group = 0
         self.gen_tokens = 0
         self.interrupted = 0
@@ -299,7 +300,16 @@ class Simulation:
         return max(1, int(self.cfg.lengths.quantile(float(self.rng.random()))))
 
     def grant(self) -> None:
-        """Rank 0's grant round: the gate's room shared by what each generator that admits asked for."""
+        """Ask for a grant round once everything else at this instant has happened: rank 0 handles all its
+        waiting messages (wants, weights loaded, groups done), then grants once, so generators that load
+        at the same moment share the room instead of the first one in event order taking it all."""
+        if not self._grant_due:
+            self._grant_due = True
+            self.env.process(self._grant_round())
+
+    def _grant_round(self):
+        yield self.env.timeout(0)
+        self._grant_due = False
         room = self.core.gate.capacity()
         if room <= 0:
             return
