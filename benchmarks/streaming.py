@@ -56,7 +56,8 @@ def figures(run_dir: Path, summary: dict) -> dict:
     from areal_hpc.store import load_trajectories
 
     tl = load_timeline(run_dir)
-    t0 = tl[(tl.role == "scheduler") & (tl.event == "start")]["t_start"].min()  # the scheduler's clock origin
+    # metrics.csv's clock origin (rank 0 starts it after loading the dataset, seconds after its timeline starts)
+    t0 = summary["t0"]
     m = pd.read_csv(RunDir(run_dir).metrics).set_index("version")
     rl_lo, rl_hi = t0 + m.loc[0, "wall_s"], t0 + m["wall_s"].iloc[-1]  # first weights published -> last version trained
     out = {}

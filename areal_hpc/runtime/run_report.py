@@ -221,6 +221,7 @@ class RunReport:
             "acc_start": self.evals.get("start"),
             "acc_final": self.evals.get("final"),
             "wall_s": now - self.t0,
+            "t0": self.t0,  # epoch seconds of metrics.csv's wall_s = 0 (the timeline's times are epoch seconds)
             "rl_wall_s": rl,
             "tokens_consumed": self.tokens_consumed,
             "samples_consumed": self.samples_consumed,
