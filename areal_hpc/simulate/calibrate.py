@@ -208,10 +208,13 @@ def trained_span_tokens_per_s(run_dir) -> float:
     final evaluation and the shutdown (on the emulated cluster the final evaluation's long answers add
     8% to an 8-version run)."""
     run = RunDir(run_dir)
+    summary = json.loads(run.summary.read_text())
     m = pd.read_csv(run.metrics)
+    # a resumed run's rows from earlier launches count wall_s from their own start: only this launch's
+    m = m[m["version"] >= summary.get("start_version", 0)].drop_duplicates("version", keep="last")
     span = float(m["wall_s"].iloc[-1] - m["wall_s"].iloc[0]) if len(m) > 1 else 0.0
     if span <= 0:
-        return float(json.loads(run.summary.read_text())["consumed_tokens_per_s"])
+        return float(summary["consumed_tokens_per_s"])
     return float(m["tokens"].sum() / span)
 
 
