@@ -459,3 +459,16 @@ def test_an_engine_that_is_not_installed_is_refused_in_one_line(tmp_path, monkey
     with pytest.raises(EngineNotInstalled, match=r"engine 'vllm' needs the vllm package.*env/setup.sh") as err:
         launch(_cfg(tmp_path, "rollout.engine=vllm"), progress=False)
     assert "\n" not in str(err.value) and not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_a_timeline_left_empty_by_a_killed_rank_gets_its_header_when_resumed(tmp_path):
+    """A rank killed before its first flush leaves an empty log; the resumed launch's rows must still load."""
+    from areal_hpc.runtime.timeline import Timeline
+
+    RunDir(tmp_path).timeline_log(0).parent.mkdir(parents=True)
+    RunDir(tmp_path).timeline_log(0).write_text("")  # what the killed launch left
+    tl = Timeline(tmp_path, 0, "scheduler")
+    tl.add("sync", 1.0, 2.5)
+    tl.close()
+    df = load_timeline(tmp_path)
+    assert list(df.event) == ["start", "sync"] and df.duration.iloc[-1] == pytest.approx(1.5)

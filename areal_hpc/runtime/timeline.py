@@ -12,13 +12,16 @@ from areal_hpc.rundir import RunDir
 
 
 def _open_log(path: Path, header: list[str]):
-    """An append-only CSV log (a resumed run appends to its earlier rows); the header once, when new."""
+    """An append-only CSV log (a resumed run appends to its earlier rows); the header once, when new or
+    empty, written through at once: a rank killed before its first flush left an empty file, and the
+    resumed run's rows then had no header."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
+    new = not path.exists() or path.stat().st_size == 0
     f = open(path, "a", newline="")
     w = csv.writer(f)
     if new:
         w.writerow(header)
+        f.flush()
     return f, w
 
 
