@@ -178,6 +178,7 @@ def emulated_runs(variants: list[str]):
             "error_range": [x / measured - 1 for x in spread],
             "calibrated_self_error": self_pred / measured - 1,
             "calibrated_self_error_range": [x * scale / measured - 1 for x in self_spread],
+            # over the same span: tokens consumed / measured tokens per modelled second, in wall seconds
             "gen_generating": gen_s * measured / (cfg.cluster.n_generators * s["tokens_consumed"] * scale),
         }
         print(
