@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from areal_hpc.engines.base import GenerationEngine, InFlight
+from areal_hpc.engines.base import GenerationEngine, InFlight, generate
 from areal_hpc.model import load_causal_lm
 from areal_hpc.model import stop_token_ids as model_stop_ids
 from areal_hpc.types import GenOutput, GenRequest
@@ -80,6 +80,9 @@ class VLLMGenerationEngine(GenerationEngine):
         self._ids = itertools.count()
         self._seqs: dict[str, InFlight] = {}  # vLLM's request id -> our record, for every request in vLLM
         self._core = getattr(getattr(self.engine, "engine_core", None), "engine_core", None)  # in-process EngineCore
+        # vLLM's first step builds what its kernels need (2-3 s for the tiny CPU model): here it is start-up,
+        # overlapping the other ranks', instead of a stall in the first generation the runtime times
+        generate(self, [GenRequest("warmup", [self.stop_ids[0] if self.stop_ids else 0], 1, greedy=True)])
 
     @property
     def num_running(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from areal_hpc.config import Config
@@ -23,6 +24,8 @@ class RoleLoop:
 
     role = "rank"
     listen_to: int | None = None  # None: every rank (rank 0); 0: only the scheduler
+    busy_poll_s = 0.0
+    """While ticks keep finding work, look for messages at most this often (0: before every tick)."""
 
     def __init__(self, cfg: Config, run_dir: RunDir, comm, layout: Layout, resume: bool):
         self.cfg, self.run_dir, self.layout, self.resume = cfg, RunDir(run_dir), layout, resume
@@ -72,10 +75,14 @@ class RoleLoop:
         return got
 
     def loop(self) -> None:
+        working, next_drain = False, 0.0
         while not self.finished():
-            busy = self.drain()
-            busy = self.tick() or busy
-            if busy:
+            got = False
+            if not working or time.monotonic() >= next_drain:
+                got = self.drain()
+                next_drain = time.monotonic() + self.busy_poll_s
+            working = self.tick()
+            if working or got:
                 self.mail.backoff.reset()
             else:
                 self.mail.backoff.sleep()
