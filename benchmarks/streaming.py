@@ -14,15 +14,17 @@ The ceiling: after each run, the same engine (same slots, same thread count) gen
 stored requests (each prompt with exactly its stored answer length, EOS ignored), all added at once and
 stepped to completion with no runtime around it. On this 2-core machine the trainer shares the
 generator's cache and memory bandwidth, so the ceiling is also measured with the run's own training
-replayed beside it, for the share of the generating time the trainer was training (0-5% lower here,
-inside this machine's noise): the loop's own cost is the stream against that figure.
+replayed beside it, for the share of the generating time the trainer was training: the loop's own
+cost is the stream against that figure. Read both ceilings with this shared machine's drift in mind:
+one engine's offline figure moved by up to 40% between measurements minutes apart (2026-12-02), more
+than the effects measured here; compare variants over several runs.
 
 The streaming generator's tokens/s counts every token its engine sampled (one per running sequence per
 step) over its generating time: also the held-out evaluation's greedy answers, which run in the same
 stream (8% of the tokens at 12 versions) and are not stored. `stream_over_offline` counts the stored
 answers only, so it understates the generator by that share.
 
-    .venv/bin/python benchmarks/streaming.py                    # both engines, about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/streaming.py                    # both engines, about 30 minutes on 2 cores
     .venv/bin/python benchmarks/streaming.py --engines torch --versions 15
 """
 
