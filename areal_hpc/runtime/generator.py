@@ -71,8 +71,8 @@ class Generator(RoleLoop):
 
     role = "generator"
     listen_to = 0
-    # An Iprobe runs Open MPI's progress engine: polling before every 4 ms step of the tiny CPU model took
-    # 4% of the vLLM generator's time (py-spy). 10 ms delays a grant by under 3 steps.
+    # An Iprobe runs Open MPI's progress engine: polling before every 4 ms step of the tiny CPU model put
+    # 4% of the vLLM generator's py-spy samples in it. 10 ms delays a grant by under 3 steps.
     busy_poll_s = 0.01
 
     def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
