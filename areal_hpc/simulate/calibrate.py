@@ -178,7 +178,9 @@ def calibrate(run_dir, overrides: list[str] | None = None) -> tuple[SimConfig, d
     measured = {
         "rl_wall_s": float(summary["rl_wall_s"]),
         "consumed_tokens_per_s": trained_span_tokens_per_s(run),
-        "reward_s": _service_s(gens[gens["event"] == "reward"], cfg.reward.num_workers),
+        # on cores of its own, as the engine's costs: the workers share the generator's host the same way
+        # (in a run on a loaded host, scoring took 1.8x as long in the asynchronous run as in the synchronous one)
+        "reward_s": _service_s(gens[gens["event"] == "reward"], cfg.reward.num_workers) * sharing["gen_share"],
         "p_uniform": rejected / groups if groups else 0.0,
         "prompt_len": int(round(trajs["prompt_len"].mean())) if len(trajs) else 16,
         **latencies,
@@ -219,21 +221,22 @@ def trained_span_tokens_per_s(run_dir) -> float:
 
 
 def _latencies(tl: pd.DataFrame) -> dict[str, float]:
-    """What rank 0's relaying costs, from the timeline (medians over versions): a ready batch to trainer
-    0's start of loading it, a trained version to the generators' start of receiving it, and trainer 0's
-    own publish time (mean)."""
+    """What rank 0's relaying costs, from the timeline (medians over versions): trainer 0's start of
+    loading a batch after it was ready, apart for batches it waited for (from the last shard written)
+    and batches that waited for it (from the end of its previous training or publish); a trained
+    version to the generators' start of receiving it, which includes trainer 0's own publish time
+    (the mean)."""
     t0 = tl[tl["role"] == "trainer"]
     t0 = t0[t0["rank"] == t0["rank"].min()]
     loads = t0[t0["event"] == "load"].sort_values("t_start")
     trains = t0[t0["event"] == "train"].sort_values("t_end")
+    free = t0[t0["event"].isin(["train", "sync"])]["t_end"].to_numpy()
     writes = tl[(tl["role"] == "generator") & (tl["event"] == "write")]["t_end"].sort_values().to_numpy()
-    batch = []
+    waited, asked = [], []
     for t_load in loads["t_start"]:
-        before = writes[writes <= t_load]
-        prev_train = trains["t_end"][trains["t_end"] <= t_load]
-        ready = max(before[-1] if len(before) else -math.inf, prev_train.max() if len(prev_train) else -math.inf)
-        if math.isfinite(ready):
-            batch.append(t_load - ready)
+        written, freed = writes[writes <= t_load], free[free <= t_load]
+        if len(written) and len(freed):
+            (waited if written[-1] > freed.max() else asked).append(t_load - max(written[-1], freed.max()))
     syncs = tl[(tl["role"] == "generator") & (tl["event"] == "sync")]["t_start"].to_numpy()
     publish = []
     for t_end in trains["t_end"]:
@@ -242,9 +245,11 @@ def _latencies(tl: pd.DataFrame) -> dict[str, float]:
             publish.append(after.min() - t_end)
     own = t0[t0["event"] == "sync"]["duration"]
     med = lambda xs: float(np.median(xs)) if len(xs) else 0.0  # noqa: E731
+    # a run that saw only one kind (a synchronous run never has a batch waiting) lends it to the other
+    batch, ask = med(waited or asked), med(asked or waited)
     # the publish is the mean: when generators are still loading the previous version, it waits for them
     own_s = float(own.mean()) if len(own) else 0.0
-    return {"batch_latency_s": med(batch), "publish_latency_s": med(publish), "publish_s": own_s}
+    return {"batch_latency_s": batch, "ask_latency_s": ask, "publish_latency_s": med(publish), "publish_s": own_s}
 
 
 # config key -> the SimConfig field it sets (what a calibrated model may be asked about)

@@ -36,6 +36,9 @@ class EmpiricalLengths:
         return self.ordered[min(len(self.ordered) - 1, int(u * len(self.ordered)))]
 
 
+TRAIN_SLICES = 8  # a training version is simulated in this many slices, for the cores' sharing to follow
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """The loop's shape (the run config's numbers) and what the model needs beyond them."""
@@ -56,7 +59,8 @@ class SimConfig:
     reject_uniform: bool = True
     reward_s: float = 0.0  # a reward worker's time to score one group (off the generator's critical path)
     reward_workers: int = 1  # per generator; groups queue for them
-    batch_latency_s: float = 0.0  # a ready batch to its trainers through rank 0 (shard write, messages, polls)
+    batch_latency_s: float = 0.0  # a batch the trainers wait for: its last shard written to their start on it
+    ask_latency_s: float = 0.0  # a batch already waiting: trainer 0 free to its start on it (a request and reply)
     publish_latency_s: float = 0.0  # a trained version to the generators through rank 0
     publish_s: float = 0.0  # trainer 0's own time to post a version's weights (on the trainers' critical path)
     train_overhead_s: float = 0.0  # per version and trainer: loading the shards, optimizer step
@@ -328,7 +332,7 @@ class Simulation:
         if self.cfg.reward_s:
             with pool.request() as turn:
                 yield turn
-                yield self.env.timeout(self.cfg.reward_s)
+                yield self.env.timeout(self.cfg.reward_s * (1.0 + self.cfg.gen_slowdown * self.training))
         uniform = bool(self.rng.random() < self.cfg.p_uniform)
         if not self.core.group_done(ReadyGroup("", [], 0, gid, g.tokens, g.v_start), uniform):
             self.grant()  # its slot is free again
@@ -348,7 +352,7 @@ class Simulation:
 
     def _trainers(self):
         c = self.cfg
-        version = 0
+        version, waited = 0, False
         while version < c.versions:
             dropped = self.core.dropped_stale
             plan = self.core.next_batch()
@@ -357,14 +361,23 @@ class Simulation:
             if plan is None:
                 self.batch_ready = self.env.event()
                 yield self.batch_ready
+                waited = True
                 continue
-            if c.batch_latency_s:
-                yield self.env.timeout(c.batch_latency_s)
+            # rank 0 relays a batch it has just seen complete more slowly than one it holds when asked
+            latency = c.batch_latency_s if waited else c.ask_latency_s
+            waited = False
+            if latency:
+                yield self.env.timeout(latency)
             shares = [sum(plan.groups[i].n_tokens for mb in share for i in mb) for share in plan.shares]
             self.training = True
-            slow = self.train_slowdown()
-            t = c.train_overhead_s + max(c.cost.train_s(n) for n in shares) * slow
-            yield self.env.timeout(t + c.publish_s)
+            # in slices, each slowed by the generators stepping when it starts: calibration measures the
+            # sharing over the whole span, and generators often stop (their work done) partway through it
+            slow = 0.0
+            for _ in range(TRAIN_SLICES):
+                s = self.train_slowdown() / TRAIN_SLICES
+                yield self.env.timeout(max(c.cost.train_s(n) for n in shares) * s)
+                slow += s
+            yield self.env.timeout(c.train_overhead_s)
             self.training = False
             self.train_busy_s += c.train_overhead_s * c.n_trainers + sum(c.cost.train_s(n) for n in shares) * slow
             for g in plan.groups:
@@ -372,8 +385,11 @@ class Simulation:
             self.version_tokens.append(sum(g.n_tokens for g in plan.groups))
             self.tokens_consumed += self.version_tokens[-1]
             version += 1
-            self.version_wall_s.append(self.env.now)
+            # the publish latency runs from the end of training (as calibration measures it): trainer 0's
+            # own publish is part of it, not before it
             self.env.process(self._publish(version))
+            yield self.env.timeout(c.publish_s)
+            self.version_wall_s.append(self.env.now)
         self.done = True
         self._notify_all()
 
