@@ -67,9 +67,12 @@ def _fresh_pid(run: Path, rank: int, since: float) -> int:
 
 
 def _inject(run: Path, job_id: str, i: int, name: str, role: str, sig: int, world_since: float):
-    """Wait for 3 more versions, signal the first rank of `role`, wait for restart i+1 and for the run to
-    pass the version it was at; returns the fault's row of figures and its restart record."""
-    at = max(_progress(run), 0) + 3
+    """Wait for version 3 + 4i, signal the first rank of `role`, wait for restart i+1 and for the run to
+    pass the version it was at; returns the fault's row of figures and its restart record.
+
+    Fixed versions, not "3 more than now": on a fast machine each recovery overshoots, and counting from
+    there pushed the last fault onto the final version, past which the run never goes."""
+    at = 3 + 4 * i
     _wait(run, job_id, f"version {at} before '{name}'", lambda: _progress(run) >= at)
     rank = _rank_of(run, role)
     _wait(run, job_id, f"rank {rank}'s pid", lambda: _fresh_pid(run, rank, world_since) > 0, 60)
