@@ -173,5 +173,8 @@ def test_simulator_calibrated_on_the_async_run_predicts_the_sync_run(two_runs):
     assert 0 < measured["core_sharing"]["train_share"] <= 1 and measured["core_sharing"]["train_slowdown"] >= 0
     predicted = simulate(calibrate(two_runs[1], ["rollout.eta=0"])[0])
     real = trained_span_tokens_per_s(two_runs[0])  # the span the simulator models, as `measured` has it
-    assert predicted.consumed_tokens_per_s == pytest.approx(real, rel=0.15)
+    # a wider bound than itself: the host's speed moves between two runs a minute apart (eight quiet pairs
+    # missed by -19% to +13%, tracking the trainer's speed per CPU second; docs/emulation.md)
+    assert predicted.consumed_tokens_per_s == pytest.approx(real, rel=0.25)
     assert max(predicted.staleness) == 0 and predicted.gen_busy < itself.gen_busy
+    assert predicted.consumed_tokens_per_s < itself.consumed_tokens_per_s  # eta=0 is the slower loop

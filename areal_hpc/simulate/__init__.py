@@ -6,7 +6,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from areal_hpc.simulate.calibrate import SIM_KEYS, apply_overrides, calibrate, sim_config, trained_span_tokens_per_s
-from areal_hpc.simulate.loop import EmpiricalLengths, SimConfig, SimResult, simulate
+from areal_hpc.simulate.loop import EmpiricalLengths, SimConfig, simulate
+from areal_hpc.simulate.result import SimResult
 
 
 def parse_sweep(spec: str) -> tuple[str, list[str]]:
