@@ -135,6 +135,10 @@ class ClusterConfig:
     hang_timeout_s: float = 600.0
     device: str = "cpu"  # cpu | cuda
     mpirun: str = "mpirun"  # local launcher: the mpirun binary
+    # local runs on one host: generators on half its cores, the scheduler, trainers and reward workers on
+    # the other half, as generation has its own GPUs on a cluster (benchmarks). Off: every rank may run on
+    # every core. Under Slurm srun binds each component's ranks, and this is ignored
+    pin_roles: bool = False
 
 
 @dataclass

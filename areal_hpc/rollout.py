@@ -41,6 +41,18 @@ def to_trajectory(
     )
 
 
+def group_summary(trajs: list[Trajectory], prompt_id: int, group_id: int) -> dict:
+    """What a generator announces of one scored group (GROUPS_DONE; the shard indices are added when written)."""
+    return {
+        "prompt_id": prompt_id,
+        "group_id": group_id,
+        "n_tokens": int(sum(len(t.input_ids) for t in trajs)),
+        "gen_tokens": int(sum(t.gen_len for t in trajs)),
+        "version_start": int(min(t.version_start for t in trajs)),
+        "uniform": len({t.reward for t in trajs}) == 1,  # no learning signal; rank 0 may reject it
+    }
+
+
 def final_rewards(verifier_rewards: list[float], outputs: list[GenOutput]) -> list[float]:
     """An answer cut off by the length limit (no EOS) scores 0, whatever the verifier said."""
     return [r if o.finish_reason == "stop" else 0.0 for r, o in zip(verifier_rewards, outputs)]

@@ -10,14 +10,17 @@ then the scarce resource, as memory-bound decode is on GPUs. With many slots thi
 several times faster than one trainer trains, the trainer is the bottleneck, and the generator waits at
 the staleness gate by design (`--slots 16` shows that regime).
 
-The ceiling: after each run, the same engine (same slots, same thread count) generates the run's own
-stored requests (each prompt with exactly its stored answer length, EOS ignored), all added at once and
-stepped to completion with no runtime around it. On this 2-core machine the trainer shares the
-generator's cache and memory bandwidth, so the ceiling is also measured with the run's own training
-replayed beside it, for the share of the generating time the trainer was training: the loop's own
-cost is the stream against that figure. Read both ceilings with this shared machine's drift in mind:
-one engine's offline figure moved by up to 40% between measurements minutes apart (2026-12-02), more
-than the effects measured here; compare variants over several runs.
+Cores: the run has `cluster.pin_roles=true`, so the generator has one core to itself and the scheduler,
+the trainer and the reward workers share the other, as a generator has its own GPUs on a cluster.
+
+The ceiling: after each run, the same engine (same slots, same thread count, on the generator's core)
+generates the run's own stored requests (each prompt with exactly its stored answer length, EOS
+ignored), all added at once and stepped to completion with no runtime around it; twice, and the mean is
+the ceiling. This shared machine's speed drifts: one engine's offline figure moved by up to 40% between
+measurements minutes apart (2026-12-02), so the two measurements' spread is printed beside each ratio to
+it. Two shares measured inside the run are free of that drift and isolate the loop's own cost: the
+generating time spent inside engine steps (the rest is the loop between steps), and the share of a
+core the steps got (the rest went to other processes on the generator's core).
 
 The streaming generator's tokens/s counts every token its engine sampled (one per running sequence per
 step) over its generating time: also the held-out evaluation's greedy answers, which run in the same
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -42,10 +46,13 @@ from _runs import BASE_WORKLOAD, VARIANTS, launch_run  # benchmarks/ is on the p
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from areal_hpc.rundir import RunDir  # noqa: E402 (after the path: runs from a checkout)
+from areal_hpc.runtime.cores import CoreSplit  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
-WORKLOAD = [*BASE_WORKLOAD, "logging.eval_prompts=4"]
+# generation on its own core, the rest on the other, as generation has its own GPUs on a cluster
+WORKLOAD = [*BASE_WORKLOAD, "logging.eval_prompts=4", "cluster.pin_roles=true"]
+SPLIT = CoreSplit.of(os.sched_getaffinity(0))  # the split the run's ranks make (areal_hpc.runtime.cores)
 
 
 def _overlap(starts, ends, lo: float, hi: float) -> float:
@@ -82,7 +89,7 @@ def figures(run_dir: Path, summary: dict) -> dict:
     gen = gen_spans["duration"].sum()
     train_spans = tl[(tl.role == "trainer") & (tl.event == "train")]
     ts, te = train_spans.t_start.to_numpy(), train_spans.t_end.to_numpy()
-    # the share of generating time the trainer was training beside it: the neighbour the loaded ceiling replays
+    # the share of generating time the trainer was training beside it (on its own core, sharing caches and memory)
     out["train_during_generate"] = (
         sum(_overlap(ts, te, a, b) for a, b in zip(gen_spans.t_start, gen_spans.t_end, strict=True)) / gen
     )
@@ -93,52 +100,26 @@ def figures(run_dir: Path, summary: dict) -> dict:
     # every token the engine sampled (one per running sequence per step): also the held-out evaluations
     # that share the stream and the partial answers dropped at the stop, which the stored count leaves out
     out["stream_sampled_tokens_per_busy_s"] = float(eng.seq_steps.sum()) / gen
+    # the loop's own cost, free of the host's drift (shares within one run): generating time spent inside
+    # engine steps (the rest is the loop between them), and the share of a core the steps got
+    out["step_share"] = float(eng.step_s.sum()) / gen
+    out["step_cpu_share"] = float(eng.cpu_s.sum() / eng.step_s.sum())
     return out
 
 
-def _replay_training(run_dir: str, model: str, duty: float, ready, stop) -> None:
-    """The run's own PPO steps on its stored batches, busy `duty` of the time: the load the trainer put
-    on the generator's neighbour core (shared cache and memory bandwidth on this 2-core machine)."""
-    import numpy as np
-    import torch
-
-    from areal_hpc.algo.advantages import batch_advantages
-    from areal_hpc.config import load_config
-    from areal_hpc.runtime.build import build_train_engine
-    from areal_hpc.store import list_shards, read_shard
-
-    cfg = load_config(Path(run_dir) / "config.yaml", [])
-    torch.set_num_threads(cfg.cluster.threads_per_rank)
-    engine = build_train_engine(cfg, Path(model))
-    trajs = [t for shard in list_shards(RunDir(run_dir).rollouts) for t in read_shard(shard)]
-    per = cfg.rollout.batch_prompts * cfg.rollout.n_samples
-    k = 0
-    while not stop.is_set():
-        batch = [trajs[(k * per + i) % len(trajs)] for i in range(per)]
-        k += 1
-        t = time.perf_counter()
-        r = np.array([x.reward for x in batch], dtype=np.float64)
-        adv, _ = batch_advantages(r, np.array([x.group_id for x in batch]), cfg.ppo.adv_norm, False)
-        engine.ppo_update(batch, adv)
-        ready.set()
-        stop.wait((time.perf_counter() - t) * (1 - duty) / duty)
-
-
-def offline_ceiling(engine: str, run_dir: Path, model: Path, cfg, neighbour_duty: float = 0.0) -> float:
-    """The engine's own tokens/s on the run's stored requests: all added at once, stepped to completion.
-
-    With `neighbour_duty` > 0 a second process replays the run's training beside it, busy that share
-    of the time: the same neighbour the streaming generator had, so the two figures compare the loop alone.
-    """
-    import multiprocessing as mp
-
+def offline_ceiling(engine: str, run_dir: Path, model: Path, cfg) -> float:
+    """The engine's own tokens/s on the run's stored requests, on the generator's cores: all added at once,
+    stepped to completion."""
     import torch
 
     from areal_hpc.engines import make_generation_engine
+    from areal_hpc.engines.base import generate
     from areal_hpc.store import list_shards, read_shard
     from areal_hpc.types import GenRequest
 
-    torch.set_num_threads(cfg.cluster.threads_per_rank)  # as the generator rank runs
+    torch.set_num_threads(cfg.cluster.threads_per_rank)  # as the generator rank runs, on its cores
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, SPLIT.generation)  # the engine's threads start here and inherit it
     rc = cfg.rollout
     kw = {"kv_cache_gib": rc.kv_cache_gib} if engine == "vllm" else {}
     eng = make_generation_engine(
@@ -149,29 +130,14 @@ def offline_ceiling(engine: str, run_dir: Path, model: Path, cfg, neighbour_duty
     for shard in list_shards(RunDir(run_dir).rollouts):
         for t in read_shard(shard):
             reqs.append(GenRequest(f"{len(reqs)}", t.input_ids[: t.prompt_len].tolist(), t.gen_len))
-    neighbour = None
     try:
-        from areal_hpc.engines.base import generate
-
-        if neighbour_duty > 0:
-            ctx = mp.get_context("spawn")
-            ready, stop = ctx.Event(), ctx.Event()
-            args = (str(run_dir), str(model), min(neighbour_duty, 1.0), ready, stop)
-            neighbour = ctx.Process(target=_replay_training, args=args, daemon=True)
-            neighbour.start()
-            if not ready.wait(300):
-                raise RuntimeError("the training replay did not finish a step in 300 s")
         generate(eng, reqs[:8])  # warm-up
         t = time.perf_counter()
         outs = generate(eng, reqs)
         secs = time.perf_counter() - t
     finally:
-        if neighbour is not None:
-            stop.set()
-            neighbour.join(60)
-            if neighbour.is_alive():
-                neighbour.kill()
         eng.close()
+        os.sched_setaffinity(0, allowed)
     return sum(len(o.output_ids) for o in outs) / secs
 
 
@@ -194,15 +160,12 @@ def run_variant(engine: str, name: str, args, out_root: Path) -> dict:
         },
         **figures(run_dir, s),
     }
-    r["offline_gen_tokens_per_s"] = offline_ceiling(engine, run_dir, out_root / "model", cfg)
+    # twice, minutes apart: how far the host's own speed moved is the error bar of every ratio to it
+    first, second = (offline_ceiling(engine, run_dir, out_root / "model", cfg) for _ in range(2))
+    r["offline_gen_tokens_per_s"] = (first + second) / 2
+    r["offline_spread"] = abs(first - second) / r["offline_gen_tokens_per_s"]
     r["stream_over_offline"] = r["stream_gen_tokens_per_busy_s"] / r["offline_gen_tokens_per_s"]
     r["sampled_over_offline"] = r["stream_sampled_tokens_per_busy_s"] / r["offline_gen_tokens_per_s"]
-    # the same ceiling with the run's training replayed beside it (none at eta=0: the roles take turns)
-    duty = r["train_during_generate"]
-    ceiling = offline_ceiling(engine, run_dir, out_root / "model", cfg, duty) if duty > 0.02 else None
-    r["offline_loaded_gen_tokens_per_s"] = ceiling or r["offline_gen_tokens_per_s"]
-    r["stream_over_loaded"] = r["stream_gen_tokens_per_busy_s"] / r["offline_loaded_gen_tokens_per_s"]
-    r["sampled_over_loaded"] = r["stream_sampled_tokens_per_busy_s"] / r["offline_loaded_gen_tokens_per_s"]
     r["bottleneck"] = "generator" if r["generator_busy"] >= r["trainer_busy"] else "trainer"
     r["bottleneck_busy"] = max(r["generator_busy"], r["trainer_busy"])
     return r
@@ -248,9 +211,9 @@ def main() -> None:
         "rejected_uniform",
         "stream_over_offline",
         "sampled_over_offline",
-        "train_during_generate",
-        "stream_over_loaded",
-        "sampled_over_loaded",
+        "offline_spread",
+        "step_share",
+        "step_cpu_share",
     )
     for engine in [e for e in args.engines.split(",") if e]:
         runs = result["runs"].setdefault(engine, {})
@@ -269,9 +232,8 @@ def main() -> None:
             f"busy {e4['bottleneck_busy']:.1%}; streaming generator {e4['stream_sampled_tokens_per_busy_s']:.0f} "
             f"tokens/s per busy second = {e4['sampled_over_offline']:.1%} of offline "
             f"{e4['offline_gen_tokens_per_s']:.0f} ({e4['stream_over_offline']:.1%} counting only the stored "
-            f"answers); against the ceiling with the run's training replayed beside it "
-            f"({e4['train_during_generate']:.0%} of the time), {e4['offline_loaded_gen_tokens_per_s']:.0f}: "
-            f"{e4['sampled_over_loaded']:.1%} ({e4['stream_over_loaded']:.1%})\n"
+            f"answers; the two offline measurements differ by {e4['offline_spread']:.1%}); inside engine steps "
+            f"{e4['step_share']:.1%} of the generating time, with {e4['step_cpu_share']:.1%} of a core\n"
         )
     result["wall_s"] = time.time() - t0
     write_json(args.out / "streaming.json", result)

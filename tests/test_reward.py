@@ -31,6 +31,12 @@ def _test_scorer(completion: str, reference: str) -> float:
     return 1.0 if completion == reference else 0.0
 
 
+def _affinity_mask(completion: str, reference: str) -> float:
+    if completion == "crash":
+        os._exit(3)
+    return float(sum(1 << c for c in os.sched_getaffinity(0)))
+
+
 def _slow(completion: str, reference: str) -> float:
     time.sleep(30)
     return 1.0
@@ -211,3 +217,14 @@ def test_closed_pool_rejects_and_scorer_must_pickle():
         pool.submit(["\\boxed{1}"], ["1"])
     with pytest.raises(ValueError):
         RewardPool(scorer=lambda c, r: 1.0)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell them apart")
+def test_pool_workers_run_on_the_cores_asked_for_also_after_a_rebuild():
+    mine = os.sched_getaffinity(0)
+    core = max(mine)
+    with RewardPool(num_workers=1, timeout_s=2.0, scorer=_affinity_mask, cpus=frozenset({core})) as pool:
+        assert pool.score(["a", "b"], ["", ""]) == [float(1 << core)] * 2
+        assert pool.score(["crash"], [""]) == [0.0]
+        assert pool.rebuilds >= 1 and pool.score(["c"], [""]) == [float(1 << core)]
+    assert os.sched_getaffinity(0) == mine  # the caller stays where it was

@@ -21,6 +21,8 @@ from areal_hpc.config import load_config
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.launch.local import launch
 from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.cores import CoreSplit
+from areal_hpc.runtime.layout import GENERATOR, SCHEDULER, TRAINER
 from areal_hpc.runtime.timeline import load_timeline
 from areal_hpc.runtime.weight_sync import weights_checksum
 from areal_hpc.store import Ledger, list_shards, load_trajectories, read_shard_summary
@@ -62,6 +64,17 @@ def _audit(run: Path, eta: int) -> pd.DataFrame:
     # no token from a version newer than the one trained on it (a resume must not reuse rolled-back tokens)
     assert (eaten["version_end"] <= eaten["consumed_version"]).all()
     return eaten
+
+
+def test_a_host_splits_its_cores_between_generation_and_the_rest():
+    two = CoreSplit.of({0, 1})
+    assert (two.generation, two.other) == ({1}, {0})
+    assert two.of_role(GENERATOR) == {1} and two.of_role(TRAINER) == two.of_role(SCHEDULER) == {0}
+    five = CoreSplit.of({0, 2, 3, 5, 7})
+    assert (five.generation, five.other) == ({3, 5, 7}, {0, 2})  # generation gets the larger half
+    assert CoreSplit.of({4}).generation == CoreSplit.of({4}).other == {4}  # one core is shared
+    with pytest.raises(ValueError):
+        CoreSplit.of(set())
 
 
 def test_bucketed_broadcast_delivers_exact_weights(tmp_path):
@@ -175,8 +188,13 @@ def test_streaming_generation_interrupts_and_evaluates_off_the_critical_path(tmp
         "trainer.max_wall_s=0",
         "logging.eval_prompts=100",
         "logging.eval_every=1",
+        "cluster.pin_roles=true",  # as benchmarks/streaming.py runs
     )
     s = launch(cfg, progress=False)
+    split = CoreSplit.of(os.sched_getaffinity(0))
+    for log in (tmp_path / "run" / "logs").glob("rank*.log"):  # what each rank's affinity was once pinned
+        role = log.stem.split("-")[1]
+        assert f"pinned to cores {sorted(split.of_role(role))}" in log.read_text(), log.name
     eaten = _audit(tmp_path / "run", eta=2)
     mixed = eaten[eaten["version_start"] != eaten["version_end"]]
     assert len(mixed) > 0, "no trajectory was interrupted and resumed under new weights"

@@ -97,9 +97,10 @@ class CodeScorer:
         return _score(completion, tests, self.how, self.limits)
 
 
-def reward_pool_for(cfg) -> RewardPool | EmulatedRewards:
+def reward_pool_for(cfg, cpus: frozenset[int] | None = None) -> RewardPool | EmulatedRewards:
     """The reward pool a run's config asks for: math-verify, code in the sandbox (data.kind=code), or the
-    emulated rewards of an emulated engine (its placeholder answers cannot be right).
+    emulated rewards of an emulated engine (its placeholder answers cannot be right). Its worker
+    processes run on `cpus` (None: where this process runs).
 
     For code the isolation is checked here, at start-up: the run stops with one line (SandboxUnavailable)
     when reward.sandbox asks for isolation this machine cannot give.
@@ -108,9 +109,9 @@ def reward_pool_for(cfg) -> RewardPool | EmulatedRewards:
     if cfg.rollout.engine == "emulated":
         return EmulatedRewards(cfg.emulation.p_correct, cfg.trainer.seed)
     if cfg.data.kind != "code":
-        return RewardPool(num_workers=rc.num_workers, timeout_s=rc.timeout_s)
+        return RewardPool(num_workers=rc.num_workers, timeout_s=rc.timeout_s, cpus=cpus)
     iso = isolation(rc.sandbox)
     log = logger.warning if iso.name != "bwrap" else logger.info
     log("code reward isolation: %s (%s)", iso.name, iso.description)
     scorer = CodeScorer(iso.name, Limits(wall_s=rc.timeout_s, memory_mb=rc.code_memory_mb))
-    return RewardPool(num_workers=rc.num_workers, timeout_s=rc.timeout_s + SANDBOX_SLACK_S, scorer=scorer)
+    return RewardPool(num_workers=rc.num_workers, timeout_s=rc.timeout_s + SANDBOX_SLACK_S, scorer=scorer, cpus=cpus)

@@ -68,7 +68,8 @@ class RewardPool:
     ``f(completion, reference) -> float``. Workers use the forkserver (else spawn) start
     method, never fork, so the pool is safe to create from processes that use torch or MPI;
     as with any spawn-style pool, a script that creates one needs an
-    ``if __name__ == "__main__":`` guard (workers re-import the main module).
+    ``if __name__ == "__main__":`` guard (workers re-import the main module). ``cpus``: the
+    cores the workers run on (None: wherever this process may run).
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class RewardPool:
         hard_grace_s: float = 2.0,
         startup_grace_s: float = 120.0,
         start_method: str | None = None,
+        cpus: frozenset[int] | None = None,
     ):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
@@ -101,6 +103,7 @@ class RewardPool:
         if start_method == "fork":
             raise ValueError("fork is unsafe with torch/MPI threads; use forkserver or spawn")
         self._ctx = mp.get_context(start_method)
+        self.cpus = cpus
 
         self._lock = threading.Lock()
         self._wake: cf.Future = cf.Future()
@@ -114,7 +117,7 @@ class RewardPool:
 
         self._gen: _WorkerGeneration | None = None
         try:
-            self._gen = _WorkerGeneration(self._ctx, self.num_workers)
+            self._gen = _WorkerGeneration(self._ctx, self.num_workers, self.cpus)
         except Exception:
             logger.warning("RewardPool: no worker processes; scoring inline", exc_info=True)
 
@@ -341,7 +344,7 @@ class RewardPool:
         why = "crash" if crashed else "hang"
         logger.warning("RewardPool: rebuilding worker pool after a %s", why)
         try:
-            self._gen = _WorkerGeneration(self._ctx, self.num_workers)
+            self._gen = _WorkerGeneration(self._ctx, self.num_workers, self.cpus)
         except Exception:
             logger.exception("RewardPool: cannot rebuild worker pool; scoring inline")
 

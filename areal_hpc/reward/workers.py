@@ -17,10 +17,12 @@ logger = logging.getLogger(__name__)
 _READY_COUNTER = None
 
 
-def _worker_init(ready_counter) -> None:
+def _worker_init(ready_counter, cpus: frozenset[int] | None = None) -> None:
     # Import + first parse compile math-verify's regexes once per worker, not per item.
     global _READY_COUNTER
     _READY_COUNTER = ready_counter
+    if cpus:  # off the cores the caller keeps for itself (a generator's engine)
+        os.sched_setaffinity(0, cpus)
     try:
         # The parent handles Ctrl-C and shuts us down; a KeyboardInterrupt here only adds noise.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -47,7 +49,7 @@ def _score_chunk(scorer: Scorer | None, pairs: list[tuple[str, str]], timeout_s:
 class _WorkerGeneration:
     """One ProcessPoolExecutor incarnation; rebuilt whenever a worker crashes or hangs."""
 
-    def __init__(self, ctx, num_workers: int):
+    def __init__(self, ctx, num_workers: int, cpus: frozenset[int] | None = None):
         self.created_t = time.monotonic()
         self.ready_t: float | None = None
         self.num_workers = num_workers
@@ -56,7 +58,7 @@ class _WorkerGeneration:
             max_workers=num_workers,
             mp_context=ctx,
             initializer=_worker_init,
-            initargs=(self.counter,),
+            initargs=(self.counter, cpus),
         )
         # Workers are spawned on demand: one ping per worker starts them all now, in the
         # background, so their import cost overlaps with whatever the caller does next.

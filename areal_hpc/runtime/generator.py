@@ -14,7 +14,7 @@ from areal_hpc.config import Config, concurrent_groups
 from areal_hpc.data import Problem, load_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import reward_pool_for
-from areal_hpc.rollout import completion_texts, final_rewards, group_requests, to_trajectory
+from areal_hpc.rollout import completion_texts, final_rewards, group_requests, group_summary, to_trajectory
 from areal_hpc.runtime.build import build_generation_engine
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
@@ -75,10 +75,20 @@ class Generator(RoleLoop):
     # 4% of the vLLM generator's py-spy samples in it. 10 ms delays a grant by under 3 steps.
     busy_poll_s = 0.01
 
-    def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        comm,
+        layout: Layout,
+        sync_group,
+        model_dir: Path,
+        resume: bool,
+        reward_cores: frozenset[int] | None = None,
+    ):
         super().__init__(cfg, run_dir, comm, layout, resume)
         # first: data.kind=code refuses here, in one line, if reward.sandbox cannot run (before minutes of engine load)
-        self.pool = reward_pool_for(cfg)
+        self.pool = reward_pool_for(cfg, cpus=reward_cores)
         self.engine = build_generation_engine(cfg, model_dir, seed=cfg.trainer.seed + 1000 * self.rank)
         self.meter = EngineMeter(self.run_dir, self.rank, self.engine.capacity)
         self.tokenizer = load_tokenizer(model_dir)
@@ -256,19 +266,7 @@ class Generator(RoleLoop):
             ]
             if not self.scored:
                 self.scored_since = now
-            self.scored.append(
-                (
-                    trajs,
-                    {
-                        "prompt_id": s.group.problem.prompt_id,
-                        "group_id": s.group_id,
-                        "n_tokens": int(sum(len(t.input_ids) for t in trajs)),
-                        "gen_tokens": int(sum(t.gen_len for t in trajs)),
-                        "version_start": int(min(t.version_start for t in trajs)),
-                        "uniform": len(set(rewards)) == 1,  # no learning signal; rank 0 may reject it
-                    },
-                )
-            )
+            self.scored.append((trajs, group_summary(trajs, s.group.problem.prompt_id, s.group_id)))
         return True
 
     def _write_scored(self) -> None:

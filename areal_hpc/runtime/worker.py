@@ -134,6 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, lambda *_: stop_requested.append(True))
 
+        reward_cores = None
+        if cfg.cluster.pin_roles and group is None:  # under Slurm each component's ranks are bound by srun
+            from areal_hpc.runtime.cores import CoreSplit, pin_process
+
+            split = CoreSplit.of(os.sched_getaffinity(0))
+            pin_process(split.of_role(role))
+            reward_cores = split.other
+            logging.getLogger("areal_hpc.worker").info("pinned to cores %s", sorted(os.sched_getaffinity(0)))
+
         import torch
 
         torch.set_num_threads(cfg.cluster.threads_per_rank)
@@ -161,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         elif role == GENERATOR:
             from areal_hpc.runtime.generator import Generator
 
-            gen = Generator(cfg, run_dir, comm, layout, sync_group, model_dir, resume)
+            gen = Generator(cfg, run_dir, comm, layout, sync_group, model_dir, resume, reward_cores)
             try:
                 gen.run()
             finally:
