@@ -192,8 +192,9 @@ def test_streaming_generation_interrupts_and_evaluates_off_the_critical_path(tmp
     )
     s = launch(cfg, progress=False)
     split = CoreSplit.of(os.sched_getaffinity(0))
-    for log in (tmp_path / "run" / "logs").glob("rank*.log"):  # what each rank's affinity was once pinned
-        role = log.stem.split("-")[1]
+    logs = {log.stem.split("-")[1]: log for log in (tmp_path / "run" / "logs").glob("rank*.log")}
+    assert set(logs) == {SCHEDULER, GENERATOR, TRAINER}
+    for role, log in logs.items():  # what each rank's affinity was once pinned
         assert f"pinned to cores {sorted(split.of_role(role))}" in log.read_text(), log.name
     eaten = _audit(tmp_path / "run", eta=2)
     mixed = eaten[eaten["version_start"] != eaten["version_end"]]
