@@ -106,16 +106,17 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
     )
     click.echo(
         f"sampling:    {s.get('rejected_uniform', 0)} groups rejected as uniform (all rewards equal) and refilled; "
-        f"{s.get('aborted_requests', 0)} requests interrupted for new weights and resumed"
+        f"{s.get('aborted_requests', 0)} requests interrupted for new weights and resumed; "
+        f"{s.get('prefill_tokens', 0)} tokens prefilled"
     )
-    if s.get("sync_gbps_mean") is not None:
-        if cfg.sync.method == "disk":
-            click.echo(f"weight sync: {s['sync_gbps_mean']:.2f} GB/s through {run_dir.weights}")
-        else:
-            click.echo(
-                f"weight sync: {s['sync_gbps_mean']:.2f} GB/s bucketed, "
-                f"raw single buffer {s['raw_broadcast_gbps'] or float('nan'):.2f} GB/s"
-            )
+    if s.get("sync_s_mean") is not None:
+        # per version: on a small model GB/s only measures how fast the generators reach the collective
+        how = f"through {run_dir.weights}" if cfg.sync.method == "disk" else "bucketed broadcast"
+        load = f", loaded in {1e3 * s['load_s_mean']:.0f} ms" if s.get("load_s_mean") is not None else ""
+        click.echo(
+            f"weight sync: {1e3 * s['sync_s_mean']:.0f} ms per version to send {s['sync_bytes'] / 1e6:.1f} MB "
+            f"({how}, {s['sync_gbps_mean']:.2f} GB/s){load}; weight_update={s.get('weight_update')}"
+        )
     rel = [p.relative_to(run_dir.root) for p in (run_dir.metrics, run_dir.timeline, run_dir.logs, run_dir.checkpoints)]
     click.echo(f"run dir:     {run_dir.root}  ({', '.join(map(str, rel))})")
     if cfg.logging.tensorboard:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,7 +63,12 @@ class RolloutConfig:
     batch_prompts: int = 32  # B: prompts (groups) per training step
     eta: int = 4  # staleness bound in versions; 0 = synchronous
     max_running: int = 0  # cap on prompts in flight per the scheduler (0 = no cap)
-    interrupt: bool = True  # new weights: interrupt running requests and resume them under the new weights
+    # new weights on a generator with requests in flight (docs/architecture.md, "Weight loads"):
+    # keep_kv: load between two engine steps; running requests keep their KV cache and go on (nothing redone)
+    # recompute: interrupt them, load, prefill prompt + partial again under the new weights (AReaL's design)
+    # drain: stop admitting, let them finish, then load
+    weight_update: str = "keep_kv"
+    interrupt: bool | None = None  # deprecated: true = weight_update=recompute, false = drain
     max_num_seqs: int = 256  # sequences one engine step holds (vLLM's max_num_seqs): the engine's slots
     # most groups a generator has in flight (AReaL's max_concurrent_rollouts); it asks for a group whenever a
     # slot is free. 0 = max_num_seqs: even if every slot holds the last, long answer of a different group,
@@ -79,6 +85,9 @@ class PPOConfig:
     adv_norm: str = "mean_std"  # mean | mean_std
     drop_uniform_groups: bool = True  # dynamic sampling: skip groups with all-equal rewards
     prox: str = "recompute"  # recompute | loglinear
+    # false: plain PPO against the behaviour policy (the paper's baseline): the ratio is taken to the
+    # behaviour logprobs, with no proximal policy, no behaviour weight and no proximal recompute
+    decoupled: bool = True
 
 
 @dataclass
@@ -223,6 +232,25 @@ def _one_line(err: OmegaConfBaseException, overrides: list[str] | None = None) -
     return f"config {key}: {msg}" if key else f"config: {msg}"
 
 
+def _map_interrupt(merged: DictConfig, layers: list) -> None:
+    """rollout.interrupt (before rollout.weight_update existed) becomes the mode it meant, with one line saying so."""
+    old = merged.rollout.interrupt
+    if old is None:
+        return
+    mode = "recompute" if old else "drain"
+    asked = [v for v in (OmegaConf.select(x, "rollout.weight_update") for x in layers) if v is not None]
+    if asked and asked[-1] != mode:
+        raise ConfigError(
+            f"config rollout.interrupt={str(old).lower()} (deprecated, = rollout.weight_update={mode}) contradicts "
+            f"rollout.weight_update={asked[-1]}; keep only rollout.weight_update"
+        )
+    merged.rollout.weight_update, merged.rollout.interrupt = mode, None
+    print(
+        f"areal-hpc: config rollout.interrupt={str(old).lower()} is deprecated; it means rollout.weight_update={mode}",
+        file=sys.stderr,
+    )
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- dotted `key=value` overrides, type-checked and validated."""
     try:
@@ -252,6 +280,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raise ConfigError(f"override {ov!r} has a value that is not valid YAML") from None
         merged = OmegaConf.merge(*layers)
         OmegaConf.resolve(merged)
+        _map_interrupt(merged, layers[1:])
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise ConfigError(f"config {missing[0]} is required but not set")

@@ -24,6 +24,7 @@ _CHOICES = {
     "reward.sandbox": ("bwrap", "auto", "none"),
     "data.chat_template": CHAT_TEMPLATE_MODES,
     "rollout.engine": ("torch", "vllm", "emulated"),
+    "rollout.weight_update": ("keep_kv", "recompute", "drain"),
     "ppo.adv_norm": ("mean", "mean_std"),
     "ppo.prox": ("recompute", "loglinear"),
     "trainer.engine": ("torch", "deepspeed", "emulated"),

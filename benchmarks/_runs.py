@@ -23,12 +23,56 @@ BASE_WORKLOAD = [
     "logging.tensorboard=false",
     "logging.progress=false",
 ]
-# the synchronous baseline and the asynchronous runtime with and without interruption, side by side
+WEIGHT_UPDATES = ("keep_kv", "recompute", "drain")  # rollout.weight_update
+# the synchronous baseline and the asynchronous runtime under each weight-update mode, side by side
 VARIANTS = {
-    "eta0": ["rollout.eta=0", "rollout.interrupt=true"],
-    "eta4": ["rollout.eta=4", "rollout.interrupt=true"],
-    "eta4_no_interrupt": ["rollout.eta=4", "rollout.interrupt=false"],
+    "eta0": ["rollout.eta=0", "rollout.weight_update=keep_kv"],
+    **{f"eta4_{m}": ["rollout.eta=4", f"rollout.weight_update={m}"] for m in WEIGHT_UPDATES},
 }
+
+
+def overlap(starts, ends, lo: float, hi: float) -> float:
+    """Total length of the spans [start, end] inside [lo, hi]."""
+    import numpy as np
+
+    return float(np.clip(np.minimum(ends, hi) - np.maximum(starts, lo), 0, None).sum())
+
+
+def figures(run_dir: Path, summary: dict) -> dict:
+    """Busy shares over the RL wall time, occupancy outside the first and last version, the engine's steps."""
+    import pandas as pd
+
+    from areal_hpc.rundir import RunDir
+    from areal_hpc.runtime.timeline import load_engine_samples, load_timeline
+
+    tl = load_timeline(run_dir)
+    # metrics.csv's clock origin (rank 0 starts it after loading the dataset, seconds after its timeline starts)
+    t0 = summary["t0"]
+    m = pd.read_csv(RunDir(run_dir).metrics).set_index("version")
+    rl_lo, rl_hi = t0 + m.loc[0, "wall_s"], t0 + m["wall_s"].iloc[-1]  # first weights published -> last version trained
+    out = {}
+    for role, event in (("generator", "generate"), ("trainer", "train")):
+        spans = tl[(tl.role == role) & (tl.event == event)]
+        out[f"{role}_busy"] = overlap(spans.t_start.to_numpy(), spans.t_end.to_numpy(), rl_lo, rl_hi) / (rl_hi - rl_lo)
+    versions = m.index.max()
+    lo, hi = t0 + m.loc[1, "wall_s"], t0 + m.loc[versions - 1, "wall_s"]  # outside the first and last version
+    eng = load_engine_samples(run_dir)
+    inside = overlap(eng.t_start.to_numpy(), eng.t_end.to_numpy(), lo, hi)
+    frac = ((eng.t_end.clip(upper=hi) - eng.t_start.clip(lower=lo)).clip(lower=0) / (eng.t_end - eng.t_start)).fillna(0)
+    out["occupancy"] = float((eng.seq_s * frac).sum() / (eng.capacity.iloc[0] * (hi - lo)))
+    out["occupancy_window_covered"] = inside / (hi - lo)
+    gen_spans = tl[(tl.role == "generator") & (tl.event == "generate")]
+    out["generating_s"] = float(gen_spans["duration"].sum())
+    # the loop's own cost, free of the host's drift (shares within one run): generating time spent inside
+    # engine steps (the rest is the loop between them), and the share of a core the steps got
+    out["step_share"] = float(eng.step_s.sum()) / out["generating_s"]
+    out["step_cpu_share"] = float(eng.cpu_s.sum() / eng.step_s.sum())
+    out["step_ms_mean"] = 1e3 * float(eng.step_s.sum() / eng.steps.sum())
+    out["rows_per_step_mean"] = float(eng.seq_steps.sum() / eng.steps.sum())
+    out["sampled_tokens"] = int(eng.seq_steps.sum())
+    out["group_wall_s_mean"] = float(tl[(tl.role == "generator") & (tl.event == "group")]["duration"].mean())
+    out["prefill_tokens_per_version"] = summary.get("prefill_tokens", 0) / max(summary["versions"], 1)
+    return out
 
 
 def launch_run(run_dir: Path, overrides: list[str], model_dir: Path):

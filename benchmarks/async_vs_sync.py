@@ -1,12 +1,18 @@
-"""Asynchronous vs synchronous RL on the same machine and config: consumed tokens/s for eta=0 and eta=4,
-interruptible generation on vs off, and weight-sync bandwidth against a raw single-buffer broadcast.
+"""Asynchronous vs synchronous RL on the same machine and config, under each weight-update mode: consumed
+tokens/s for eta=0 and eta=4 with rollout.weight_update keep_kv, recompute and drain, and weight-sync
+bandwidth against a raw single-buffer broadcast.
 
 The workload makes generation and training cost about the same, with long-tailed generation lengths
 as in reasoning: an untrained tiny model samples up to 128 tokens (EOS is one token in 18, so lengths
-are roughly geometric with a long tail), and every group is trained on (no dynamic sampling). On the
-4-token demo task training dominates and there is little to overlap.
+are roughly geometric with a long tail), B=16 groups of n=8, up to 32 groups (256 sequences) in flight,
+and every group is trained on (no dynamic sampling). `cluster.pin_roles=true` gives the generator a core
+of its own, as it has its own GPUs on a cluster. On the 4-token demo task training dominates and there is
+little to overlap.
 
-    .venv/bin/python benchmarks/async_vs_sync.py            # about 3 minutes on 2 cores
+Every variant runs --repeats times, interleaved (one of each, then again), so that the host's drift
+falls on every variant alike; the figures are the mean and the spread of the repeats.
+
+    .venv/bin/python benchmarks/async_vs_sync.py            # about 10 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -14,83 +20,98 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _runs import BASE_WORKLOAD, VARIANTS, launch_run  # benchmarks/ is on the path when a benchmark runs as a script
+from _runs import (  # benchmarks/ is on the path when a benchmark runs as a script
+    BASE_WORKLOAD,
+    VARIANTS,
+    WEIGHT_UPDATES,
+    figures,
+    launch_run,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-WORKLOAD = [*BASE_WORKLOAD, "rollout.max_new_tokens=128", "rollout.max_concurrent_groups=32", "logging.eval_prompts=20"]
+WORKLOAD = [
+    *BASE_WORKLOAD,
+    "rollout.max_new_tokens=128",
+    "rollout.max_concurrent_groups=32",
+    "logging.eval_prompts=20",
+    "cluster.pin_roles=true",
+]
+KEYS = (
+    "consumed_tokens_per_s",
+    "generator_busy",
+    "occupancy",
+    "prefill_tokens_per_version",
+    "group_wall_s_mean",
+    "step_ms_mean",
+    "rows_per_step_mean",
+)
 
 
-def busy_fractions(run_dir: Path) -> dict[str, float]:
-    """Share of RL wall time each role spent in its real work (generate / train)."""
-    from areal_hpc.runtime.timeline import load_timeline
-
-    tl = load_timeline(run_dir)
-    t0, t1 = tl["t_start"].min(), tl["t_end"].max()
-    gen = tl[(tl.role == "generator") & (tl.event == "generate")]["duration"].sum()
-    train = tl[(tl.role == "trainer") & (tl.event == "train")]["duration"].sum()
-    return {"generator_busy": gen / (t1 - t0), "trainer_busy": train / (t1 - t0)}
-
-
-def run_variant(name: str, versions: int, out_root: Path) -> dict:
-    run_dir = out_root / name
+def run_variant(name: str, versions: int, out_root: Path, repeat: int) -> dict:
+    run_dir = out_root / f"{name}-{repeat}"
     _, s = launch_run(run_dir, [*WORKLOAD, *VARIANTS[name], f"trainer.versions={versions}"], out_root / "model")
-    return {**s, **busy_fractions(run_dir)}
+    keep = ("consumed_tokens_per_s", "rl_wall_s", "prefill_tokens", "aborted_requests", "dropped_stale")
+    return {**{k: s[k] for k in keep}, **figures(run_dir, s), "sync_s_mean": s.get("sync_s_mean")}
 
 
 def weight_sync_figures(out_root: Path) -> dict:
     from areal_hpc.launch.environment import rank_env
 
     out = out_root / "weight_sync.json"
-    cmd = [
-        "mpirun",
-        "-n",
-        "3",
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        sys.executable,
-        str(ROOT / "benchmarks" / "_weight_sync_mpi.py"),
-        str(out),
-    ]
+    cmd = ["mpirun", "-n", "3", "--oversubscribe", "--bind-to", "none", sys.executable]
+    cmd += [str(ROOT / "benchmarks" / "_weight_sync_mpi.py"), str(out)]
     subprocess.run(cmd, env=rank_env(local_mpirun=True), check=True, capture_output=True, timeout=600)
     return json.loads(out.read_text())
 
 
+def summarise(runs: list[dict]) -> dict:
+    """Mean of each figure over the repeats, and the relative spread of the throughput."""
+    out = {k: statistics.fmean(r[k] for r in runs) for k in KEYS}
+    tps = [r["consumed_tokens_per_s"] for r in runs]
+    out["tokens_per_s_runs"] = tps
+    out["spread"] = (max(tps) - min(tps)) / out["consumed_tokens_per_s"]
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--versions", type=int, default=25, help="policy versions per variant")
+    from areal_hpc.utils import atomic_write_text
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--versions", type=int, default=20, help="policy versions per run")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each variant, interleaved")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {', '.join(VARIANTS)}")
     ap.add_argument("--out", type=Path, default=RESULTS / "async_vs_sync")
     args = ap.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    if unknown := [v for v in names if v not in VARIANTS]:
+        ap.error(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    runs = {}
-    for name in VARIANTS:
-        print(f"[bench] {name}: {args.versions} versions ...", flush=True)
-        runs[name] = run_variant(name, args.versions, args.out)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for rep in range(args.repeats):
+        for name in names:
+            print(f"[bench] {name} run {rep + 1}/{args.repeats}: {args.versions} versions ...", flush=True)
+            runs[name].append(run_variant(name, args.versions, args.out, rep))
+    table = {n: summarise(r) for n, r in runs.items()}
     sync = weight_sync_figures(args.out)
 
-    keys = (
-        "consumed_tokens_per_s",
-        "rl_wall_s",
-        "generator_busy",
-        "trainer_busy",
-        "sync_gbps_mean",
-        "raw_broadcast_gbps",
-    )
-    print(f"\n{'variant':<20}" + "".join(f"{k:>22}" for k in keys))
-    for name, r in runs.items():
-        print(f"{name:<20}" + "".join(f"{(r[k] if r[k] is not None else float('nan')):>22.3f}" for k in keys))
-    ratio = runs["eta4"]["consumed_tokens_per_s"] / runs["eta0"]["consumed_tokens_per_s"]
-    interrupt_gain = runs["eta4"]["consumed_tokens_per_s"] / runs["eta4_no_interrupt"]["consumed_tokens_per_s"]
-    print(f"\nasync (eta=4) / sync (eta=0) throughput: {ratio:.2f}x")
-    print(f"interrupt on / off (eta=4):             {interrupt_gain:.2f}x")
+    print(f"\n{'variant':<18}" + "".join(f"{k:>28}" for k in KEYS) + f"{'spread':>10}")
+    for name, r in table.items():
+        print(f"{name:<18}" + "".join(f"{r[k]:>28.3f}" for k in KEYS) + f"{r['spread']:>10.1%}")
+    ratios = {}
+    if "eta0" in table:
+        for mode in WEIGHT_UPDATES:
+            if (name := f"eta4_{mode}") in table:
+                ratios[mode] = table[name]["consumed_tokens_per_s"] / table["eta0"]["consumed_tokens_per_s"]
+                print(f"async (eta=4, {mode:<9}) / sync (eta=0): {ratios[mode]:.2f}x")
     print(
         f"weight sync, {sync['bytes'] / 1e6:.0f} MB to 2 generators: bucketed {sync['bucketed_gbps']:.2f} GB/s "
         f"({sync['buckets']} buckets), raw single buffer {sync['raw_gbps']:.2f} GB/s, "
@@ -103,13 +124,14 @@ def main() -> None:
         "wall_s": time.time() - t0,
         "workload": WORKLOAD,
         "versions": args.versions,
+        "repeats": args.repeats,
         "runs": runs,
-        "async_over_sync": ratio,
-        "interrupt_on_over_off": interrupt_gain,
+        "table": table,
+        "async_over_sync": ratios,
         "weight_sync": sync,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "async_vs_sync.json").write_text(json.dumps(result, indent=1))
+    atomic_write_text(RESULTS / "async_vs_sync.json", json.dumps(result, indent=1))
     print(f"wrote {RESULTS / 'async_vs_sync.json'}")
 
 

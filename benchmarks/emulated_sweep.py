@@ -1,6 +1,6 @@
-"""Planning figures: the simulator on AReaL's 1.5B shape (eta sweep, interruption on and off) beside AReaL's
-table; with --emulated instead, the emulated cluster (the real runtime, 16 generators + 5 trainers) at
-the --variants asked for (eta, interruption on or off), each against the simulator's prediction for the
+"""Planning figures: the simulator on AReaL's 1.5B shape (eta sweep, each rollout.weight_update mode) beside
+AReaL's table; with --emulated instead, the emulated cluster (the real runtime, 16 generators + 5 trainers)
+at the --variants asked for (eta and weight-update mode), each against the simulator's prediction for the
 same config.
 
     python benchmarks/emulated_sweep.py [--versions 12] [--emulated] [--out benchmarks/results/emulated_sweep.json]
@@ -28,6 +28,7 @@ from areal_hpc.utils import atomic_write_text  # noqa: E402
 
 AREAL_ETA_KTOK = {0: 128.7, 1: 269.3, 2: 356.6, 4: 356.6, 8: 371.7, 16: 382.4, "unbounded": 396.8}
 UNBOUNDED = 10**6  # the gate never binds
+MODES = ("keep_kv", "recompute", "drain")  # rollout.weight_update
 
 
 def paper_shape(versions: int):
@@ -52,7 +53,9 @@ def main() -> None:
         "--emulated", action="store_true", help="instead: the emulated cluster's runs (minutes), emulated_cluster.json"
     )
     ap.add_argument(
-        "--variants", default="eta0,eta4,eta4_no_interrupt", help="with --emulated: etaN[_no_interrupt] or unbounded"
+        "--variants",
+        default="eta0,eta4_keep_kv,eta4_recompute,eta4_drain",
+        help=f"with --emulated: etaN[_MODE] or unbounded; MODE one of {', '.join(MODES)} (default: the config's)",
     )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "emulated_sweep.json"))
     args = ap.parse_args()
@@ -67,11 +70,11 @@ def main() -> None:
     base = paper_shape(args.versions)
     rows = []
     for eta in (0, 1, 2, 4, 8, 16, "unbounded"):
-        for interrupt in (True, False):
-            r = simulate(replace(base, eta=UNBOUNDED if eta == "unbounded" else eta, interrupt=interrupt))
-            rows.append({"eta": eta, "interrupt": interrupt, **r.row()})
+        for mode in MODES:
+            r = simulate(replace(base, eta=UNBOUNDED if eta == "unbounded" else eta, weight_update=mode))
+            rows.append({"eta": eta, "weight_update": mode, **r.row()})
             print(
-                f"eta={eta!s:>9} interrupt={interrupt!s:5}  {r.consumed_tokens_per_s / 1e3:7.1f}k tok/s "
+                f"eta={eta!s:>9} {mode:<9}  {r.consumed_tokens_per_s / 1e3:7.1f}k tok/s "
                 f"(second half {r.steady_tokens_per_s / 1e3:5.0f}k) "
                 f"(AReaL {AREAL_ETA_KTOK[eta]}k)  gen busy {r.gen_busy:.0%}  train busy {r.train_busy:.0%}  "
                 f"staleness mean {r.row()['staleness_mean']:.2f}",
@@ -81,11 +84,9 @@ def main() -> None:
     print("ratio to eta 0, simulated vs AReaL:")
     for k, v in result["ratio_to_eta0"].items():
         print(f"  eta={k:>9}  {v:.2f}  vs {result['areal_ratio_to_eta0'][k]:.2f}")
-    print("interruption gain (on / off), consumed:", {k: round(v, 3) for k, v in result["interruption_gain"].items()})
-    print(
-        "interruption gain (on / off), generated:",
-        {k: round(v, 3) for k, v in result["interruption_gain_generated"].items()},
-    )
+    for mode in MODES:
+        gain = {k: round(v, 3) for k, v in result["over_recompute"][mode].items()}
+        print(f"{mode} / recompute, consumed tokens/s by eta:", gain)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=float))
@@ -94,35 +95,33 @@ def main() -> None:
 
 def write_emulated(out: Path, done: dict) -> None:
     """The emulated points so far, with the ratios that both of their points make."""
-    pairs = {"async_over_sync": ("eta4", "eta0"), "interruption_gain": ("eta4", "eta4_no_interrupt")}
-    for key, (a, b) in pairs.items():
-        if a in done and b in done:
-            done[key] = done[a]["measured_tokens_per_s"] / done[b]["measured_tokens_per_s"]
-    for off in [k for k in done if k.endswith("_no_interrupt")]:
-        if (on := off.removesuffix("_no_interrupt")) in done:
-            done[f"interruption_gain_{on}"] = done[on]["measured_tokens_per_s"] / done[off]["measured_tokens_per_s"]
+    points = {k: v for k, v in done.items() if isinstance(v, dict) and "measured_tokens_per_s" in v}
+    for name, row in points.items():  # each mode against recompute at the same eta, and each eta against eta 0
+        eta, _, mode = name.partition("_")
+        if mode and (base := points.get(f"{eta}_recompute")):
+            done[f"{mode}_over_recompute_{eta}"] = row["measured_tokens_per_s"] / base["measured_tokens_per_s"]
+        if name != "eta0" and "eta0" in points:
+            done[f"{name}_over_eta0"] = row["measured_tokens_per_s"] / points["eta0"]["measured_tokens_per_s"]
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(done, indent=1, default=float))
     print(f"wrote {out}", flush=True)
 
 
 def summarize(rows: list[dict], versions: int) -> dict:
-    """Ratios to eta=0 and the interruption gain, on consumed tokens/s over the whole run (as AReaL's table).
+    """Ratios to eta=0 (keep_kv) and each mode against recompute, on consumed tokens/s over the whole run
+    (as AReaL's table).
 
     The second-half ("steady") figure is in the rows too, but with few versions a large eta eats in the
     second half the backlog it generated in the first, so it overstates what a long run would sustain."""
-    on = {r["eta"]: r["consumed_tokens_per_s"] for r in rows if r["interrupt"]}
-    off = {r["eta"]: r["consumed_tokens_per_s"] for r in rows if not r["interrupt"]}
-    gen_on = {r["eta"]: r["gen_tokens_per_s"] for r in rows if r["interrupt"]}
-    gen_off = {r["eta"]: r["gen_tokens_per_s"] for r in rows if not r["interrupt"]}
+    by = {m: {r["eta"]: r["consumed_tokens_per_s"] for r in rows if r["weight_update"] == m} for m in MODES}
+    on = by["keep_kv"]
     return {
         "shape": {"gen_gpus": 96, "train_gpus": 32, "batch_prompts": 512, "n_samples": 16, "versions": versions},
         "rows": rows,
         "areal_ktok_per_s": {str(k): v for k, v in AREAL_ETA_KTOK.items()},
         "ratio_to_eta0": {str(k): v / on[0] for k, v in on.items()},
         "areal_ratio_to_eta0": {str(k): v / AREAL_ETA_KTOK[0] for k, v in AREAL_ETA_KTOK.items()},
-        "interruption_gain": {str(k): on[k] / off[k] for k in off},
-        "interruption_gain_generated": {str(k): gen_on[k] / gen_off[k] for k in gen_off},
+        "over_recompute": {m: {str(k): v / by["recompute"][k] for k, v in by[m].items()} for m in MODES},
     }
 
 
@@ -139,10 +138,12 @@ def _expected(sim) -> tuple[float, tuple[float, float]]:
 
 
 def _variant(name: str) -> list[str]:
-    """'eta4_no_interrupt' -> the overrides of that point ('unbounded': a gate that never binds)."""
-    eta, _, rest = name.partition("_")
+    """'eta4_drain' -> the overrides of that point ('unbounded': a gate that never binds; no mode: the config's)."""
+    eta, _, mode = name.partition("_")
     value = UNBOUNDED if eta in ("unbounded", "etaunbounded") else int(eta.removeprefix("eta"))
-    return [f"rollout.eta={value}", f"rollout.interrupt={'false' if rest == 'no_interrupt' else 'true'}"]
+    if mode and mode not in MODES:
+        raise SystemExit(f"variant {name!r}: {mode!r} is not a weight-update mode; choose one of {', '.join(MODES)}")
+    return [f"rollout.eta={value}"] + ([f"rollout.weight_update={mode}"] if mode else [])
 
 
 def emulated_runs(variants: list[str]):

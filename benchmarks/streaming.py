@@ -5,10 +5,10 @@ engine's own offline throughput on the same requests.
 Workload: long-tailed lengths as in reasoning. An untrained tiny model samples up to --max-new tokens
 (EOS is one token in 18, so lengths are roughly geometric with a long tail); 1 generator + 1 trainer,
 every group trained on (no dynamic sampling). Variants: eta=0 (the synchronous baseline, same code),
-eta=4 with interruption, eta=4 without. The engine gets --slots running sequences (4): generation is
-then the scarce resource, as memory-bound decode is on GPUs. With many slots this tiny model generates
-several times faster than one trainer trains, the trainer is the bottleneck, and the generator waits at
-the staleness gate by design (`--slots 16` shows that regime).
+and eta=4 under each rollout.weight_update (keep_kv, recompute, drain). The engine gets --slots running
+sequences (4): generation is then the scarce resource, as memory-bound decode is on GPUs. With many
+slots this tiny model generates several times faster than one trainer trains, the trainer is the
+bottleneck, and the generator waits at the staleness gate by design (`--slots 16` shows that regime).
 
 Cores: the run has `cluster.pin_roles=true`, so the generator has one core to itself and the scheduler,
 the trainer and the reward workers share the other, as a generator has its own GPUs on a cluster.
@@ -41,7 +41,13 @@ import sys
 import time
 from pathlib import Path
 
-from _runs import BASE_WORKLOAD, VARIANTS, launch_run  # benchmarks/ is on the path when a benchmark runs as a script
+from _runs import (  # benchmarks/ is on the path when a benchmark runs as a script
+    BASE_WORKLOAD,
+    VARIANTS,
+    launch_run,
+    overlap,
+)
+from _runs import figures as run_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -55,55 +61,30 @@ WORKLOAD = [*BASE_WORKLOAD, "logging.eval_prompts=4", "cluster.pin_roles=true"]
 SPLIT = CoreSplit.of(os.sched_getaffinity(0))  # the split the run's ranks make (areal_hpc.runtime.cores)
 
 
-def _overlap(starts, ends, lo: float, hi: float) -> float:
-    """Total length of the spans [start, end] inside [lo, hi]."""
-    import numpy as np
-
-    return float(np.clip(np.minimum(ends, hi) - np.maximum(starts, lo), 0, None).sum())
-
-
 def figures(run_dir: Path, summary: dict) -> dict:
-    """Busy shares over the RL wall time, occupancy outside the first and last version, tokens per busy second."""
+    """The shared figures (benchmarks/_runs.py), plus the generator's tokens per busy second."""
     import pandas as pd
 
-    from areal_hpc.runtime.timeline import load_engine_samples, load_timeline
+    from areal_hpc.runtime.timeline import load_timeline
     from areal_hpc.store import load_trajectories
 
+    out = run_figures(run_dir, summary)
     tl = load_timeline(run_dir)
-    # metrics.csv's clock origin (rank 0 starts it after loading the dataset, seconds after its timeline starts)
-    t0 = summary["t0"]
-    m = pd.read_csv(RunDir(run_dir).metrics).set_index("version")
-    rl_lo, rl_hi = t0 + m.loc[0, "wall_s"], t0 + m["wall_s"].iloc[-1]  # first weights published -> last version trained
-    out = {}
-    for role, event in (("generator", "generate"), ("trainer", "train")):
-        spans = tl[(tl.role == role) & (tl.event == event)]
-        out[f"{role}_busy"] = _overlap(spans.t_start.to_numpy(), spans.t_end.to_numpy(), rl_lo, rl_hi) / (rl_hi - rl_lo)
-    versions = m.index.max()
-    lo, hi = t0 + m.loc[1, "wall_s"], t0 + m.loc[versions - 1, "wall_s"]  # outside the first and last version
-    eng = load_engine_samples(run_dir)
-    inside = _overlap(eng.t_start.to_numpy(), eng.t_end.to_numpy(), lo, hi)
-    frac = ((eng.t_end.clip(upper=hi) - eng.t_start.clip(lower=lo)).clip(lower=0) / (eng.t_end - eng.t_start)).fillna(0)
-    out["occupancy"] = float((eng.seq_s * frac).sum() / (eng.capacity.iloc[0] * (hi - lo)))
-    out["occupancy_window_covered"] = inside / (hi - lo)
     gen_spans = tl[(tl.role == "generator") & (tl.event == "generate")]
-    gen = gen_spans["duration"].sum()
+    gen = out["generating_s"]
     train_spans = tl[(tl.role == "trainer") & (tl.event == "train")]
     ts, te = train_spans.t_start.to_numpy(), train_spans.t_end.to_numpy()
     # the share of generating time the trainer was training beside it (on its own core, sharing caches and memory)
     out["train_during_generate"] = (
-        sum(_overlap(ts, te, a, b) for a, b in zip(gen_spans.t_start, gen_spans.t_end, strict=True)) / gen
+        sum(overlap(ts, te, a, b) for a, b in zip(gen_spans.t_start, gen_spans.t_end, strict=True)) / gen
     )
-    trajs = load_trajectories(run_dir)
+    trajs: pd.DataFrame = load_trajectories(run_dir)
     out["generated_tokens"] = int(trajs["gen_len"].sum())
     out["stream_gen_tokens_per_busy_s"] = out["generated_tokens"] / gen
     out["stream_gen_tokens_per_rl_s"] = out["generated_tokens"] / summary["rl_wall_s"]
     # every token the engine sampled (one per running sequence per step): also the held-out evaluations
     # that share the stream and the partial answers dropped at the stop, which the stored count leaves out
-    out["stream_sampled_tokens_per_busy_s"] = float(eng.seq_steps.sum()) / gen
-    # the loop's own cost, free of the host's drift (shares within one run): generating time spent inside
-    # engine steps (the rest is the loop between them), and the share of a core the steps got
-    out["step_share"] = float(eng.step_s.sum()) / gen
-    out["step_cpu_share"] = float(eng.cpu_s.sum() / eng.step_s.sum())
+    out["stream_sampled_tokens_per_busy_s"] = out["sampled_tokens"] / gen
     return out
 
 
@@ -221,12 +202,12 @@ def main() -> None:
             print(f"[bench] {engine} {name}: {args.versions} versions ...", flush=True)
             runs[name] = run_variant(engine, name, args, args.out)
             write_json(args.out / "streaming.json", result)  # after each run: a later failure keeps the figures
-        runs["async_over_sync"] = runs["eta4"]["consumed_tokens_per_s"] / runs["eta0"]["consumed_tokens_per_s"]
+        runs["async_over_sync"] = runs["eta4_keep_kv"]["consumed_tokens_per_s"] / runs["eta0"]["consumed_tokens_per_s"]
         print(f"\n{engine:<8}{'variant':<19}" + "".join(f"{k:>22}" for k in keys))
         for name in VARIANTS:
             r = runs[name]
             print(f"{'':<8}{name:<19}" + "".join(f"{r[k]:>22.3f}" for k in keys))
-        e4 = runs["eta4"]
+        e4 = runs["eta4_keep_kv"]
         print(
             f"  async (eta=4) / sync (eta=0): {runs['async_over_sync']:.2f}x; eta=4 bottleneck: {e4['bottleneck']} "
             f"busy {e4['bottleneck_busy']:.1%}; streaming generator {e4['stream_sampled_tokens_per_busy_s']:.0f} "

@@ -133,8 +133,11 @@ def test_simulator_on_the_papers_shape_shows_the_eta_curve():
     assert tput[0] < tput[1] < tput[4]
     assert all(max(r.staleness) <= eta for eta, r in rows.items())
     assert rows[0].gen_busy < rows[4].gen_busy
-    off = simulate(replace(sim, eta=4, interrupt=False))
-    assert off.interrupted == 0 and rows[4].interrupted > 0
+    modes = {m: simulate(replace(sim, eta=4, weight_update=m)) for m in ("keep_kv", "recompute", "drain")}
+    assert modes["recompute"].interrupted > 0 and modes["keep_kv"].interrupted == modes["drain"].interrupted == 0
+    # recompute prefills the interrupted partials again; keep_kv and drain prefill each sequence once
+    prefill = {m: r.prefill_tokens for m, r in modes.items()}
+    assert prefill["recompute"] > 1.2 * prefill["keep_kv"], prefill
     assert ResponseLengths(100, 1.0, 400).quantile(0.999) == 400  # the tail is capped
 
 

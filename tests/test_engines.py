@@ -157,6 +157,58 @@ def test_interrupt_then_resume_continues_with_new_version(tiny_model_dir, kind, 
         np.testing.assert_allclose(o.output_logprobs[k:], _reference_logprobs(ref, o)[k:], atol=1e-4)
 
 
+def _perturbed(path, seed=1):
+    """The model at `path` with every weight moved a little (new weights for a load)."""
+    model = load_causal_lm(path).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # through the model's parameters, so tied weights stay tied
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _kept_kv_reference(old, new, o, k):
+    """Logprobs of output tokens k.. when the KV cache of everything fed before a load (prompt + the first
+    k-1 output tokens: the k-th was sampled, not yet fed) came from `old` and the rest from `new`."""
+    seq = o.prompt_ids + o.output_ids
+    cut = len(o.prompt_ids) + k - 1
+    with torch.no_grad():
+        past = old(torch.tensor([seq[:cut]]), use_cache=True).past_key_values
+        logits = new(torch.tensor([seq[cut:-1]]), past_key_values=past, use_cache=True).logits[0]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[cut + 1 :])[:, None]).squeeze(-1).numpy()
+
+
+@pytest.mark.parametrize("kind", GEN_ENGINES)
+def test_keep_kv_load_goes_on_over_the_cache_without_a_second_prefill(tiny_model_dir, kind, make_gen):
+    tok = load_tokenizer(tiny_model_dir)
+    eng = make_gen(kind, tiny_model_dir, seed=0)
+    eng.ignore_eos = True
+    # a prompt longer than vLLM's 128-token CPU KV block, so its prefix cache could serve it
+    long_prompt = tok.encode("12+34=" * 30)
+    reqs = _requests(tok, max_new=40) + [GenRequest("long:0", long_prompt, 40)]
+    eng.add(reqs)
+    for _ in range(5):
+        eng.step()
+    prefilled = eng.prefill_tokens
+    assert prefilled == sum(len(r.prompt_ids) for r in reqs)  # each prompt once (nothing cached yet)
+    old, new = load_causal_lm(tiny_model_dir).eval(), _perturbed(tiny_model_dir)
+    eng.update_weights(new.state_dict(), version=1, keep_kv=True)  # between two steps, all five running
+    assert eng.num_running == len(reqs)
+    got = {o.request_id: o for o, _ in _step_until(eng, [r.request_id for r in reqs]).values()}
+    assert eng.prefill_tokens == prefilled  # nothing prefilled again
+    for o in got.values():
+        assert o.finish_reason == "length" and o.output_versions == [0] * 5 + [1] * 35
+        # the new weights over the cache computed before the load
+        np.testing.assert_allclose(o.output_logprobs[5:], _kept_kv_reference(old, new, o, 5), atol=1e-4)
+        assert not np.allclose(o.output_logprobs[5:], _reference_logprobs(new, o)[5:], atol=1e-4)
+    # a request added after the load is computed by the new weights only, though its prompt's blocks were
+    # cached under the old ones while the long request ran
+    (late,) = generate(eng, [GenRequest("late:0", long_prompt, 8)])
+    assert late.output_versions == [1] * 8
+    np.testing.assert_allclose(late.output_logprobs, _reference_logprobs(new, late), atol=1e-4)
+    assert eng.prefill_tokens > prefilled
+
+
 @pytest.mark.parametrize("kind", GEN_ENGINES)
 def test_finished_requests_stop_costing_compute(tiny_model_dir, kind, make_gen):
     tok = load_tokenizer(tiny_model_dir)
@@ -346,6 +398,30 @@ def test_loglinear_prox_treats_current_weights_as_the_proximal_policy(tiny_model
     tr.ppo_update(trajs, np.linspace(-1, 1, len(trajs)).astype(np.float32))
     # the weights being trained become version 5; tokens of version 4 are on-policy (alpha = 0)
     assert seen and set(seen) == {5}
+
+
+def test_plain_ppo_takes_the_ratio_to_the_behaviour_policy_without_a_recompute(tiny_model_dir, ppo_batch):
+    """ppo.decoupled=false: the paper's baseline. Behaviour logprobs 0.5 below the policy's: plain PPO's ratio
+    is exp(0.5) from the first step; the decoupled objective's ratio starts at 1, the 0.5 going to its weight."""
+    import dataclasses
+
+    from areal_hpc.engines.torch_train import TorchTrainEngine
+
+    trajs, adv = ppo_batch
+    lower = [dataclasses.replace(t, behav_logprobs=t.behav_logprobs - 0.5 * t.loss_mask) for t in trajs]
+    stats = {}
+    for decoupled in (False, True):
+        tr = TorchTrainEngine(str(tiny_model_dir), n_minibatches=1, decoupled=decoupled, behav_imp_weight_cap=None)
+        tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=0.0)  # the ratios are those of the start
+        recomputes = []
+        real = tr.compute_logprobs
+        tr.compute_logprobs = lambda seqs, real=real, seen=recomputes: (seen.append(len(seqs)), real(seqs))[1]
+        stats[decoupled] = tr.ppo_update(lower, adv)
+        assert bool(recomputes) == decoupled and ("prox_t_start" in stats[decoupled]) == decoupled
+    assert stats[False]["ratio_mean"] == pytest.approx(np.exp(0.5), rel=1e-3)
+    assert stats[False]["behav_w_mean"] == pytest.approx(1.0)
+    assert stats[True]["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert stats[True]["behav_w_mean"] == pytest.approx(np.exp(0.5), rel=1e-3)
 
 
 def test_proximal_recompute_runs_without_dropout(tiny_model_dir):

@@ -59,6 +59,8 @@ class GenerationEngine(ABC):
     """True: every sequence runs to max_new_tokens (benchmarks, tests)."""
     capacity: int
     """Sequences one step can hold; more are queued and join as slots free."""
+    prefill_tokens: int
+    """Tokens processed by prefills since start-up (new requests, and resumed ones' prompt + partial again)."""
 
     def __init__(self, max_num_seqs: int, temperature: float, top_p: float) -> None:
         if max_num_seqs < 1:
@@ -69,6 +71,7 @@ class GenerationEngine(ABC):
         self.temperature = temperature
         self.top_p = top_p
         self.paused = False
+        self.prefill_tokens = 0
         self._ready: list[GenOutput] = []  # finished without a step (no budget left); returned by the next step
 
     @property
@@ -105,8 +108,13 @@ class GenerationEngine(ABC):
         self.paused = False
 
     @abstractmethod
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights in place (nothing may be running); tokens sampled afterwards carry `version`."""
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, keep_kv: bool = False) -> None:
+        """Load new weights in place; tokens sampled afterwards carry `version`.
+
+        keep_kv=False: nothing may be in flight. keep_kv=True: requests in flight stay; running ones go on
+        over the KV cache their earlier tokens left (computed under the old weights), and no cache computed
+        before the load is served to a request added after it.
+        """
 
     @abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -101,6 +101,7 @@ class EmulatedGenerationEngine(GenerationEngine):
             seq = self.waiting.popleft()
             prefill += len(seq.request.prompt_ids) + len(seq.ids)
             self.running.append(seq)
+        self.prefill_tokens += prefill
         context = sum(len(s.request.prompt_ids) + len(s.ids) for s in self.running)
         self._spend(self.cost.prefill_s(prefill) + float(self.cost.decode_step_s(len(self.running), context)))
         tokens = self._not_stop[self.rng.integers(0, len(self._not_stop), len(self.running))]
@@ -136,8 +137,8 @@ class EmulatedGenerationEngine(GenerationEngine):
         self.waiting = deque(s for s in self.waiting if keep(s))
         return out
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        if self.running:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, keep_kv: bool = False) -> None:
+        if self.running and not keep_kv:
             raise RuntimeError("update_weights with requests running; interrupt or let them finish first")
         for k, v in state_dict.items():
             self._weights[k].copy_(v)

@@ -76,8 +76,9 @@ class TorchGenerationEngine(GenerationEngine):
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        if self.rows or self.waiting:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, keep_kv: bool = False) -> None:
+        # keep_kv: the batch's cache stays as it is; waiting requests are prefilled under the new weights
+        if (self.rows or self.waiting) and not keep_kv:
             raise RuntimeError("update_weights with requests in flight; interrupt them or let them finish first")
         self.model.load_state_dict(state_dict, strict=True)
         self.version = version
@@ -141,6 +142,7 @@ class TorchGenerationEngine(GenerationEngine):
         """Prefill the joiners (left-padded among themselves), merge them into the batch, sample their first token."""
         prefixes = [list(s.request.prompt_ids) + s.ids for s in joiners]
         width = max(len(p) for p in prefixes)
+        self.prefill_tokens += sum(len(p) for p in prefixes)
         ids = torch.full((len(joiners), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(joiners), width), dtype=torch.long)
         for i, p in enumerate(prefixes):

@@ -6,6 +6,7 @@ import io
 import json
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,7 @@ class TorchTrainEngine(TrainEngine):
         eps_clip: float = 0.2,
         behav_imp_weight_cap: float | None = None,
         prox: str = "recompute",
+        decoupled: bool = True,
         temperature: float = 1.0,
         seed: int = 1,
         process_group: dist.ProcessGroup | None = None,
@@ -110,6 +112,7 @@ class TorchTrainEngine(TrainEngine):
         self.eps_clip = eps_clip
         self.cap = behav_imp_weight_cap or None
         self.prox = prox
+        self.decoupled = decoupled
         self.temperature = temperature
         self.pg = process_group
         self.world = dist.get_world_size(process_group) if (process_group is not None or dist.is_initialized()) else 1
@@ -227,8 +230,11 @@ class TorchTrainEngine(TrainEngine):
         """
         seqs = [t.input_ids for t in trajectories]
         self.positions = self.padding = 0
-        if self.prox == "recompute" and (seqs or self.lockstep):
+        totals: dict[str, float] = {}
+        if self.decoupled and self.prox == "recompute" and (seqs or self.lockstep):
+            totals["prox_t_start"] = time.time()  # the trainer's timeline shows the recompute as its own span
             prox_all = [torch.as_tensor(x, device=self.device) for x in self.compute_logprobs(seqs)]
+            totals["prox_t_end"] = time.time()
         else:
             prox_all = [None] * len(seqs)
 
@@ -238,7 +244,6 @@ class TorchTrainEngine(TrainEngine):
                 minibatches = balance_across_ranks(lengths, self.n_minibatches)
             else:
                 minibatches = [[] for _ in range(self.n_minibatches)]
-        totals: dict[str, float] = {}
         micro_stats: list[dict] = []
         for mb_idx in minibatches:
             local_tokens = float(sum(int(trajectories[i].loss_mask.sum()) for i in mb_idx))
@@ -286,6 +291,8 @@ class TorchTrainEngine(TrainEngine):
             behav = cat["behav"][index]
             if recompute:
                 prox = cat["prox"][index]
+            elif not self.decoupled:  # plain PPO: the ratio to the behaviour policy, no behaviour weight (w = 1)
+                prox = behav
             else:  # the weights being trained become version+1; pi_prox is the current version
                 prox = loglinear_prox_logp(lp, behav, cat["versions"][index], self.version + 1)
             loss, stats = decoupled_ppo_loss(

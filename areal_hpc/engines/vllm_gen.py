@@ -79,10 +79,12 @@ class VLLMGenerationEngine(GenerationEngine):
         self._threads = torch.get_num_threads()
         self._ids = itertools.count()
         self._seqs: dict[str, InFlight] = {}  # vLLM's request id -> our record, for every request in vLLM
+        self._prefilled: set[str] = set()  # vLLM ids whose prefill has been counted
         self._core = getattr(getattr(self.engine, "engine_core", None), "engine_core", None)  # in-process EngineCore
         # vLLM's first step builds what its kernels need (2-3 s for the tiny CPU model): here it is start-up,
         # overlapping the other ranks', instead of a stall in the first generation the runtime times
         generate(self, [GenRequest("warmup", [self.stop_ids[0] if self.stop_ids else 0], 1, greedy=True)])
+        self.prefill_tokens = 0  # the warm-up is not the runtime's work
 
     @property
     def num_running(self) -> int:
@@ -97,20 +99,23 @@ class VLLMGenerationEngine(GenerationEngine):
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, keep_kv: bool = False) -> None:
         unknown = sorted(set(state_dict) - set(self.mirror))
         if unknown:
             raise RuntimeError(
                 f"update_weights: unexpected weight names {unknown[:3]}; the model has {len(self.mirror)} others"
             )
-        if self._seqs:
+        if self._seqs and not keep_kv:
             raise RuntimeError("update_weights with requests in flight; interrupt them or let them finish first")
         for k, v in state_dict.items():
             self.mirror[k].copy_(v)
-        # tied weights appear under two names; vLLM loads each name it knows once
+        # tied weights appear under two names; vLLM loads each name it knows once. Between two steps the
+        # running requests' KV blocks stay where they are, so keep_kv needs nothing more here.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
-        # blocks cached under the old weights must go; this fails only while requests still hold blocks
-        if not self.llm.reset_prefix_cache():
+        # blocks cached under the old weights must not serve new requests: reset when nothing holds blocks;
+        # with requests in flight (keep_kv) the reset cannot run, and the version in each new request's cache
+        # salt keeps it off blocks computed under older weights instead
+        if not self.llm.reset_prefix_cache() and not keep_kv:
             raise RuntimeError("vLLM could not reset its prefix cache after a weight reload (requests still running)")
         self.version = version
 
@@ -145,7 +150,9 @@ class VLLMGenerationEngine(GenerationEngine):
             if seq is None:
                 continue
             rid = f"areal-{next(self._ids)}"  # vLLM's own id: a resumed request may reuse ours
-            prompt = {"prompt_token_ids": list(r.prompt_ids) + seq.ids}
+            # a prompt's n samples share their prefix blocks; a request added after a weight load never meets
+            # blocks that earlier weights computed (they may outlive the load while requests hold them: keep_kv)
+            prompt = {"prompt_token_ids": list(r.prompt_ids) + seq.ids, "cache_salt": f"v{self.version}"}
             self.engine.add_request(rid, prompt, self._params(seq.budget, r.greedy))
             self._seqs[rid] = seq
 
@@ -154,6 +161,7 @@ class VLLMGenerationEngine(GenerationEngine):
         gone = [rid for rid, s in self._seqs.items() if hit is None or s.request.request_id in hit]
         if gone:
             self.engine.abort_request(gone)
+            self._prefilled.difference_update(gone)
         return [self._seqs.pop(rid).output("abort") for rid in gone]
 
     def step(self) -> list[GenOutput]:
@@ -167,10 +175,14 @@ class VLLMGenerationEngine(GenerationEngine):
             if seq is None:
                 continue
             c = o.outputs[0]
+            if o.request_id not in self._prefilled:
+                self._prefilled.add(o.request_id)  # its prompt (+ partial) went through one prefill, less cached blocks
+                self.prefill_tokens += len(o.prompt_token_ids or ()) - (o.num_cached_tokens or 0)
             for tok, lp in zip(c.token_ids, c.logprobs, strict=True):  # logprobs=0: the sampled token's
                 seq.ids.append(int(tok))
                 seq.logprobs.append(float(lp[tok].logprob))
                 seq.versions.append(self.version)
             if o.finished:
+                self._prefilled.discard(o.request_id)
                 done.append(self._seqs.pop(o.request_id).output("stop" if c.finish_reason == "stop" else "length"))
         return done

@@ -60,6 +60,7 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> Trai
         eps_clip=pc.eps_clip,
         behav_imp_weight_cap=pc.behav_imp_weight_cap or None,
         prox=pc.prox,
+        decoupled=pc.decoupled,
         temperature=rc.temperature,
         seed=tc.seed,
         process_group=process_group,

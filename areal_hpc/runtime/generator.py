@@ -63,9 +63,9 @@ class Generator(RoleLoop):
     join the engine at the next step. A group is scored in the reward pool as soon as its n samples are
     done; scored groups are written as a shard by count or age (`store.shard_max_groups`,
     `store.shard_max_wait_s`) and announced. New weights are received at once (the broadcast never waits
-    for this rank's work) and loaded: with `rollout.interrupt` running requests are interrupted and
-    resumed as prompt + partial under the new weights; without it admission stops until the running
-    requests finish. A held-out evaluation runs as greedy requests in the same stream like any other
+    for this rank's work) and loaded as `rollout.weight_update` says: keep_kv between two steps, running
+    requests going on; recompute interrupts them and resumes them as prompt + partial; drain stops
+    admission until they finish. A held-out evaluation runs as greedy requests in the same stream like any other
     request, so it never holds up a weight load or the trainers; its result names its tokens' versions.
     """
 
@@ -118,6 +118,7 @@ class Generator(RoleLoop):
         self.eval: _Eval | None = None
         self.stopping = False
         self.interrupted = 0
+        self.prefilled = 0  # engine.prefill_tokens at the last WEIGHTS_OK
         self.gen_since: float | None = None  # start of the current run of engine steps (a "generate" span)
         self.idle_since = time.time()
 
@@ -149,34 +150,35 @@ class Generator(RoleLoop):
         self.staged = (version, sd)
 
     def _weights_ok(self, version: int, checksum: int | None, load_s: float | None) -> None:
-        """Tell rank 0 weights `version` arrived: loaded in load_s seconds, or (None) skipped for newer ones."""
-        self.mail.send(
-            0, Tag.WEIGHTS_OK, {"version": version, "checksum": checksum, "load_s": load_s, "skipped": load_s is None}
-        )
+        """Tell rank 0 weights `version` arrived: loaded in load_s seconds, or (None) skipped for newer ones;
+        with the tokens the engine prefilled since its last load."""
+        prefilled, self.prefilled = self.engine.prefill_tokens - self.prefilled, self.engine.prefill_tokens
+        body = {"version": version, "checksum": checksum, "load_s": load_s, "skipped": load_s is None}
+        self.mail.send(0, Tag.WEIGHTS_OK, body | {"prefill_tokens": prefilled})
 
     def _admitting(self) -> bool:
-        """New requests may join the engine now (without interruption, not while a weight load waits)."""
-        return self.cfg.rollout.interrupt or self.staged is None
+        """New requests may join the engine now (with drain, not while a weight load waits)."""
+        return self.cfg.rollout.weight_update != "drain" or self.staged is None
 
     def _load_staged(self) -> None:
-        """Load received weights as soon as the engine allows: at once with interruption, else once the
-        running requests are done."""
+        """Load received weights as soon as the engine allows: at once (keep_kv: between two steps, the running
+        requests go on; recompute: they are interrupted and resumed), or with drain once they are done."""
         if self.staged is None or (self.eval is not None and self.eval.tag == "init"):
             return  # "init" measures the model folder itself: nothing trains on generator 0 before it ends
-        if self.cfg.rollout.interrupt:
+        mode = self.cfg.rollout.weight_update
+        partials = []
+        if mode == "recompute":
             partials = self.engine.interrupt()
             self.interrupted += sum(1 for o in partials if o.output_ids)  # queued ones had not started
-        elif self.engine.num_running or self.engine.num_waiting:
+        elif mode == "drain" and (self.engine.num_running or self.engine.num_waiting):
             return
-        else:
-            partials = []
         self._end_generate_span()
         version, sd = self.staged
         self.staged = None
         t0 = time.time()
         with self.timeline.span("load"):
             self.engine.pause()
-            self.engine.update_weights(sd, version)
+            self.engine.update_weights(sd, version, keep_kv=mode == "keep_kv")
             self.engine.resume()
         load_s = time.time() - t0
         # resumed as prompt + partial: their next tokens carry the new version

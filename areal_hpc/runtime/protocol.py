@@ -12,9 +12,10 @@ generator -> scheduler
   EVAL_RESULT {"tag": str, "version": v|None, "version_end": w, "acc": float|None}   held-out accuracy,
                                                started on weights v, its last tokens from w >= v; acc None:
                                                superseded by a later evaluation, never run
-  WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s|None, "skipped": bool}
+  WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s|None, "skipped": bool, "prefill_tokens": n}
                                                weights applied (skipped: received but replaced by a newer
-                                               version first, or pruned from disk; load_s None then)
+                                               version first, or pruned from disk; load_s None then);
+                                               n: tokens the engine prefilled since its previous WEIGHTS_OK
 scheduler -> generator
   GRANT       {"prompts": [(dataset index, group id), ...]}   join the engine at the next step
   NEW_VERSION {"version": v}                   join the weight transfer of version v now
@@ -74,7 +75,7 @@ FIELDS: dict[Tag, tuple[str, ...]] = {
     Tag.WANT: ("k",),
     Tag.GROUPS_DONE: ("shard", "groups"),
     Tag.EVAL_RESULT: ("tag", "version", "version_end", "acc"),
-    Tag.WEIGHTS_OK: ("version", "checksum", "load_s", "skipped"),
+    Tag.WEIGHTS_OK: ("version", "checksum", "load_s", "skipped", "prefill_tokens"),
     Tag.GRANT: ("prompts",),
     Tag.NEW_VERSION: ("version",),
     Tag.EVAL: ("tag",),

@@ -40,10 +40,14 @@ class RunReport:
         self.samples_consumed = 0
         self.tokens_generated = 0
         self.aborted_requests = 0  # requests generators interrupted for new weights (and resumed)
+        self.prefill_tokens = 0  # tokens the generators' engines prefilled, resumed requests' second prefill included
         self.dropped_on_resume = 0
         self.quarantined: list[str] = []  # corrupt shards this launch's resume moved out of the store
         self.raw_gbps = math.nan
         self.sync_gbps: list[float] = []
+        self.sync_s: list[float] = []  # trainer 0's send of each version
+        self.load_s: list[float] = []  # each generator's load of each version
+        self.sync_bytes = 0
         self.evals: dict[str, float] = {}  # evaluation tag -> held-out accuracy
         self.rows: dict[int, dict] = {}  # version -> metrics row being assembled
         self.row_wait: dict[int, set] = {}  # version -> parts the row still waits for
@@ -100,17 +104,21 @@ class RunReport:
         if body["checksum"] is not None:
             row["checksum_trainer"] = body["checksum"]
         self.sync_gbps.append(gbps)
+        self.sync_s.append(body["sync_s"])
+        self.sync_bytes = body["bytes"]
         self.got(body["version"], "sync", row)
 
     def weights_loaded(self, src: int, body: dict) -> None:
         g = self.layout.index(src)
-        row = {}
+        row = {f"prefill_tokens_gen{g}": body["prefill_tokens"]}
+        self.prefill_tokens += body["prefill_tokens"]
         if body["checksum"] is not None:
             row[f"checksum_gen{g}"] = body["checksum"]
         if body["skipped"]:  # a newer version arrived first; the checksum is of what was received
             row[f"skipped_gen{g}"] = 1
         else:
             row[f"load_s_gen{g}"] = body["load_s"]
+            self.load_s.append(body["load_s"])
         self.got(body["version"], f"load{src}", row)
 
     def eval_result(self, body: dict) -> None:
@@ -231,9 +239,13 @@ class RunReport:
             "dropped_on_resume": self.dropped_on_resume,
             "quarantined_shards": self.quarantined,
             "sync_gbps_mean": sum(self.sync_gbps) / len(self.sync_gbps) if self.sync_gbps else None,
+            "sync_s_mean": sum(self.sync_s) / len(self.sync_s) if self.sync_s else None,
+            "load_s_mean": sum(self.load_s) / len(self.load_s) if self.load_s else None,
+            "sync_bytes": self.sync_bytes,
             "raw_broadcast_gbps": None if math.isnan(self.raw_gbps) else self.raw_gbps,
             "eta": self.cfg.rollout.eta,
-            "interrupt": self.cfg.rollout.interrupt,
+            "weight_update": self.cfg.rollout.weight_update,
+            "prefill_tokens": self.prefill_tokens,
             "aborted_requests": self.aborted_requests,
             # the cores rank 0 may run on (the job's share of the host): the simulator's calibration needs it
             "host_cpus": len(os.sched_getaffinity(0)),

@@ -49,7 +49,7 @@ class Scheduler(RoleLoop):
         self.report = RunReport(cfg, self.run_dir, layout, self.core)
         self.ledger = Ledger(self.run_dir)
         self.want = {g: 0 for g in layout.generator_ranks}  # prompts each generator asked for, not granted yet
-        # without interruption a generator admits nothing between a new version and its load: generator ->
+        # with weight_update=drain a generator admits nothing between a new version and its load: generator ->
         # the version it must load first. Room is not granted to it meanwhile (it would sit held back
         # through the drain while a generator that has loaded could run it)
         self.loading: dict[int, int] = {}
@@ -144,7 +144,7 @@ class Scheduler(RoleLoop):
         self.core.version_trained(v)
         for g in self.layout.generator_ranks:
             self.mail.send(g, Tag.NEW_VERSION, {"version": v})
-            if not self.cfg.rollout.interrupt:
+            if self.cfg.rollout.weight_update == "drain":
                 self.loading[g] = v
         self.report.published(v, row)
 

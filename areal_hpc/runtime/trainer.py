@@ -164,6 +164,8 @@ class Trainer(RoleLoop):
             kept = np.flatnonzero(keep)
             minibatches = [[k for k, i in enumerate(kept) if mb_of[i] == j] for j in range(len(share))]
             stats = self.engine.ppo_update([trajs[i] for i in kept], adv[kept], minibatches)
+        if "prox_t_start" in stats:  # the proximal recompute, inside the train span
+            self.timeline.add("prox", stats.pop("prox_t_start"), stats.pop("prox_t_end"))
         stats.update(share_stats(trajs, version))
         stats["groups_kept"] = int(len(set(gids[keep].tolist()))) if trajs else 0
         stats["loss_tokens"] = int(sum(int(t.loss_mask.sum()) for t, k in zip(trajs, keep) if k))

@@ -51,7 +51,7 @@ class SimConfig:
     eta: int
     capacity: int  # sequences one generator's step holds (max_num_seqs)
     max_groups: int  # groups a generator keeps in flight
-    interrupt: bool
+    weight_update: str  # keep_kv | recompute | drain (rollout.weight_update)
     versions: int
     cost: CostModel
     lengths: Lengths
@@ -108,8 +108,9 @@ class _Generator:
             self.wake.succeed()
 
     def admitting(self) -> bool:
-        """Has weights and may take new work (without interruption, not between a new version and its load)."""
-        return self.version >= 0 and (self.sim.cfg.interrupt or (self.staged is None and not self.loading))
+        """Has weights and may take new work (with drain, not between a new version and its load)."""
+        drain = self.sim.cfg.weight_update == "drain"
+        return self.version >= 0 and (not drain or (self.staged is None and not self.loading))
 
     def _ask(self) -> None:
         """Ask rank 0 for groups as the runtime's generator does: enough to fill the slots with one group
@@ -136,7 +137,8 @@ class _Generator:
 
     def _load(self):
         c = self.sim.cfg
-        if c.interrupt:
+        # keep_kv: the running sequences stay and go on over their cache after the load (no prefill again)
+        if c.weight_update == "recompute":
             for s in self.running:
                 self.sim.interrupted += s.done > 0
                 s.needs_prefill = True
@@ -161,7 +163,7 @@ class _Generator:
     def run(self):
         env, c = self.sim.env, self.sim.cfg
         while not self.sim.done:
-            if self.staged is not None and (c.interrupt or not (self.running or self.waiting)):
+            if self.staged is not None and (c.weight_update != "drain" or not (self.running or self.waiting)):
                 yield from self._load()
             self._ask()
             prefill = 0
@@ -170,6 +172,7 @@ class _Generator:
                 s = self.waiting.popleft()
                 if s.needs_prefill:
                     prefill += c.prompt_len + s.done
+                    self.sim.prefill_tokens += c.prompt_len + s.done
                     s.needs_prefill = False
                 self.running.append(s)
             if not self.running:
@@ -236,6 +239,7 @@ class Simulation:
         self.next_group = 0
         self.gen_tokens = 0
         self.interrupted = 0
+        self.prefill_tokens = 0
         self.done = False
         self.batch_ready = self.env.event()
         self.staleness: collections.Counter = collections.Counter()
@@ -364,6 +368,7 @@ class Simulation:
             dropped_stale=self.core.dropped_stale,
             rejected_uniform=self.core.rejected,
             interrupted=self.interrupted,
+            prefill_tokens=self.prefill_tokens,
             version_wall_s=self.version_wall_s,
             version_tokens=self.version_tokens,
         )

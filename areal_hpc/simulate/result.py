@@ -18,6 +18,7 @@ class SimResult:
     dropped_stale: int
     rejected_uniform: int
     interrupted: int
+    prefill_tokens: int  # prompts and partials processed again after recompute loads included
     version_wall_s: list[float] = field(default_factory=list)
     version_tokens: list[int] = field(default_factory=list)  # consumed by each version
 
@@ -54,4 +55,5 @@ class SimResult:
             "dropped_stale": self.dropped_stale,
             "rejected_uniform": self.rejected_uniform,
             "interrupted": self.interrupted,
+            "prefill_tokens": self.prefill_tokens,
         }
