@@ -38,6 +38,7 @@ def test_demo_config_loads_with_overrides():
         ("model.num_heads=3", "divisible"),
         ("data.kind=jsonl", "data.path"),
         ("rollout.top_p=0.9", "rollout.top_p=0.9 is not supported"),  # both engines: logprobs of the full softmax
+        ("rollout.weight_update=pause", "choose one of keep_kv, recompute, drain"),
     ],
 )
 def test_bad_values_give_one_clear_line(override, needle):
@@ -45,6 +46,21 @@ def test_bad_values_give_one_clear_line(override, needle):
         load_config(DEMO, [override])
     msg = str(err.value)
     assert needle in msg and "\n" not in msg
+
+
+def test_the_old_interrupt_key_maps_to_a_weight_update_mode_with_one_line(tmp_path, capsys):
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  path: m\nrollout:\n  interrupt: false\n")  # a config from before weight_update
+    cfg = load_config(old)
+    assert (cfg.rollout.weight_update, cfg.rollout.interrupt) == ("drain", None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["areal-hpc: config rollout.interrupt=false is deprecated; it means rollout.weight_update=drain"]
+    assert load_config(DEMO, ["rollout.interrupt=true"]).rollout.weight_update == "recompute"
+    assert "interrupt: null" in to_yaml(cfg)  # a run directory's config.yaml holds the mode, not the old key
+    with pytest.raises(ConfigError, match="contradicts rollout.weight_update=keep_kv") as e:
+        load_config(old, ["rollout.weight_update=keep_kv"])
+    assert "\n" not in str(e.value)
+    assert load_config(None, ["model.path=m"]).rollout.weight_update == "keep_kv"  # the default
 
 
 @pytest.mark.parametrize("text,needle", [("model: [\n", "not valid YAML"), ("- 1\n- 2\n", "must hold a mapping")])

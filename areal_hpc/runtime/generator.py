@@ -58,15 +58,13 @@ class Generator(RoleLoop):
     """Streams groups through a step-driven engine on this rank's main thread, which polls MPI between steps
     (at most every `busy_poll_s` while the engine is busy).
 
-    Whenever the engine has a free slot (counting one group queued beyond its slots) the generator asks
-    rank 0 for more prompts, up to `rollout.max_concurrent_groups` groups in flight, and granted prompts
-    join the engine at the next step. A group is scored in the reward pool as soon as its n samples are
-    done; scored groups are written as a shard by count or age (`store.shard_max_groups`,
-    `store.shard_max_wait_s`) and announced. New weights are received at once (the broadcast never waits
-    for this rank's work) and loaded as `rollout.weight_update` says: keep_kv between two steps, running
-    requests going on; recompute interrupts them and resumes them as prompt + partial; drain stops
-    admission until they finish. A held-out evaluation runs as greedy requests in the same stream like any other
-    request, so it never holds up a weight load or the trainers; its result names its tokens' versions.
+    It asks rank 0 for prompts whenever the engine has a free slot (one group queued beyond them), up to
+    `rollout.max_concurrent_groups` groups in flight; granted prompts join at the next step. A group is
+    scored in the reward pool once its n samples are done; scored groups are written as a shard by count or
+    age and announced. New weights are received at once and loaded as `rollout.weight_update` says (keep_kv:
+    between two steps, running requests go on; recompute: they are interrupted and resumed as prompt +
+    partial; drain: admission stops until they finish). A held-out evaluation runs as greedy requests in the
+    same stream, so it never holds up a weight load or the trainers.
     """
 
     role = "generator"
@@ -166,12 +164,10 @@ class Generator(RoleLoop):
         if self.staged is None or (self.eval is not None and self.eval.tag == "init"):
             return  # "init" measures the model folder itself: nothing trains on generator 0 before it ends
         mode = self.cfg.rollout.weight_update
-        partials = []
-        if mode == "recompute":
-            partials = self.engine.interrupt()
-            self.interrupted += sum(1 for o in partials if o.output_ids)  # queued ones had not started
-        elif mode == "drain" and (self.engine.num_running or self.engine.num_waiting):
+        if mode == "drain" and (self.engine.num_running or self.engine.num_waiting):
             return
+        partials = self.engine.interrupt() if mode == "recompute" else []
+        self.interrupted += sum(1 for o in partials if o.output_ids)  # queued ones had not started
         self._end_generate_span()
         version, sd = self.staged
         self.staged = None

@@ -1,0 +1,177 @@
+"""The paper's staleness ablation in shape, on the CPU demo task: held-out accuracy against eta for the
+decoupled objective and plain PPO, the three weight-update modes at eta 4, and the proximal recompute
+against the log-linear approximation, with several seeds per point and the same number of versions.
+
+Each point runs `jobs/demo.yaml` (2 generators + 1 trainer, a tiny Llama learning addition) for
+--versions versions with no wall-time cap, evaluating every --eval-every versions; a seed sets both the
+trainer's and the data's seed. `--harsh` runs every point with a larger learning rate and more
+minibatches per version, a setting where the policy moves far between versions and staleness should hurt
+plain PPO. The JSON is written after every run and runs already in it are kept, so the grid can be run in
+parts (`--points`, `--seeds`); about 4 minutes a run on 2 cores.
+
+    .venv/bin/python benchmarks/staleness_ablation.py --points eta0,eta2,eta4,eta8 --seeds 0,1,2
+    .venv/bin/python benchmarks/staleness_ablation.py --table          # the table of what is measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+from _runs import launch_run  # benchmarks/ is on the path when a benchmark runs as a script
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# AReaL (arXiv 2505.24298), 1.5B, AIME24: the synchronous run 42.0; with the decoupled objective 41-42
+# for every eta up to 8; plain PPO 23.3 at eta 4
+PAPER = {"sync": 42.0, "decoupled_eta_le_8": (41.0, 42.0), "plain_eta4": 23.3}
+
+ETAS = (0, 1, 2, 4, 8, 16)
+MODES = ("keep_kv", "recompute", "drain")
+
+
+def grid() -> dict[str, list[str]]:
+    """Point name -> its overrides of the demo config (the default weight update unless the name says)."""
+    points = {}
+    for eta in ETAS:
+        points[f"eta{eta}"] = [f"rollout.eta={eta}"]
+        if eta:
+            points[f"eta{eta}_plain"] = [f"rollout.eta={eta}", "ppo.decoupled=false"]
+    for mode in MODES:
+        points[f"eta4_{mode}"] = ["rollout.eta=4", f"rollout.weight_update={mode}"]
+    for eta in (4, 8):
+        points[f"eta{eta}_loglinear"] = [f"rollout.eta={eta}", "ppo.prox=loglinear"]
+    return points
+
+
+HARSH = ["trainer.lr=4e-4", "ppo.n_minibatches=8"]
+
+
+def run_point(name: str, overrides: list[str], seed: int, args) -> dict:
+    import pandas as pd
+
+    from areal_hpc.store import load_trajectories
+
+    run_dir = args.out / f"{name}-s{seed}"
+    ov = [
+        *overrides,
+        *(HARSH if args.harsh else []),
+        f"trainer.seed={seed}",
+        f"data.seed={seed}",
+        f"trainer.versions={args.versions}",
+        "trainer.max_wall_s=0",
+        "trainer.checkpoint_every=0",
+        f"logging.eval_every={args.eval_every}",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+    ]
+    _, s = launch_run(run_dir, ov, args.out / "model")  # the same initial weights for every run
+    m = pd.read_csv(run_dir / "metrics.csv")
+    curve = m.dropna(subset=["heldout_acc"])[["version", "wall_s", "heldout_acc"]]
+    eaten = load_trajectories(run_dir)
+    eaten = eaten[eaten["consumed_version"] >= 0]
+    stale = eaten["staleness"].value_counts().sort_index()
+    return {
+        "acc_start": s["acc_start"],
+        "acc_final": s["acc_final"],
+        "rl_wall_s": s["rl_wall_s"],
+        "versions": s["versions"],
+        "curve": curve.to_dict(orient="list"),
+        "staleness": {int(k): int(v) for k, v in stale.items()},
+        "staleness_mean": float(eaten["staleness"].mean()),
+        "mixed_versions": float((eaten["version_start"] != eaten["version_end"]).mean()),
+        "prefill_tokens": s.get("prefill_tokens"),
+    }
+
+
+def _time_to(curve: dict, target: float) -> float:
+    """Wall seconds at the first evaluation reaching `target` (nan: never)."""
+    for wall, acc in zip(curve["wall_s"], curve["heldout_acc"], strict=True):
+        if acc >= target - 1e-9:
+            return wall
+    return math.nan
+
+
+def table(done: dict) -> list[dict]:
+    """One row per point: final accuracy's mean and spread over seeds, mean staleness, and wall time."""
+    rows = []
+    sync = [r["acc_final"] for r in done.get("eta0", {}).values()]
+    sync_mean = statistics.fmean(sync) if sync else math.nan
+    for name, seeds in done.items():
+        finals = [r["acc_final"] for r in seeds.values()]
+        rows.append(
+            {
+                "point": name,
+                "seeds": len(finals),
+                "acc_final_mean": statistics.fmean(finals),
+                "acc_final_sd": statistics.stdev(finals) if len(finals) > 1 else math.nan,
+                "vs_sync_points": 100 * (statistics.fmean(finals) - sync_mean),
+                "staleness_mean": statistics.fmean(r["staleness_mean"] for r in seeds.values()),
+                "rl_wall_s": statistics.fmean(r["rl_wall_s"] for r in seeds.values()),
+                "wall_to_sync_final_s": statistics.fmean(_time_to(r["curve"], sync_mean) for r in seeds.values()),
+            }
+        )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    keys = ("seeds", "acc_final_mean", "acc_final_sd", "vs_sync_points", "staleness_mean", "rl_wall_s")
+    print(f"\n{'point':<18}" + "".join(f"{k:>16}" for k in keys) + f"{'to sync final':>16}")
+    for r in rows:
+        print(f"{r['point']:<18}" + "".join(f"{r[k]:>16.3f}" for k in keys) + f"{r['wall_to_sync_final_s']:>16.1f}")
+    print(
+        f"AReaL 1.5B (AIME24): sync {PAPER['sync']}; decoupled {PAPER['decoupled_eta_le_8'][0]}-"
+        f"{PAPER['decoupled_eta_le_8'][1]} for every eta <= 8; plain PPO {PAPER['plain_eta4']} at eta 4"
+    )
+
+
+def main() -> None:
+    from areal_hpc.utils import atomic_write_text
+
+    points = grid()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--points", default=",".join(points), help=f"a subset of {', '.join(points)}")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--versions", type=int, default=150)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--harsh", action="store_true", help=f"every point with {' '.join(HARSH)}")
+    ap.add_argument("--table", action="store_true", help="print the table of the runs in the JSON and stop")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    tag = "staleness_ablation_harsh" if args.harsh else "staleness_ablation"
+    args.out = args.out or RESULTS / tag
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{tag}.json"
+    result = json.loads(path.read_text()) if path.is_file() else {"benchmark": tag, "runs": {}}
+    result.update(versions=args.versions, harsh=HARSH if args.harsh else [], paper=PAPER)
+    names = [p for p in args.points.split(",") if p]
+    if unknown := [p for p in names if p not in points]:
+        ap.error(f"unknown point {unknown[0]!r}; choose from {', '.join(points)}")
+    for seed in [] if args.table else [int(s) for s in args.seeds.split(",")]:
+        for name in names:
+            if str(seed) in result["runs"].get(name, {}):
+                continue  # measured before: the grid runs in parts
+            print(f"[ablation] {name} seed {seed}: {args.versions} versions ...", flush=True)
+            t0 = time.time()
+            result["runs"].setdefault(name, {})[str(seed)] = run_point(name, points[name], seed, args)
+            r = result["runs"][name][str(seed)]
+            print(
+                f"[ablation] {name} seed {seed}: held-out {r['acc_start']:.2f} -> {r['acc_final']:.2f}, "
+                f"staleness {r['staleness_mean']:.2f}, {r['rl_wall_s']:.0f} s of RL ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
+            result["table"] = table(result["runs"])
+            atomic_write_text(path, json.dumps(result, indent=1))
+    result["table"] = table(result["runs"])
+    atomic_write_text(path, json.dumps(result, indent=1))
+    print_table(result["table"])
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
