@@ -12,7 +12,8 @@ little to overlap.
 Every variant runs --repeats times, interleaved (one of each, then again), so that the host's drift
 falls on every variant alike; the figures are the mean and the spread of the repeats.
 
-    .venv/bin/python benchmarks/async_vs_sync.py            # about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/async_vs_sync.py                  # about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/async_vs_sync.py --engine vllm
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ KEYS = (
 )
 
 
-def run_variant(name: str, versions: int, out_root: Path, repeat: int) -> dict:
-    run_dir = out_root / f"{name}-{repeat}"
-    _, s = launch_run(run_dir, [*WORKLOAD, *VARIANTS[name], f"trainer.versions={versions}"], out_root / "model")
+def run_variant(name: str, args, repeat: int) -> dict:
+    run_dir = args.out / f"{args.engine}-{name}-{repeat}"
+    overrides = [*WORKLOAD, *VARIANTS[name], f"trainer.versions={args.versions}", f"rollout.engine={args.engine}"]
+    _, s = launch_run(run_dir, overrides, args.out / "model")
     keep = ("consumed_tokens_per_s", "rl_wall_s", "prefill_tokens", "aborted_requests", "dropped_stale")
     return {**{k: s[k] for k in keep}, **figures(run_dir, s), "sync_s_mean": s.get("sync_s_mean")}
 
@@ -87,6 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--versions", type=int, default=20, help="policy versions per run")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each variant, interleaved")
+    ap.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="rollout.engine")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {', '.join(VARIANTS)}")
     ap.add_argument("--out", type=Path, default=RESULTS / "async_vs_sync")
     args = ap.parse_args()
@@ -99,7 +102,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for name in names:
             print(f"[bench] {name} run {rep + 1}/{args.repeats}: {args.versions} versions ...", flush=True)
-            runs[name].append(run_variant(name, args.versions, args.out, rep))
+            runs[name].append(run_variant(name, args, rep))
     table = {n: summarise(r) for n, r in runs.items()}
     sync = weight_sync_figures(args.out)
 
@@ -123,6 +126,7 @@ def main() -> None:
         "time": time.time(),
         "wall_s": time.time() - t0,
         "workload": WORKLOAD,
+        "engine": args.engine,
         "versions": args.versions,
         "repeats": args.repeats,
         "runs": runs,
@@ -131,8 +135,9 @@ def main() -> None:
         "weight_sync": sync,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(RESULTS / "async_vs_sync.json", json.dumps(result, indent=1))
-    print(f"wrote {RESULTS / 'async_vs_sync.json'}")
+    path = RESULTS / f"async_vs_sync_{args.engine}.json"
+    atomic_write_text(path, json.dumps(result, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
