@@ -98,22 +98,26 @@ def _time_to(curve: dict, target: float) -> float:
 
 
 def table(done: dict) -> list[dict]:
-    """One row per point: final accuracy's mean and spread over seeds, mean staleness, and wall time."""
+    """One row per point: final accuracy's mean and spread over seeds, against the synchronous run of the
+    same seed (eta0) at equal versions, mean staleness, and wall time."""
     rows = []
-    sync = [r["acc_final"] for r in done.get("eta0", {}).values()]
-    sync_mean = statistics.fmean(sync) if sync else math.nan
+    sync = done.get("eta0", {})
     for name, seeds in done.items():
         finals = [r["acc_final"] for r in seeds.values()]
+        paired = [r["acc_final"] - sync[s]["acc_final"] for s, r in seeds.items() if s in sync]
+        # the first evaluation at which this run reached its seed's synchronous final accuracy (nan: never)
+        reach = [_time_to(r["curve"], sync[s]["acc_final"]) for s, r in seeds.items() if s in sync]
         rows.append(
             {
                 "point": name,
                 "seeds": len(finals),
                 "acc_final_mean": statistics.fmean(finals),
                 "acc_final_sd": statistics.stdev(finals) if len(finals) > 1 else math.nan,
-                "vs_sync_points": 100 * (statistics.fmean(finals) - sync_mean),
+                "vs_sync_points": 100 * statistics.fmean(paired) if paired else math.nan,
                 "staleness_mean": statistics.fmean(r["staleness_mean"] for r in seeds.values()),
                 "rl_wall_s": statistics.fmean(r["rl_wall_s"] for r in seeds.values()),
-                "wall_to_sync_final_s": statistics.fmean(_time_to(r["curve"], sync_mean) for r in seeds.values()),
+                "reached_sync_final": sum(not math.isnan(t) for t in reach),
+                "wall_to_sync_final_s": statistics.fmean(reach) if reach else math.nan,
             }
         )
     return rows
@@ -121,9 +125,10 @@ def table(done: dict) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     keys = ("seeds", "acc_final_mean", "acc_final_sd", "vs_sync_points", "staleness_mean", "rl_wall_s")
-    print(f"\n{'point':<18}" + "".join(f"{k:>16}" for k in keys) + f"{'to sync final':>16}")
+    keys += ("reached_sync_final",)
+    print(f"\n{'point':<18}" + "".join(f"{k:>20}" for k in keys) + f"{'to sync final s':>20}")
     for r in rows:
-        print(f"{r['point']:<18}" + "".join(f"{r[k]:>16.3f}" for k in keys) + f"{r['wall_to_sync_final_s']:>16.1f}")
+        print(f"{r['point']:<18}" + "".join(f"{r[k]:>20.3f}" for k in keys) + f"{r['wall_to_sync_final_s']:>20.1f}")
     print(
         f"AReaL 1.5B (AIME24): sync {PAPER['sync']}; decoupled {PAPER['decoupled_eta_le_8'][0]}-"
         f"{PAPER['decoupled_eta_le_8'][1]} for every eta <= 8; plain PPO {PAPER['plain_eta4']} at eta 4"
