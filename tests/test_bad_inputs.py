@@ -9,6 +9,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def _leaves(cls, prefix=""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
+        if isinstance(t, types.UnionType):  # an optional key (`bool | None`): a wrong value is of the other type
+            (t,) = [a for a in typing.get_args(t) if a is not type(None)]
         if dataclasses.is_dataclass(t):
             yield from _leaves(t, f"{prefix}{f.name}.")
         else:
