@@ -40,7 +40,7 @@ def width_cost(model: Path, prompt: list[int], rows: int, long_len: int, steps: 
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
-    return {"rows": rows, "width": int(eng._mask.shape[1]), "ms_per_step": 1e3 * (time.perf_counter() - t) / steps}
+    return {"rows": rows, "width": eng._cache.width, "ms_per_step": 1e3 * (time.perf_counter() - t) / steps}
 
 
 def refilled_batch(model: Path, prompt: list[int], rows: int, steps: int = 400) -> dict:

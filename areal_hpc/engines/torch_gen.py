@@ -5,31 +5,22 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-import torch.nn.functional as F
 
 from areal_hpc.engines.base import GenerationEngine, InFlight
+from areal_hpc.engines.slot_cache import SlotCache
 from areal_hpc.model import load_causal_lm
 from areal_hpc.model import stop_token_ids as model_stop_ids
 from areal_hpc.types import GenOutput, GenRequest
 
 
-def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Zero-pad x on the left along `dim` up to `width` (padding is masked out of attention)."""
-    extra = width - x.shape[dim]
-    if extra <= 0:
-        return x
-    pad = [0, 0] * (x.dim() - 1 - dim) + [extra, 0]
-    return F.pad(x, pad)
-
-
 class TorchGenerationEngine(GenerationEngine):
     """Continuous batching for machines without vLLM.
 
-    The running batch is one transformers KV cache, left-padded so every row's next token sits in the
-    last column. Each step decodes the running rows, prefills the requests that take free slots (so a
-    request added now gets its first token in this step), then merges the joiners' cache into the
-    batch and drops the rows that finished: a finished row costs no more compute, and columns that
-    are padding for every row are trimmed away.
+    The running batch's keys and values live in a SlotCache, left-padded so every row's next token
+    sits in the same column. Each step decodes the running rows, prefills the requests that take free
+    slots (so a request added now gets its first token in this step), writes the joiners into the
+    cache and drops the rows that finished: a finished row costs no more compute, a join or a finish
+    copies no other row, and columns no row uses any more are not attended.
 
     Logprobs are those of the sampled token under softmax(logits / temperature), the distribution the
     trainer recomputes (top-p only restricts which tokens can be drawn).
@@ -61,8 +52,7 @@ class TorchGenerationEngine(GenerationEngine):
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.waiting: deque[InFlight] = deque()
         self.rows: list[InFlight] = []  # the running batch, in cache row order
-        self._cache = None  # transformers DynamicCache over self.rows
-        self._mask: torch.Tensor | None = None  # [rows, cache length] 1 = real token
+        self._cache: SlotCache | None = None  # keys and values of self.rows, in the same order
         self._pos: torch.Tensor | None = None  # [rows] position id of the next token fed
         self._next: torch.Tensor | None = None  # [rows] sampled token, fed at the next step
 
@@ -126,16 +116,16 @@ class TorchGenerationEngine(GenerationEngine):
 
     def _decode(self) -> set[int]:
         """One token for every running row; returns the rows that finished."""
-        n = len(self.rows)
-        mask = torch.cat([self._mask, self._mask.new_ones((n, 1))], dim=1)
+        self._cache.reserve_column()
         out = self.model(
             input_ids=self._next[:, None],
-            attention_mask=mask,
+            attention_mask=self._cache.attention_mask(extra=1),
             position_ids=self._pos[:, None],
-            past_key_values=self._cache,
+            past_key_values=self._cache.model_cache,
             use_cache=True,
         )
-        self._cache, self._mask, self._pos = out.past_key_values, mask, self._pos + 1
+        self._cache.advance()
+        self._pos = self._pos + 1
         return self._record(0, self.rows, out.logits[:, -1, :])
 
     def _prefill(self, joiners: list[InFlight]) -> set[int]:
@@ -182,40 +172,23 @@ class TorchGenerationEngine(GenerationEngine):
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
     # -- the batch's cache -------------------------------------------------------------------------
-    def _layers(self, cache):
-        layers = cache.layers
-        if any(getattr(layer, "is_sliding", False) for layer in layers):
+    def _merge(self, joiners: list[InFlight], cache, mask: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append the joiners' rows to the running batch."""
+        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
             raise RuntimeError(
                 "the torch generation engine does not support sliding-window attention; use rollout.engine=vllm"
             )
-        return layers
-
-    def _merge(self, joiners: list[InFlight], cache, mask: torch.Tensor, pos: torch.Tensor) -> None:
-        """Append the joiners' rows to the running batch, left-padding both caches to one length."""
-        if not self.rows:
-            self.rows, self._cache, self._mask, self._pos = list(joiners), cache, mask, pos
-            return
-        width = max(self._mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(self._layers(self._cache), self._layers(cache), strict=True):
-            mine.keys = torch.cat([_pad_left(mine.keys, width, 2), _pad_left(theirs.keys, width, 2)])
-            mine.values = torch.cat([_pad_left(mine.values, width, 2), _pad_left(theirs.values, width, 2)])
-        self._mask = torch.cat([_pad_left(self._mask, width, 1), _pad_left(mask, width, 1)])
-        self._pos = torch.cat([self._pos, pos])
+        if self._cache is None:
+            self._cache = SlotCache(len(cache.layers))
+        self._cache.join(cache, mask)
+        self._pos = pos if not self.rows else torch.cat([self._pos, pos])
         self.rows += joiners
 
     def _drop_rows(self, gone: set[int]) -> None:
-        """Remove finished or interrupted rows from the batch, and columns no remaining row uses."""
+        """Remove finished or interrupted rows from the batch (the last rows take their slots)."""
         if not gone:
             return
-        keep = [i for i in range(len(self.rows)) if i not in gone]
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self._cache = self._mask = self._pos = self._next = None
-            return
-        idx = torch.tensor(keep, device=self.device)
-        mask = self._mask[idx]
-        start = int(mask.any(0).to(torch.int8).argmax())  # first column some row still attends to
-        for layer in self._layers(self._cache):
-            layer.keys = layer.keys[idx, :, start:]
-            layer.values = layer.values[idx, :, start:]
-        self._mask, self._pos, self._next = mask[:, start:], self._pos[idx], self._next[idx]
+        order = self._cache.drop(gone)
+        self.rows = [self.rows[i] for i in order]
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        self._pos, self._next = self._pos[idx], self._next[idx]
