@@ -121,6 +121,35 @@ def test_requests_join_mid_flight_and_leave_in_the_step_they_finish(tiny_model_d
     assert got["joined"][0].output_ids == solo.output_ids
 
 
+def test_slot_cache_keeps_every_row_exact_as_rows_come_and_go(tiny_model_dir):
+    # the torch engine's slot cache: rows of very different lengths join a running batch (a joiner longer
+    # than the window moves it; more rows than slots grow them), finished rows' slots are refilled by the
+    # last row; every greedy answer and its logprobs stay those of the request decoded alone
+    tok = load_tokenizer(tiny_model_dir)
+    eng = TorchGenerationEngine(str(tiny_model_dir), seed=0, max_num_seqs=24)
+    eng.ignore_eos = True
+    base = tok.encode("07+35=")
+    # three long-running rows with short prompts first (they carry the window past its first buffer's end),
+    # then one joiner per step with prompts of 6 to 30 tokens (longer than the window: it moves), up to
+    # 12 rows at once (more than the first 8 slots)
+    reqs = [GenRequest(f"long{i}", base, 70, greedy=True) for i in range(3)]
+    reqs += [GenRequest(f"r{i}", base * (1 + (7 * i) % 5), 3 + (5 * i) % 11, greedy=True) for i in range(20)]
+    got = {}
+    eng.add(reqs[:3])
+    for i in range(3, len(reqs)):
+        got.update({o.request_id: o for o in eng.step()})
+        eng.add([reqs[i]])  # one joiner per step, while earlier rows finish at varied steps
+    while eng.num_running or eng.num_waiting:
+        got.update({o.request_id: o for o in eng.step()})
+    assert sorted(got) == sorted(r.request_id for r in reqs)
+    alone = TorchGenerationEngine(str(tiny_model_dir), seed=0)
+    alone.ignore_eos = True
+    for r in reqs:
+        (solo,) = generate(alone, [r])
+        assert got[r.request_id].output_ids == solo.output_ids, r.request_id
+        np.testing.assert_allclose(got[r.request_id].output_logprobs, solo.output_logprobs, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", GEN_ENGINES)
 def test_interrupt_then_resume_continues_with_new_version(tiny_model_dir, kind, make_gen):
     tok = load_tokenizer(tiny_model_dir)
