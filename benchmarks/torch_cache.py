@@ -1,6 +1,7 @@
-"""What the torch generation engine's one left-padded KV cache costs: a step's time against the batch's rows
-and width (every row pays for the longest), and where the time of a continuously refilled batch goes
-(the decode forward, the joiners' prefill, merging them into the cache, dropping finished rows).
+"""What the torch generation engine's slot KV cache costs: a step's time against the batch's rows and
+width (every row attends over the window the longest-lived row sets), and where the time of a
+continuously refilled batch goes (the decode forward, the joiners' prefill, writing them into the cache,
+dropping finished rows).
 
     .venv/bin/python benchmarks/torch_cache.py        # about a minute on 1 core
 """
