@@ -291,7 +291,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
+    tree["rollout"].pop("interrupt")  # deprecated and always mapped away on load: a written config has only the mode
+    return OmegaConf.to_yaml(tree)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
