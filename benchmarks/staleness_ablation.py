@@ -160,6 +160,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     tag = "staleness_ablation" if args.setting == "demo" else f"staleness_ablation_{args.setting}"
+    tag += "" if args.versions == 150 else f"_v{args.versions}"  # one JSON holds one number of versions
     args.out = args.out or RESULTS / tag
     args.out.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{tag}.json"
