@@ -6,8 +6,9 @@ Each point runs `jobs/demo.yaml` (2 generators + 1 trainer, a tiny Llama learnin
 --versions versions with no wall-time cap, evaluating every --eval-every versions; a seed sets both the
 trainer's and the data's seed. `--setting harsh` runs every point with a larger learning rate and more
 minibatches per version, where the policy moves far between versions and staleness should hurt plain
-PPO; `--setting gentle` with half the optimizer steps per version. The JSON is written after every run and runs already in it are kept, so the grid can be run in
-parts (`--points`, `--seeds`); about 4 minutes a run on 2 cores.
+PPO; `--setting gentle` with half the optimizer steps per version. The JSON is written after every run
+and runs already in it are kept, so the grid can be run in parts (`--points`, `--seeds`); 2-4 minutes a
+run on 2 cores.
 
     .venv/bin/python benchmarks/staleness_ablation.py --points eta0,eta2,eta4,eta8 --seeds 0,1,2
     .venv/bin/python benchmarks/staleness_ablation.py --table          # the table of what is measured
