@@ -129,9 +129,9 @@ def test_slot_cache_keeps_every_row_exact_as_rows_come_and_go(tiny_model_dir):
     eng = TorchGenerationEngine(str(tiny_model_dir), seed=0, max_num_seqs=24)
     eng.ignore_eos = True
     base = tok.encode("07+35=")
-    # three long-running rows with short prompts first (they carry the window past its first buffer's end),
-    # then one joiner per step with prompts of 6 to 30 tokens (longer than the window: it moves), up to
-    # 12 rows at once (more than the first 8 slots)
+    # three long-running rows with short prompts first, then one joiner per step with prompts of 6 to 30
+    # tokens (longer than the window: it moves), up to 12 rows at once (more than the first 8 slots); a
+    # long row decoded alone runs past its first buffer's end, so the reference moves its window too
     reqs = [GenRequest(f"long{i}", base, 70, greedy=True) for i in range(3)]
     reqs += [GenRequest(f"r{i}", base * (1 + (7 * i) % 5), 3 + (5 * i) % 11, greedy=True) for i in range(20)]
     got = {}
