@@ -91,11 +91,11 @@ def pick_engine(name: str) -> str:
 
 def eval_problems(target: EvalTarget, data: str, tokenizer):
     """The run's held-out prompts (as many as it evaluated), or every row of a jsonl/parquet file."""
-    from areal_hpc.data import load_dataset
+    from areal_hpc.data import load_run_dataset
 
     cfg = target.cfg
     if data == HELDOUT:
-        ds = load_dataset(cfg.data, tokenizer)
+        ds = load_run_dataset(cfg, tokenizer)
         return ds.heldout[: cfg.logging.eval_prompts], ds.too_long
     f = Path(data)
     kinds = {".jsonl": "jsonl", ".parquet": "parquet"}
@@ -105,7 +105,7 @@ def eval_problems(target: EvalTarget, data: str, tokenizer):
         raise EvalError(f"--data {data!r} does not exist")
     kind = "code" if cfg.data.kind == "code" and f.suffix == ".jsonl" else kinds[f.suffix]  # a code run's tasks
     cfg.data.kind, cfg.data.path, cfg.data.heldout_size = kind, str(f), 0  # every row is evaluated
-    ds = load_dataset(cfg.data, tokenizer)
+    ds = load_run_dataset(cfg, tokenizer)
     return ds.train, ds.too_long
 
 
@@ -124,6 +124,7 @@ def run_eval(
     from areal_hpc.model import load_tokenizer
     from areal_hpc.prompts import check_context
     from areal_hpc.reward import reward_pool_for
+    from areal_hpc.workflow import load_workflow, runner_settings
 
     if temperature < 0 or n_samples < 1:
         raise EvalError(f"--temperature must be >= 0 and --n-samples >= 1, got {temperature} and {n_samples}")
@@ -134,6 +135,9 @@ def run_eval(
     tokenizer = load_tokenizer(target.folder)
     problems, too_long = eval_problems(target, data, tokenizer)
     check_context(target.folder, max(len(p.prompt_ids) for p in problems), mnt, "the longest evaluated")
+    cfg.rollout.max_new_tokens = mnt
+    settings = runner_settings(cfg, tokenizer, target.folder)
+    flow = load_workflow(cfg.rollout.workflow)  # a tool-using policy is evaluated with its tool; checked first
     name = pick_engine(engine)
     extra = {"kv_cache_gib": cfg.rollout.kv_cache_gib} if name == "vllm" else {}
     # the run's reward (math-verify, or code in its sandbox) first: a sandbox that cannot run refuses
@@ -152,7 +156,7 @@ def run_eval(
         )
         t_gen = time.time()
         try:
-            res = evaluate(eng, tokenizer, pool, problems, mnt, n_samples, greedy=temperature == 0)
+            res = evaluate(eng, tokenizer, pool, problems, settings, n_samples, temperature == 0, flow)
         finally:
             eng.close()
     t_end = time.time()
@@ -160,6 +164,7 @@ def run_eval(
         "model": str(target.folder if target.run_dir is None else target.run_dir.trainer_checkpoint(target.version)),
         "version": target.version,
         "data": data,
+        "workflow": cfg.rollout.workflow,
         "engine": name,
         "temperature": temperature,
         "max_new_tokens": mnt,

@@ -11,6 +11,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from areal_hpc.config_checks import ConfigError, slurm_time_minutes, validate  # noqa: F401  (re-exported)
+from areal_hpc.plugins import absolute_spec
 
 
 @dataclass
@@ -31,6 +32,8 @@ class DataConfig:
     path: str = ""  # dataset file for jsonl / parquet
     question_key: str = "question"  # data.kind=code: the prompt's key (e.g. prompt)
     answer_key: str = "answer"  # data.kind=code: the tests' key (e.g. tests: Python asserts, a string or a list)
+    # the prompt from a row's fields: {question} is the question_key field, {name} any other ({{ }}: literal braces);
+    # a row with a chat `messages` list uses that instead
     prompt_template: str = "{question}"
     # auto: prompts go through the tokenizer's chat template when it has one (instruct and reasoning models
     # are trained on theirs); on: require one; off: the prompt_template text as it is
@@ -45,6 +48,9 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
+    # f(completion: str, row: dict) -> float, by import path: package.module:function or path/to/file.py:function;
+    # "" = the built-in the data implies: math (the row's answer_key under math-verify), or code (data.kind=code)
+    fn: str = ""
     timeout_s: float = 5.0  # per answer; data.kind=code: the sandbox's wall (and cpu) limit
     num_workers: int = 2
     # data.kind=code: bwrap = bubblewrap namespaces, else the run refuses to start; auto = bubblewrap where it
@@ -75,6 +81,21 @@ class RolloutConfig:
     # there is room to keep the engine full
     max_concurrent_groups: int = 0
     kv_cache_gib: float = 1.0  # engine=vllm: KV cache per generator rank (host memory on CPU, GPU memory on cuda)
+    # one episode of one prompt (docs/workflows.md): single_turn | multi_turn | tool, or an import path to an
+    # `async def f(episode) -> float | None`
+    workflow: str = "single_turn"
+
+
+@dataclass
+class WorkflowConfig:
+    """Settings of the built-in workflows; `args` reaches a workflow of your own as `episode.args`."""
+
+    max_turns: int = 2  # multi_turn: answers per episode (a wrong one gets a feedback turn)
+    turn_discount: float = 0.5  # multi_turn: a right answer at turn k (from 0) earns turn_discount ** k
+    feedback: str = "Wrong, try again."  # multi_turn: the user's turn after a wrong answer
+    max_tool_calls: int = 4  # tool: code blocks run per episode
+    tool_timeout_s: float = 5.0  # tool: the sandbox's wall limit per call
+    args: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -209,6 +230,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -287,7 +309,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err, overrides)) from None
-    return validate(cfg)
+    cfg = validate(cfg)
+    # a file given relative to where the run was started: every rank, on any node, finds the same one
+    cfg.reward.fn, cfg.rollout.workflow = absolute_spec(cfg.reward.fn), absolute_spec(cfg.rollout.workflow)
+    return cfg
 
 
 def to_yaml(cfg: Config) -> str:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from areal_hpc.plugins import PluginError, is_import_path, split_spec
 from areal_hpc.prompts import CHAT_TEMPLATE_MODES
 
-if TYPE_CHECKING:
-    from areal_hpc.config import Config
+# Config (areal_hpc.config) imports this module; the checks take it untyped so neither imports the other back.
+Config = Any
 
 
 class ConfigError(ValueError):
@@ -55,6 +56,10 @@ _LOWER = {
     "rollout.max_running": (0, True),
     "rollout.max_num_seqs": (1, True),
     "rollout.max_concurrent_groups": (0, True),
+    "workflow.max_turns": (1, True),
+    "workflow.turn_discount": (0, True),
+    "workflow.max_tool_calls": (0, True),
+    "workflow.tool_timeout_s": (0, False),
     "store.shard_max_groups": (1, True),
     "store.shard_max_wait_s": (0, True),
     "rollout.kv_cache_gib": (0, False),
@@ -115,6 +120,24 @@ def slurm_time_minutes(t: str) -> float:
     if len(parts) == 2:
         return parts[0] + parts[1] / 60
     return parts[0] * 60 + parts[1] + parts[2] / 60
+
+
+BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool")  # rollout.workflow by name (areal_hpc.workflow)
+
+
+def _check_plugin(value: str, key: str, builtins: tuple[str, ...]) -> None:
+    """A built-in's name or an import path's form (importing it waits for start-up: the launcher and each rank)."""
+    if is_import_path(value):
+        try:
+            split_spec(value, key)
+        except PluginError as e:
+            raise ConfigError(f"config {e}") from None
+    elif value not in builtins:
+        named = ", ".join(b for b in builtins if b)
+        raise ConfigError(
+            f"config {key}={value!r} is neither a built-in ({named}) nor an import path "
+            "('package.module:function' or 'path/to/file.py:function')"
+        )
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -194,6 +217,10 @@ def validate(cfg: Config) -> Config:
             f"config logging.eval_temperature={lc.eval_temperature!r} must be 0 (greedy) or "
             f"rollout.temperature={cfg.rollout.temperature!r}; other temperatures: areal-hpc eval on a checkpoint"
         )
+    _check_plugin(cfg.reward.fn, "reward.fn", ("", "math", "code"))
+    _check_plugin(cfg.rollout.workflow, "rollout.workflow", BUILTIN_WORKFLOWS)
+    if cfg.workflow.turn_discount > 1:
+        raise ConfigError(f"config workflow.turn_discount={cfg.workflow.turn_discount!r} must be in [0, 1]")
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
     return cfg

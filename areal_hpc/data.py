@@ -5,19 +5,28 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_hpc.plugins import is_import_path
 from areal_hpc.prompts import build_prompt, chat_enabled, check_context, encode_prompt
 
 
 @dataclass
 class Problem:
+    """One dataset row as the run uses it. Row format (jsonl lines or parquet rows): a JSON object whose fields
+    fill data.prompt_template (`{question}` is the data.question_key field), or which holds a chat `messages`
+    list of {"role", "content"}; the reference answer (built-in rewards) under data.answer_key. Every field,
+    the ones of your own included, reaches the reward function and the workflow as `row`."""
+
     prompt_id: int
     prompt: str  # the text fed to the model (prompt_template, then the chat template when on)
-    answer: str  # the reference final answer, compared by the reward
+    answer: str  # the reference final answer ("" when the row has none and the reward reads the row itself)
     prompt_ids: list[int] = field(default_factory=list)  # the prompt's tokens (set by load_dataset)
+    row: dict = field(default_factory=dict)  # the dataset row, every field as read
+    messages: list[dict] | None = None  # the row's chat messages, when the prompt comes from them
 
 
 @dataclass
@@ -44,7 +53,8 @@ def arithmetic_problems(n: int, max_operand: int, seed: int, start_id: int = 0, 
         if (a, b) in seen:
             continue
         seen.add((a, b))
-        out.append(Problem(start_id + len(out), f"{a:0{width}d}+{b:0{width}d}=", str(a + b)))
+        q = f"{a:0{width}d}+{b:0{width}d}="
+        out.append(Problem(start_id + len(out), q, str(a + b), row={"question": q, "answer": str(a + b)}))
     return out
 
 
@@ -61,8 +71,8 @@ def arithmetic_completion(answer: str) -> str:
     return "\\boxed{" + answer + "}"
 
 
-def _final_answer(raw) -> str | None:
-    """GSM8K puts the final answer after '####'; MATH-style sets hold it directly."""
+def final_answer(raw) -> str | None:
+    """A row's reference final answer: GSM8K puts it after '####'; MATH-style sets hold it directly."""
     if isinstance(raw, bool):
         return None
     if isinstance(raw, int):
@@ -117,6 +127,41 @@ def _read_rows(path: Path, kind: str):
             yield i, _TOO_BIG if big else row
 
 
+_PLACEHOLDER = re.compile(r"(?<!\{)\{(\w+)\}(?!\})")  # {field}; {{ and }} stand for literal braces
+
+
+def template_fields(template: str) -> list[str]:
+    """The row fields a data.prompt_template names, in order ({question} is the data.question_key field)."""
+    return list(dict.fromkeys(_PLACEHOLDER.findall(template)))
+
+
+def _field_text(row: dict, name: str, question_key: str) -> str | None:
+    value = row.get(question_key if name == "question" and question_key in row else name)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):  # parquet's missing value
+        return None
+    text = str(value).strip()
+    return text or None
+
+
+def fill_template(template: str, row: dict, question_key: str = "question") -> tuple[str | None, str]:
+    """(prompt text, "") from the row's fields, or (None, the first field missing or empty)."""
+    for name in template_fields(template):
+        if _field_text(row, name, question_key) is None:
+            return None, (question_key if name == "question" else name)
+    text = _PLACEHOLDER.sub(lambda m: _field_text(row, m.group(1), question_key), template)
+    return text.replace("{{", "{").replace("}}", "}"), ""
+
+
+def _messages(raw) -> list[dict] | None:
+    """A row's chat `messages` (a list of {role, content} with string values), None when malformed."""
+    if not isinstance(raw, list) or not raw:
+        return None
+    ok = all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in raw)
+    return [{"role": m["role"], "content": m["content"]} for m in raw] if ok else None
+
+
 def load_math_dataset(
     path: str | Path,
     kind: str,
@@ -125,45 +170,63 @@ def load_math_dataset(
     prompt_template: str = "{question}",
     heldout_size: int = 500,
     seed: int = 0,
+    need_answer: bool = True,
 ) -> MathDataset:
-    """Load question/answer rows from jsonl or parquet (kind=code: prompt/tests rows from jsonl); malformed rows are
-    skipped and counted."""
+    """Load rows from jsonl or parquet (kind=code: jsonl rows with tests); each Problem keeps its whole row.
+
+    The prompt is `prompt_template` over the row's fields, or the row's chat `messages` when it has them.
+    `need_answer` (a built-in reward): the row must hold a reference under `answer_key`. Malformed rows are
+    skipped and counted; the warning names the first one's file, line and field.
+    """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
-    if "{question}" not in prompt_template:
-        raise ValueError(f"data.prompt_template must contain '{{question}}', got {prompt_template!r}")
+    if not template_fields(prompt_template):
+        raise ValueError(f"data.prompt_template must name a row field such as '{{question}}', got {prompt_template!r}")
     problems: list[Problem] = []
     reasons: dict[str, int] = {}
+    first: list[str] = []
 
-    def skip(why: str) -> None:
+    def skip(lineno: int, why: str) -> None:
         reasons[why] = reasons.get(why, 0) + 1
+        if not first:
+            first.append(f"{p}:{lineno}: {why}")
 
-    for _, row in _read_rows(p, kind):
+    for lineno, row in _read_rows(p, kind):
         if isinstance(row, str):
-            skip(row)
+            skip(lineno, row)
             continue
         if not isinstance(row, dict):
-            skip("not a JSON object")
+            skip(lineno, "not a JSON object")
             continue
-        q = row.get(question_key)
-        if not isinstance(q, str) or not q.strip():
-            skip(f"missing or empty '{question_key}'")
+        messages = None
+        if "messages" in row:
+            messages = _messages(row["messages"])
+            if messages is None:
+                skip(lineno, "'messages' is not a list of {role, content} strings")
+                continue
+            text = ""
+        else:
+            text, missing = fill_template(prompt_template, row, question_key)
+            if text is None:
+                skip(lineno, f"missing or empty '{missing}'")
+                continue
+        a = _tests_text(row.get(answer_key)) if kind == "code" else final_answer(row.get(answer_key))
+        if a is None and need_answer:
+            skip(lineno, f"missing or empty '{answer_key}'")
             continue
-        a = _tests_text(row.get(answer_key)) if kind == "code" else _final_answer(row.get(answer_key))
-        if a is None:
-            skip(f"missing or empty '{answer_key}'")
-            continue
-        problems.append(Problem(len(problems), prompt_template.replace("{question}", q.strip()), a))
+        problems.append(Problem(len(problems), text, a or "", row=row, messages=messages))
     skipped = sum(reasons.values())
     detail = ", ".join(f"{n} {why}" for why, n in reasons.items())
     if not problems:  # one line with the reasons (no warning first)
         raise ValueError(
             f"dataset {str(p)!r} has no usable rows (keys {question_key!r}/{answer_key!r}); "
-            f"skipped {skipped}" + (f": {detail}" if detail else "")
+            f"skipped {skipped}" + (f": {detail}; first at {first[0]}" if detail else "")
         )
     if skipped:
-        warnings.warn(f"dataset {p.name}: skipped {skipped} malformed rows ({detail})", stacklevel=2)
+        warnings.warn(
+            f"dataset {p.name}: skipped {skipped} malformed rows ({detail}); first at {first[0]}", stacklevel=2
+        )
     order = list(range(len(problems)))
     random.Random(seed).shuffle(order)
     n_held = min(heldout_size, len(problems) // 2)
@@ -172,8 +235,10 @@ def load_math_dataset(
     return MathDataset(train=train, heldout=held, skipped_rows=skipped, skip_reasons=reasons)
 
 
-def load_dataset(data_cfg, tokenizer) -> MathDataset:
-    """The dataset named by a DataConfig, prompts built and tokenized; prompts over data.max_prompt_tokens skipped."""
+def load_dataset(data_cfg, tokenizer, need_answer: bool = True) -> MathDataset:
+    """The dataset named by a DataConfig, prompts built and tokenized; prompts over data.max_prompt_tokens skipped.
+
+    need_answer: rows must carry a reference answer (false when a user's reward.fn reads the row itself)."""
     if data_cfg.kind == "arithmetic":
         ds = arithmetic_dataset(data_cfg.train_size, data_cfg.heldout_size, data_cfg.max_operand, data_cfg.seed)
     else:
@@ -185,8 +250,14 @@ def load_dataset(data_cfg, tokenizer) -> MathDataset:
             data_cfg.prompt_template,
             data_cfg.heldout_size,
             data_cfg.seed,
+            need_answer=need_answer,
         )
     return build_prompts(ds, tokenizer, data_cfg)
+
+
+def load_run_dataset(cfg, tokenizer) -> MathDataset:
+    """A run's dataset, the same on every rank: rows need a reference answer unless reward.fn is the user's own."""
+    return load_dataset(cfg.data, tokenizer, need_answer=not is_import_path(cfg.reward.fn))
 
 
 def build_prompts(ds: MathDataset, tokenizer, data_cfg) -> MathDataset:
@@ -199,7 +270,12 @@ def build_prompts(ds: MathDataset, tokenizer, data_cfg) -> MathDataset:
         nonlocal too_long
         out = []
         for p in problems:
-            p.prompt = build_prompt(tokenizer, p.prompt, chat, data_cfg.system_prompt)
+            if p.messages is not None and not chat:
+                raise ValueError(
+                    f"dataset row {p.prompt_id} has chat 'messages' but prompts use no chat template "
+                    f"(data.chat_template={data_cfg.chat_template}); set data.chat_template=on or auto"
+                )
+            p.prompt = build_prompt(tokenizer, p.prompt, chat, data_cfg.system_prompt, p.messages)
             p.prompt_ids = encode_prompt(tokenizer, p.prompt, chat)
             if limit and len(p.prompt_ids) > limit:
                 too_long += 1
@@ -236,4 +312,4 @@ def check_prompts_fit(cfg, model_dir) -> None:
     from areal_hpc.model import load_tokenizer
 
     if cfg.rollout.engine != "emulated":
-        check_fits_context(load_dataset(cfg.data, load_tokenizer(model_dir)), cfg, model_dir)
+        check_fits_context(load_run_dataset(cfg, load_tokenizer(model_dir)), cfg, model_dir)

@@ -1,4 +1,4 @@
-"""Held-out evaluation: k samples (or one greedy answer) per problem, scored by the reward; avg@k, pass@k."""
+"""Held-out evaluation: k episodes (or one greedy) per problem of the run's workflow, scored; avg@k, pass@k."""
 
 from __future__ import annotations
 
@@ -6,9 +6,6 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from areal_hpc.data import Problem
-from areal_hpc.engines.base import generate
-from areal_hpc.rollout import score_outputs
-from areal_hpc.types import GenRequest, SampleId
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -64,28 +61,32 @@ def summarize(rewards: list[list[float]], lengths: list[int], truncated: list[bo
 
 
 def evaluate(
-    engine, tokenizer, reward_pool, problems: list[Problem], max_new_tokens: int, n_samples: int = 1, greedy=True
+    engine, tokenizer, reward_pool, problems: list[Problem], settings, n_samples: int = 1, greedy=True, workflow=None
 ) -> EvalResult:
-    """n_samples answers per problem (greedy: one, at temperature 0; else at the engine's temperature)."""
+    """n_samples episodes of the workflow per problem (greedy: one, at temperature 0; else at the engine's
+    temperature); an episode's reward is its score (a rejected one scores 0). `settings`: the RunnerSettings
+    (workflow_settings) of the run; `workflow` defaults to single_turn."""
+    from areal_hpc.workflow import single_turn
+    from areal_hpc.workflow.batch import EpisodeStart, run_episodes
+
     if not problems:
         raise ValueError("no problems to evaluate")
     if greedy and n_samples != 1:
         raise ValueError(f"greedy evaluation gives one answer per problem, asked for {n_samples}")
-    reqs = [
-        GenRequest(str(SampleId(i, s)), p.prompt_ids, max_new_tokens, greedy=greedy)
-        for i, p in enumerate(problems)
-        for s in range(n_samples)
+    starts = [
+        EpisodeStart(f"{i}:{s}", p.row, p.prompt_ids, greedy) for i, p in enumerate(problems) for s in range(n_samples)
     ]
-    outs = generate(engine, reqs)
-    scores = score_outputs(reward_pool, tokenizer, outs, [p.answer for p in problems for _ in range(n_samples)])
+    eps = run_episodes(engine, workflow or single_turn, tokenizer, reward_pool, settings, starts, retry=False)
+    scores = [e.reward or 0.0 for e in eps]
     rewards = [scores[i * n_samples : (i + 1) * n_samples] for i in range(len(problems))]
-    return summarize(rewards, [len(o.output_ids) for o in outs], [o.finish_reason == "length" for o in outs])
+    lengths = [sum(len(seg.ids) for seg in e.segments if seg.trained) for e in eps]
+    return summarize(rewards, lengths, [e.finish_reason == "length" for e in eps])
 
 
 def heldout_accuracy(
-    engine, tokenizer, reward_pool, problems: list[Problem], max_new_tokens: int, n_samples: int = 1, greedy=True
+    engine, tokenizer, reward_pool, problems: list[Problem], settings, n_samples: int = 1, greedy=True, workflow=None
 ) -> float:
     """Held-out accuracy as a run logs it: greedy, or avg@k over n_samples at the engine's temperature."""
     if not problems:
         return float("nan")
-    return evaluate(engine, tokenizer, reward_pool, problems, max_new_tokens, n_samples, greedy).avg_at_k
+    return evaluate(engine, tokenizer, reward_pool, problems, settings, n_samples, greedy, workflow).avg_at_k

@@ -27,13 +27,15 @@ def chat_enabled(tokenizer, mode: str, system_prompt: str = "") -> bool:
     return chat
 
 
-def build_prompt(tokenizer, text: str, chat: bool, system_prompt: str = "") -> str:
-    """The text fed to the model: `text` as the user's turn plus the generation prompt, or `text` itself."""
+def build_prompt(tokenizer, text: str, chat: bool, system_prompt: str = "", messages: list[dict] | None = None) -> str:
+    """The text fed to the model: `text` as the user's turn (or the row's own chat `messages`) plus the
+    generation prompt, or `text` itself without a chat template."""
     if not chat:
         return text
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": text}
-    ]
+    if messages is None:
+        messages = [{"role": "user", "content": text}]
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 

@@ -23,8 +23,8 @@ class Trajectory:
     sample_idx: int
     input_ids: np.ndarray  # int32 [L]
     behav_logprobs: np.ndarray  # float32 [L], log pi_behav(token) after temperature
-    versions: np.ndarray  # int32 [L], policy version that produced each token (-1 prompt)
-    loss_mask: np.ndarray  # uint8 [L], 1 on generated tokens
+    versions: np.ndarray  # int32 [L], policy version that produced each token (-1: prompt, or added by the workflow)
+    loss_mask: np.ndarray  # uint8 [L], 1 on sampled tokens (0 on the prompt and on tokens the workflow added)
     prompt_len: int
     reward: float = 0.0
     finish_reason: str = "stop"
@@ -38,7 +38,9 @@ class Trajectory:
 
     @property
     def version_start(self) -> int:
+        """The oldest version among sampled tokens (tokens a workflow added carry -1 and do not count)."""
         gen = self.versions[self.prompt_len :]
+        gen = gen[gen >= 0]
         return int(gen.min()) if len(gen) else -1
 
     @property
@@ -93,6 +95,7 @@ class GenRequest:
     partial_logprobs: list[float] = field(default_factory=list)
     partial_versions: list[int] = field(default_factory=list)
     greedy: bool = False
+    stop: list[str] = field(default_factory=list)  # strings that end the answer (kept in it), besides EOS
 
     def resumed(self, out: GenOutput) -> GenRequest:
         """This request again, continuing from an interrupted output (prompt + partial)."""
@@ -104,6 +107,7 @@ class GenRequest:
             list(out.output_logprobs),
             list(out.output_versions),
             self.greedy,
+            list(self.stop),
         )
 
 

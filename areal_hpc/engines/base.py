@@ -72,6 +72,8 @@ class GenerationEngine(ABC):
         self.top_p = top_p
         self.paused = False
         self.prefill_tokens = 0
+        self.model_path: str | None = None  # set by the engine: its tokenizer decodes stop strings
+        self._tokenizer = None
         self._ready: list[GenOutput] = []  # finished without a step (no budget left); returned by the next step
 
     @property
@@ -140,7 +142,26 @@ class GenerationEngine(ABC):
     def _finish_reason(self, seq: InFlight, token: int, stop_ids: set[int]) -> str | None:
         if token in stop_ids and not self.ignore_eos:
             return "stop"
+        if seq.request.stop and self._hits_stop(seq):
+            return "stop"
         return "length" if seq.budget <= 0 else None
+
+    def _hits_stop(self, seq: InFlight) -> bool:
+        """Whether the newest tokens complete one of the request's stop strings. A string of n characters ends
+        within the last n tokens (every token decodes to at least one character, or to none: then more are
+        needed, and the check comes again at the next token)."""
+        n = max(len(s) for s in seq.request.stop)
+        tail = self.tokenizer.decode(seq.ids[-n:], skip_special_tokens=False)
+        return any(s in tail for s in seq.request.stop)
+
+    @property
+    def tokenizer(self):
+        """The model folder's tokenizer, loaded when a request first has stop strings."""
+        if self._tokenizer is None:
+            from areal_hpc.model import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_path)
+        return self._tokenizer
 
 
 def generate(engine: GenerationEngine, requests: list[GenRequest]) -> list[GenOutput]:

@@ -41,6 +41,7 @@ class TorchGenerationEngine(GenerationEngine):
         if top_p < 1:  # the recorded logprobs are those of the full distribution, which is what is sampled
             raise ValueError(f"top_p={top_p} is not supported: behaviour logprobs are of the full distribution")
         super().__init__(max_num_seqs, temperature, top_p)
+        self.model_path = str(model_path)
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype).to(self.device).eval()
         cfg = self.model.config

@@ -53,6 +53,7 @@ class VLLMGenerationEngine(GenerationEngine):
         stop_token_ids: list[int] | None = None,
     ):
         super().__init__(max_num_seqs, temperature, top_p)
+        self.model_path = str(model_path)
         _vllm_env(device)
         # None: every EOS the model folder declares. vLLM also reads generation_config.json's own; the set is
         # given explicitly so it stops on exactly what the torch engine does (config.json's, the tokenizer's)
@@ -185,4 +186,8 @@ class VLLMGenerationEngine(GenerationEngine):
             if o.finished:
                 self._prefilled.discard(o.request_id)
                 done.append(self._seqs.pop(o.request_id).output("stop" if c.finish_reason == "stop" else "length"))
+            elif seq.request.stop and self._hits_stop(seq):  # stop strings are ours: vLLM does not detokenize
+                self.engine.abort_request([o.request_id])
+                self._prefilled.discard(o.request_id)
+                done.append(self._seqs.pop(o.request_id).output("stop"))
         return done

@@ -52,7 +52,9 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     from areal_hpc.data import check_prompts_fit
     from areal_hpc.model import ensure_model
     from areal_hpc.runtime.resume import CheckpointError, check_resumable
+    from areal_hpc.workflow import check_user_code
 
+    check_user_code(cfg)  # a broken reward.fn or rollout.workflow: one line, before the run dir is written
     run = RunDir(Path(cfg.store.run_dir).resolve())
     try:
         if resume:

@@ -225,9 +225,11 @@ def prepare_run_dir(run_dir: Path) -> str:
     from areal_hpc.config import load_config
     from areal_hpc.data import check_prompts_fit
     from areal_hpc.model import ensure_model
+    from areal_hpc.workflow import check_user_code
 
     run = RunDir(run_dir)
     cfg = load_config(run.config)
+    check_user_code(cfg)  # the user's reward.fn and rollout.workflow import here as they will on every node
     check_prompts_fit(cfg, ensure_model(cfg.model))  # one line in the job's log before srun starts any rank
     run.before_start()
     if os.environ.get("SLURM_JOB_ID"):

@@ -1,8 +1,10 @@
-"""Rewards for rollouts: math (math.py), code in a sandbox (code.py, sandbox.py), scored in a process pool (pool.py)."""
+"""Rewards for rollouts: f(completion, row) -> float (functions.py): math, code in a sandbox, or the user's; scored in a
+process pool (pool.py)."""
 
-from areal_hpc.reward.code import code_reward, reward_pool_for
+from areal_hpc.reward.code import code_reward
+from areal_hpc.reward.functions import BUILTIN_REWARDS, check_reward_fn, reward_fn_name, reward_pool_for
 from areal_hpc.reward.math import extract_last_boxed, math_reward
-from areal_hpc.reward.pool import RewardPool
+from areal_hpc.reward.pool import RewardPool, Scores
 from areal_hpc.reward.sandbox import SandboxUnavailable, isolation
 
 __all__ = [
@@ -10,6 +12,10 @@ __all__ = [
     "code_reward",
     "RewardPool",
     "reward_pool_for",
+    "check_reward_fn",
+    "reward_fn_name",
+    "BUILTIN_REWARDS",
+    "Scores",
     "extract_last_boxed",
     "isolation",
     "SandboxUnavailable",

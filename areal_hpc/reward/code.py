@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import re
 import secrets
-from dataclasses import dataclass
 
-from areal_hpc.reward.emulated import EmulatedRewards
-from areal_hpc.reward.pool import RewardPool
 from areal_hpc.reward.sandbox import Limits, isolation, run_python
 
-__all__ = ["code_reward", "extract_last_python_block", "CodeScorer", "reward_pool_for"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["code_reward", "extract_last_python_block"]
 
 # Bigger than any honest answer to a code task; refusing early keeps a degenerate completion cheap.
 MAX_CODE_CHARS = 100_000
@@ -84,34 +78,3 @@ def code_reward(
     """
     how = isolation(sandbox).name
     return _score(completion, tests, how, Limits(wall_s=float(timeout_s), memory_mb=int(memory_mb)))
-
-
-@dataclass(frozen=True)
-class CodeScorer:
-    """RewardPool's scorer for code tasks (picklable): the reference a row carries is its tests."""
-
-    how: str  # bwrap | rlimits-only, resolved once by isolation() in the process that builds the pool
-    limits: Limits
-
-    def __call__(self, completion: str, tests: str) -> float:
-        return _score(completion, tests, self.how, self.limits)
-
-
-def reward_pool_for(cfg, cpus: frozenset[int] | None = None) -> RewardPool | EmulatedRewards:
-    """The reward pool a run's config asks for: math-verify, code in the sandbox (data.kind=code), or the
-    emulated rewards of an emulated engine (its placeholder answers cannot be right). Its worker
-    processes run on `cpus` (None: where this process runs).
-
-    For code the isolation is checked here, at start-up: the run stops with one line (SandboxUnavailable)
-    when reward.sandbox asks for isolation this machine cannot give.
-    """
-    rc = cfg.reward
-    if cfg.rollout.engine == "emulated":
-        return EmulatedRewards(cfg.emulation.p_correct, cfg.trainer.seed)
-    if cfg.data.kind != "code":
-        return RewardPool(num_workers=rc.num_workers, timeout_s=rc.timeout_s, cpus=cpus)
-    iso = isolation(rc.sandbox)
-    log = logger.warning if iso.name != "bwrap" else logger.info
-    log("code reward isolation: %s (%s)", iso.name, iso.description)
-    scorer = CodeScorer(iso.name, Limits(wall_s=rc.timeout_s, memory_mb=rc.code_memory_mb))
-    return RewardPool(num_workers=rc.num_workers, timeout_s=rc.timeout_s + SANDBOX_SLACK_S, scorer=scorer, cpus=cpus)

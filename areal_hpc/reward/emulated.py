@@ -28,13 +28,15 @@ class EmulatedRewards:
         chances = [((i + 0.5) / 1000) ** self.k for i in range(1000)]
         return sum(c**n + (1 - c) ** n for c in chances) / 1000
 
-    def _score(self, completion: str, reference: str) -> float:
+    def _score(self, completion: str, reference) -> float:
         if self.k is None:
             return 0.0
+        if isinstance(reference, dict):  # a dataset row: its answer stands for the prompt
+            reference = str(reference.get("answer", ""))
         chance = unit_hash(self.seed, "prompt:" + reference) ** self.k
         return float(unit_hash(self.seed, reference + "\x00" + completion) < chance)
 
-    def submit(self, completions: Sequence[str], references: Sequence[str]) -> cf.Future:
+    def submit(self, completions: Sequence[str], references: Sequence) -> cf.Future:
         future: cf.Future = cf.Future()
         future.set_result([self._score(c, r) for c, r in zip(completions, references)])
         return future

@@ -164,8 +164,13 @@ def _can_use_alarm() -> bool:
     return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread() and not _ALARM_ACTIVE
 
 
-def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float | None) -> float:
-    """fn(completion, reference) as a finite float; 0.0 on any error or after timeout_s.
+# How one scorer call ended: "ok", "timeout" (over its time limit) or "error" (it raised); counted per version.
+OK, TIMEOUT, ERROR = "ok", "timeout", "error"
+
+
+def bounded_call(fn: Callable, completion, reference, timeout_s: float | None) -> tuple[float, str, str]:
+    """(reward, how it ended, the error's one-line message) of fn(completion, reference): a finite float, or
+    0.0 when fn raised or ran past timeout_s.
 
     On the main thread the whole call is bounded by an ITIMER_REAL alarm (the caller's own
     alarm, if any, is restored afterwards). Off the main thread signals are unavailable, so
@@ -174,7 +179,7 @@ def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float 
     global _ALARM_ACTIVE
     try:
         if not timeout_s or timeout_s <= 0 or not _can_use_alarm():
-            return _as_reward(fn(completion, reference))
+            return _as_reward(fn(completion, reference)), OK, ""
 
         armed = [True]
 
@@ -191,11 +196,11 @@ def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float 
         try:
             try:
                 signal.setitimer(signal.ITIMER_REAL, delay)
-                return _as_reward(fn(completion, reference))
+                return _as_reward(fn(completion, reference)), OK, ""
             finally:
                 armed[0] = False
         except _ScoreTimeout:
-            return 0.0
+            return 0.0, TIMEOUT, f"over {timeout_s:g} s"
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             restore = prev_handler if prev_handler is not None else signal.SIG_DFL
@@ -206,10 +211,15 @@ def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float 
                 signal.setitimer(signal.ITIMER_REAL, left, prev_interval)
     except (KeyboardInterrupt, SystemExit):
         raise
-    except BaseException:
-        # _ScoreTimeout, any scorer error, math-verify's BaseException-derived timeout...
+    except BaseException as e:
+        # any scorer error, math-verify's BaseException-derived timeout...
         logger.debug("reward scorer failed", exc_info=True)
-        return 0.0
+        return 0.0, ERROR, " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
+def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float | None) -> float:
+    """bounded_call's reward alone."""
+    return bounded_call(fn, completion, reference, timeout_s)[0]
 
 
 def _as_reward(x) -> float:

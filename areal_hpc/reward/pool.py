@@ -12,31 +12,51 @@ import time
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
 
-from areal_hpc.reward.math import Scorer, _as_reward, _bounded_call, _math_reward_unbounded
+from areal_hpc.reward.math import ERROR, OK, TIMEOUT, Scorer, _as_reward, _math_reward_unbounded, bounded_call
 from areal_hpc.reward.workers import _score_chunk, _WorkerGeneration
 
-__all__ = ["RewardPool"]
+__all__ = ["RewardPool", "Scores"]
 
 logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- pool
 
 
+class Scores(list):
+    """A batch's rewards in order, with how each call ended: "ok", "timeout" or "error" (both scored 0.0)."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.statuses = [OK] * len(self)
+
+    @property
+    def timeouts(self) -> int:
+        return self.statuses.count(TIMEOUT)
+
+    @property
+    def errors(self) -> int:
+        return self.statuses.count(ERROR)
+
+
 class _ScoringJob:
     """One submitted batch: collects its items' scores and resolves its future once the last one is in."""
 
-    __slots__ = ("future", "completions", "references", "scores", "remaining")
+    __slots__ = ("future", "completions", "references", "scores", "remaining", "pool")
 
-    def __init__(self, completions: list[str], references: list[str]):
+    def __init__(self, completions: list[str], references: list, pool: RewardPool | None = None):
         self.future: cf.Future = cf.Future()
         self.future.set_running_or_notify_cancel()  # results are always delivered; no cancel
         self.completions = completions
         self.references = references
-        self.scores: list[float] = [0.0] * len(completions)
+        self.scores = Scores([0.0] * len(completions))
         self.remaining = len(completions)
+        self.pool = pool
 
-    def put(self, idx: int, value: float) -> None:
+    def put(self, idx: int, value: float, status: str = OK, message: str = "") -> None:
         self.scores[idx] = value
+        self.scores.statuses[idx] = status
+        if status != OK and self.pool is not None:
+            self.pool._note_failure(status, message)
         self.remaining -= 1
         if self.remaining == 0 and not self.future.done():
             self.future.set_result(self.scores)
@@ -114,6 +134,7 @@ class RewardPool:
         self._closed = False
         self._consecutive_breaks = 0
         self.rebuilds = 0  # pool incarnations discarded after a crash or hang (for monitoring)
+        self._logged_failure = False
 
         self._gen: _WorkerGeneration | None = None
         try:
@@ -126,15 +147,18 @@ class RewardPool:
 
     # ---------------------------------------------------------------- public API
 
-    def submit(self, completions: Sequence[str], references: Sequence[str]) -> cf.Future:
-        """Queues a batch; returns at once a Future resolving to the rewards, in order."""
+    def submit(self, completions: Sequence[str], references: Sequence) -> cf.Future:
+        """Queues a batch; returns at once a Future resolving to the rewards, in order (a `Scores` list).
+
+        A reference is what the scorer takes second: a reference answer (str) or a dataset row (dict).
+        """
         completions, references = list(completions), list(references)
         if len(completions) != len(references):
             raise ValueError(f"{len(completions)} completions but {len(references)} references")
-        # Non-strings would only score 0.0, and could fail to pickle: normalise them here.
+        # Other types would only score 0.0, and could fail to pickle: normalise them here.
         completions = [c if isinstance(c, str) else "" for c in completions]
-        references = [r if isinstance(r, str) else "" for r in references]
-        job = _ScoringJob(completions, references)
+        references = [r if isinstance(r, (str, dict)) else "" for r in references]
+        job = _ScoringJob(completions, references, self)
         if not completions:
             job.future.set_result([])
             return job.future
@@ -181,6 +205,15 @@ class RewardPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _note_failure(self, status: str, message: str) -> None:
+        """The first scorer call that timed out or raised is logged, once per pool (per rank): every later
+        one is only counted."""
+        if self._logged_failure:
+            return
+        self._logged_failure = True
+        what = "ran past reward.timeout_s" if status == TIMEOUT else "raised"
+        logger.warning("reward function %s (scored 0; later failures are only counted): %s", what, message)
 
     # ---------------------------------------------------------------- supervisor
 
@@ -231,7 +264,7 @@ class RewardPool:
             src = self._suspects or self._queue
             job, idx = src.popleft()
         fn = _math_reward_unbounded if self.scorer is None else self.scorer
-        job.put(idx, _bounded_call(fn, job.completions[idx], job.references[idx], self.timeout_s))
+        job.put(idx, *bounded_call(fn, job.completions[idx], job.references[idx], self.timeout_s))
 
     def _fill(self) -> None:
         gen = self._gen
@@ -286,19 +319,21 @@ class RewardPool:
             scores = fut.result()
             if isinstance(scores, list) and len(scores) == len(unit.items):
                 self._consecutive_breaks = 0
-                for (job, idx), s in zip(unit.items, scores):
-                    job.put(idx, _as_reward(s))
+                for (job, idx), (value, status, message) in zip(unit.items, scores):
+                    job.put(idx, _as_reward(value), status, message)
                 return
             exc = RuntimeError("malformed chunk result")
-        self._blame(unit)
+        self._blame(unit, f"the worker process died ({type(exc).__name__})")
         if isinstance(exc, BrokenProcessPool):
             self._on_crash()
 
-    def _blame(self, unit: _WorkUnit) -> None:
-        """An isolated item that failed scores 0.0; a chunk that failed is retried item by item."""
+    def _blame(self, unit: _WorkUnit, why: str) -> None:
+        """An isolated item that failed scores 0.0 (a hang counts as a timeout, a crash as an error); a chunk
+        that failed is retried item by item."""
         if unit.isolated:
+            status = TIMEOUT if why.startswith("hung") else ERROR
             for job, idx in unit.items:
-                job.put(idx, 0.0)
+                job.put(idx, 0.0, status, why)
         else:
             with self._lock:
                 self._suspects.extend(unit.items)
@@ -313,7 +348,7 @@ class RewardPool:
             if fut.done():  # finished just in time
                 self._collect(fut)
             else:
-                self._blame(self._in_flight.pop(fut))
+                self._blame(self._in_flight.pop(fut), f"hung past its hard deadline of {self.timeout_s:g} s")
                 hung = True
         if not hung:
             return
@@ -327,7 +362,7 @@ class RewardPool:
     def _on_crash(self) -> None:
         # A worker died: every chunk of this incarnation is lost with it, culprit unknown.
         for unit in list(self._in_flight.values()):
-            self._blame(unit)
+            self._blame(unit, "the worker process crashed")
         self._in_flight.clear()
         self._rebuild(crashed=True)
 
@@ -358,4 +393,4 @@ class RewardPool:
         self._in_flight.clear()
         for job, idx in items:
             if not job.future.done():
-                job.put(idx, 0.0)
+                job.put(idx, 0.0, ERROR, "the reward pool's supervisor failed")

@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from areal_hpc.reward.math import Scorer, _bounded_call, _math_reward_unbounded
+from areal_hpc.reward.math import Scorer, _math_reward_unbounded, bounded_call
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,10 @@ def _worker_ping() -> int:
     return os.getpid()
 
 
-def _score_chunk(scorer: Scorer | None, pairs: list[tuple[str, str]], timeout_s: float) -> list[float]:
+def _score_chunk(scorer: Scorer | None, pairs: list[tuple[str, object]], timeout_s: float) -> list[tuple]:
+    """(reward, "ok" | "timeout" | "error", message) per (completion, reference) pair."""
     fn = _math_reward_unbounded if scorer is None else scorer
-    return [_bounded_call(fn, c, r, timeout_s) for c, r in pairs]
+    return [bounded_call(fn, c, r, timeout_s) for c, r in pairs]
 
 
 class _WorkerGeneration:

@@ -1,20 +1,19 @@
-"""A generator rank: keep the engine full of granted groups, score each as it finishes, write shards, load weights."""
+"""A generator rank: runs the episodes of granted groups on its engine, writes them as shards, loads weights."""
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from areal_hpc.config import Config, concurrent_groups
-from areal_hpc.data import Problem, load_dataset
+from areal_hpc.data import Problem, load_run_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import reward_pool_for
-from areal_hpc.rollout import completion_texts, final_rewards, group_requests, group_summary, to_trajectory
+from areal_hpc.rollout import group_summary
 from areal_hpc.runtime.build import build_generation_engine
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
@@ -22,7 +21,11 @@ from areal_hpc.runtime.role_loop import Handler, RoleLoop
 from areal_hpc.runtime.timeline import EngineMeter
 from areal_hpc.runtime.weight_sync import WeightReceiver, weights_checksum
 from areal_hpc.store import next_seq, write_shard
-from areal_hpc.types import EvalId, GenOutput, GenRequest, Trajectory, parse_request_id
+from areal_hpc.types import EvalId, GenRequest, SampleId, Trajectory, parse_request_id
+from areal_hpc.workflow import EpisodeRunner, FinishedEpisode, load_workflow, runner_settings
+from areal_hpc.workflow.batch import MAX_REJECTED, rejected_too_often
+from areal_hpc.workflow.runner import episode_of
+from areal_hpc.workflow.samples import to_trajectory
 
 log = logging.getLogger("areal_hpc.generator")
 
@@ -30,9 +33,9 @@ log = logging.getLogger("areal_hpc.generator")
 @dataclass
 class _Group:
     problem: Problem
-    t_start: float  # granted (its requests join the engine at the next step)
-    outputs: dict[int, GenOutput] = field(default_factory=dict)
-    t_end: dict[int, float] = field(default_factory=dict)  # sample -> when it finished
+    t_start: float  # granted (its episodes start at the next poll)
+    episodes: dict[int, FinishedEpisode] = field(default_factory=dict)  # sample -> its finished episode
+    rejected: dict[int, int] = field(default_factory=dict)  # sample -> episodes the workflow rejected in a row
 
 
 @dataclass
@@ -40,18 +43,8 @@ class _Eval:
     tag: str
     version: int  # the weights it started on; a weight load meanwhile resumes it under the newer ones
     t_start: float
-    outputs: dict[int, GenOutput] = field(default_factory=dict)  # held-out index * k + sample -> output
-    ordered: list[GenOutput] = field(default_factory=list)  # every output, in held-out order, once all are in
-    score: Future | None = None
-
-
-@dataclass
-class _Scoring:
-    future: Future
-    group_id: int
-    group: _Group
-    outputs: list[GenOutput]
-    t_submit: float
+    rewards: dict[int, float] = field(default_factory=dict)  # held-out index * k + sample -> episode reward
+    newest: int = -1  # the newest version that sampled any of its tokens
 
 
 class Generator(RoleLoop):
@@ -90,7 +83,14 @@ class Generator(RoleLoop):
         self.engine = build_generation_engine(cfg, model_dir, seed=cfg.trainer.seed + 1000 * self.rank)
         self.meter = EngineMeter(self.run_dir, self.rank, self.engine.capacity)
         self.tokenizer = load_tokenizer(model_dir)
-        dataset = load_dataset(cfg.data, self.tokenizer)
+        self.runner = EpisodeRunner(
+            load_workflow(cfg.rollout.workflow),
+            self.tokenizer,
+            self.pool,
+            self._submit,
+            runner_settings(cfg, self.tokenizer, model_dir),
+        )
+        dataset = load_run_dataset(cfg, self.tokenizer)
         self.train, self.heldout = dataset.train, dataset.heldout[: cfg.logging.eval_prompts]
         sc = cfg.sync
         self.receiver = WeightReceiver(
@@ -103,13 +103,13 @@ class Generator(RoleLoop):
         self.seq = next_seq(self.rollout_dir, self.rank)
         self.max_groups = concurrent_groups(cfg.rollout)
 
-        self.groups: dict[int, _Group] = {}  # granted and generating
+        self.groups: dict[int, _Group] = {}  # granted, some episode not ended
+        self.engine_groups: dict[int, int] = {}  # group -> its requests in the engine or held for it
         self.requests: dict[str, GenRequest] = {}  # every request in the engine or held back, by id
         self.held: list[GenRequest] = []  # granted while admission is stopped for a weight load
         self.asked = 0  # prompts asked for and not granted yet
         self.staged: tuple[int, dict] | None = None  # received weights not loaded yet
         self.have_weights = False
-        self.scoring: list[_Scoring] = []
         self.scored: list[tuple[list[Trajectory], dict]] = []  # scored groups waiting for a shard
         self.scored_since = 0.0
         self.eval_tags: list[str] = []  # asked for, not started
@@ -196,24 +196,27 @@ class Generator(RoleLoop):
         n = self.cfg.rollout.n_samples
         load = self.engine.num_running + self.engine.num_waiting + len(self.held) + self.asked * n
         want = -(-(self.engine.capacity + n - load) // n)
-        k = min(want, self.max_groups - len(self.groups) - self.asked)
+        # groups with a request in the engine: one whose episodes wait only for rewards (or a tool) holds no slot
+        k = min(want, self.max_groups - len(self.engine_groups) - self.asked)
         if k > 0:
             self.mail.send(0, Tag.WANT, {"k": k})
             self.asked += k
 
     def _grant(self, prompts: list) -> None:
+        """n episodes per granted prompt; their first requests reach the engine at the next poll."""
         self.asked -= len(prompts)
         now = time.time()
-        reqs = []
         for idx, gid in prompts:
             p = self.train[idx]
             self.groups[gid] = _Group(p, now)
-            reqs += group_requests(p.prompt_ids, gid, self.cfg.rollout.n_samples, self.cfg.rollout.max_new_tokens)
-        self._submit(reqs)
+            for s in range(self.cfg.rollout.n_samples):
+                self.runner.start(str(SampleId(gid, s)), p.row, p.prompt_ids)
 
     def _submit(self, reqs: list[GenRequest]) -> None:
         """Into the engine now, or held back while admission waits for a weight load."""
         self.requests.update((r.request_id, r) for r in reqs)
+        for r in reqs:
+            self._count_on_engine(r.request_id, +1)
         if self._admitting():
             self.engine.add(reqs)
         else:
@@ -231,41 +234,55 @@ class Generator(RoleLoop):
         self.meter.step(t0, t1, running, time.thread_time() - c0)
         for o in outs:
             self.requests.pop(o.request_id)
-            rid = parse_request_id(o.request_id)
-            if isinstance(rid, EvalId):
-                self.eval.outputs[rid.index] = o
-                if len(self.eval.outputs) == len(self.heldout) * self.cfg.logging.eval_n_samples:
-                    self._score_eval()
-                continue
-            gid = rid.group_id
-            g = self.groups[gid]
-            g.outputs[rid.sample], g.t_end[rid.sample] = o, t1
-            if len(g.outputs) == self.cfg.rollout.n_samples:
-                # scored by worker processes while the engine keeps stepping; its slot is free from now
-                del self.groups[gid]
-                self.timeline.add("group", g.t_start, t1)
-                outputs = [g.outputs[s] for s in range(self.cfg.rollout.n_samples)]
-                texts = completion_texts(self.tokenizer, outputs)
-                future = self.pool.submit(texts, [g.problem.answer] * len(outputs))
-                self.scoring.append(_Scoring(future, gid, g, outputs, t1))
+            self._count_on_engine(o.request_id, -1)
+            self.runner.deliver(o)
 
-    def _collect_scored(self) -> bool:
-        done = [s for s in self.scoring if s.future.done()]
-        if not done:
-            return False
-        self.scoring = [s for s in self.scoring if not s.future.done()]
-        now = time.time()
-        for s in done:
-            self.timeline.add("reward", s.t_submit, now)
-            rewards = final_rewards(s.future.result(), s.outputs)
-            trajs = [
-                to_trajectory(o, s.group.problem.prompt_id, r, self.rank, s.group.t_start, s.group.t_end[k])
-                for k, (o, r) in enumerate(zip(s.outputs, rewards))
-            ]
-            if not self.scored:
-                self.scored_since = now
-            self.scored.append((trajs, group_summary(trajs, s.group.problem.prompt_id, s.group_id)))
-        return True
+    def _count_on_engine(self, request_id: str, delta: int) -> None:
+        """Requests in the engine (or held for it) per training group."""
+        key = parse_request_id(episode_of(request_id))
+        if isinstance(key, SampleId):
+            n = self.engine_groups.get(key.group_id, 0) + delta
+            if n:
+                self.engine_groups[key.group_id] = n
+            else:
+                del self.engine_groups[key.group_id]
+
+    def _poll_episodes(self) -> bool:
+        """Run the episodes that can go on (their next requests reach the engine); file the ones that ended."""
+        done = self.runner.poll()
+        for ep in done:
+            key = parse_request_id(ep.key)
+            if isinstance(key, EvalId):
+                self._eval_done(key.index, ep)
+            else:
+                self._episode_done(key, ep)
+        return bool(done)
+
+    def _episode_done(self, key: SampleId, ep: FinishedEpisode) -> None:
+        g = self.groups.get(key.group_id)
+        if g is None:
+            return  # its group was dropped by a stop
+        if ep.reward is None:  # rejected: the same sample runs again
+            g.rejected[key.sample] = g.rejected.get(key.sample, 0) + 1
+            if g.rejected[key.sample] >= MAX_REJECTED:
+                raise rejected_too_often(f"prompt {g.problem.prompt_id}", MAX_REJECTED)
+            self.runner.start(ep.key, g.problem.row, g.problem.prompt_ids)
+            return
+        g.episodes[key.sample] = ep
+        if len(g.episodes) < self.cfg.rollout.n_samples:
+            return
+        del self.groups[key.group_id]
+        episodes = [g.episodes[s] for s in range(self.cfg.rollout.n_samples)]
+        t_end = max(e.t_end for e in episodes)
+        self.timeline.add("group", g.t_start, t_end)
+        spans = [e.stats.reward_span for e in episodes if e.stats.reward_span]
+        if spans:
+            self.timeline.add("reward", min(a for a, _ in spans), max(b for _, b in spans))
+        gid, pid = key.group_id, g.problem.prompt_id
+        trajs = [to_trajectory(e, SampleId(gid, s), pid, self.rank) for s, e in enumerate(episodes)]
+        if not self.scored:
+            self.scored_since = time.time()
+        self.scored.append((trajs, group_summary(trajs, g.problem.prompt_id, key.group_id)))
 
     def _write_scored(self) -> None:
         """One shard for the scored groups once enough wait, the oldest has waited long enough, or nothing
@@ -276,7 +293,7 @@ class Generator(RoleLoop):
         due = (
             len(self.scored) >= st.shard_max_groups
             or time.time() - self.scored_since >= st.shard_max_wait_s
-            or not (self.groups or self.scoring)
+            or not self.groups
             or self.stopping
         )
         if not due:
@@ -295,9 +312,8 @@ class Generator(RoleLoop):
 
     # -- held-out evaluation --------------------------------------------------------------------
     def _start_eval(self) -> None:
-        """The next evaluation asked for, as requests in the stream: greedy, or logging.eval_n_samples per prompt
-        at the engine's temperature (on the newest weights received when interruption is on: they are loaded
-        just before)."""
+        """The next evaluation asked for, as episodes of the configured workflow in the stream: greedy, or
+        logging.eval_n_samples per prompt at the engine's temperature."""
         if self.eval is not None or not self.eval_tags:
             return
         tag = self.eval_tags.pop(0)
@@ -310,36 +326,23 @@ class Generator(RoleLoop):
             self.mail.send(0, Tag.EVAL_RESULT, {"tag": tag, "version": v, "version_end": v, "acc": float("nan")})
             return
         self.eval = _Eval(tag, self.engine.version, time.time())
-        mnt = self.cfg.rollout.max_new_tokens
         k, greedy = self.cfg.logging.eval_n_samples, self.cfg.logging.eval_temperature == 0  # avg@k when k > 1
-        self._submit(
-            [
-                GenRequest(str(EvalId(i * k + s)), p.prompt_ids, mnt, greedy=greedy)
-                for i, p in enumerate(self.heldout)
-                for s in range(k)
-            ]
-        )
+        for i, p in enumerate(self.heldout):
+            for s in range(k):
+                self.runner.start(str(EvalId(i * k + s)), p.row, p.prompt_ids, greedy=greedy)
 
-    def _score_eval(self) -> None:
+    def _eval_done(self, index: int, ep: FinishedEpisode) -> None:
+        """A held-out episode's reward (a rejected one scores 0); the result goes to rank 0 once all are in."""
         ev = self.eval
-        k = self.cfg.logging.eval_n_samples
-        ev.ordered = [ev.outputs[i] for i in range(len(self.heldout) * k)]
-        answers = [p.answer for p in self.heldout for _ in range(k)]
-        ev.score = self.pool.submit(completion_texts(self.tokenizer, ev.ordered), answers)
-
-    def _finish_eval(self) -> None:
-        ev = self.eval
-        if ev is None or ev.score is None or not ev.score.done():
+        ev.rewards[index] = ep.reward or 0.0
+        ev.newest = max([ev.newest] + [v for seg in ep.segments if seg.trained for v in seg.versions])
+        total = len(self.heldout) * self.cfg.logging.eval_n_samples
+        if len(ev.rewards) < total:
             return
-        rewards = final_rewards(ev.score.result(), ev.ordered)
         self.eval = None
         self.timeline.add("eval", ev.t_start, time.time())
-        newest = max((v for o in ev.ordered for v in o.output_versions), default=ev.version)
-        self.mail.send(
-            0,
-            Tag.EVAL_RESULT,
-            {"tag": ev.tag, "version": ev.version, "version_end": newest, "acc": sum(rewards) / len(rewards)},
-        )
+        body = {"tag": ev.tag, "version": ev.version, "version_end": max(ev.newest, ev.version)}
+        self.mail.send(0, Tag.EVAL_RESULT, body | {"acc": sum(ev.rewards.values()) / total})
 
     # -- the loop -------------------------------------------------------------------------------
     def handlers(self) -> dict[Tag, Handler]:
@@ -354,31 +357,33 @@ class Generator(RoleLoop):
         """Groups still generating are dropped (a resume grants their prompts again); evaluations asked
         for and groups already scored are finished and written."""
         self.stopping = True
-        dropped = [rid for rid in self.requests if not isinstance(parse_request_id(rid), EvalId)]
-        self.engine.interrupt(dropped)
+        training = [k for k in self.runner.tasks if not isinstance(parse_request_id(k), EvalId)]
+        dropped = set(self.runner.cancel(training))
+        self.engine.interrupt(list(dropped))
         for rid in dropped:
-            del self.requests[rid]
+            self.requests.pop(rid, None)
         self.groups.clear()
-        self.held = [r for r in self.held if isinstance(parse_request_id(r.request_id), EvalId)]
+        self.engine_groups.clear()
+        self.held = [r for r in self.held if r.request_id not in dropped]
 
     def tick(self) -> bool:
         """Load weights if due, one engine step, then everything around it that does not wait."""
         busy = False
         self._load_staged()
         self._start_eval()
+        busy = self._poll_episodes()  # granted episodes put their first requests in before the step
         if self.engine.num_running or self.engine.num_waiting:
             self._step()
             busy = True
         else:
             self._end_generate_span()
-        busy = self._collect_scored() or busy
-        self._finish_eval()
+        busy = self._poll_episodes() or busy
         self._write_scored()
         self._ask()
         return busy
 
     def finished(self) -> bool:
-        return self.stopping and not (self.eval or self.eval_tags or self.scoring or self.scored)
+        return self.stopping and not (self.eval or self.eval_tags or self.scored)
 
     def run(self) -> None:
         torch.set_num_threads(self.cfg.cluster.threads_per_rank)
@@ -394,6 +399,7 @@ class Generator(RoleLoop):
             self.engine.interrupt()  # on an error path requests may still be in the engine
             self.engine.close()
         finally:
+            self.runner.close()
             self.pool.close()
         self.meter.close()
         self.timeline.close()

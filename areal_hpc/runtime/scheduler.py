@@ -7,7 +7,7 @@ import math
 import time
 
 from areal_hpc.config import Config
-from areal_hpc.data import load_dataset
+from areal_hpc.data import load_run_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.layout import Layout
@@ -37,7 +37,7 @@ class Scheduler(RoleLoop):
         self.stop_flag = stop_flag  # set by a signal handler (SIGTERM/SIGUSR1 from Slurm, Ctrl-C)
         rc = cfg.rollout
         self.core = SchedulerCore(
-            n_prompts=len(load_dataset(cfg.data, load_tokenizer(cfg.model.path)).train),
+            n_prompts=len(load_run_dataset(cfg, load_tokenizer(cfg.model.path)).train),
             batch_prompts=rc.batch_prompts,
             eta=rc.eta,
             n_trainers=layout.n_trainers,

@@ -1,4 +1,4 @@
-"""The single-process synchronous loop: generate, reward, write shard, read it back, train, sync."""
+"""The single-process synchronous loop: run episodes (generate, reward), write shard, read it back, train, sync."""
 
 from __future__ import annotations
 
@@ -14,17 +14,19 @@ from tqdm import tqdm
 
 from areal_hpc.algo.advantages import batch_advantages
 from areal_hpc.config import Config
-from areal_hpc.data import check_fits_context, load_dataset
-from areal_hpc.engines.base import generate
+from areal_hpc.data import check_fits_context, load_run_dataset
 from areal_hpc.evaluation import heldout_accuracy
 from areal_hpc.metrics import MetricsLogger
 from areal_hpc.model import ensure_model, load_tokenizer
 from areal_hpc.reward import reward_pool_for
-from areal_hpc.rollout import group_requests, score_outputs, to_trajectory
 from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.runtime.build import build_generation_engine, build_train_engine, warm_start
 from areal_hpc.store import Ledger, read_shard, write_shard
+from areal_hpc.types import SampleId
 from areal_hpc.utils import seed_everything
+from areal_hpc.workflow import load_workflow, runner_settings
+from areal_hpc.workflow.batch import EpisodeStart, run_episodes
+from areal_hpc.workflow.samples import to_trajectory
 
 
 @dataclass
@@ -50,10 +52,11 @@ def run_sync(cfg: Config) -> RunSummary:
         raise FileExistsError(str(err)) from None
     model_dir = ensure_model(cfg.model)
     tokenizer = load_tokenizer(model_dir)
-    dataset = load_dataset(cfg.data, tokenizer)
+    dataset = load_run_dataset(cfg, tokenizer)
     check_fits_context(dataset, cfg, model_dir)
 
     rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
+    workflow, settings = load_workflow(rc.workflow), runner_settings(cfg, tokenizer, model_dir)
     gen = build_generation_engine(cfg, model_dir, seed=tc.seed)
     trainer = build_train_engine(cfg, model_dir)
     metrics = MetricsLogger(run_dir, cfg.logging.tensorboard)
@@ -65,7 +68,7 @@ def run_sync(cfg: Config) -> RunSummary:
     with reward_pool_for(cfg) as pool:
         lc = cfg.logging  # greedy, or avg@k at rollout.temperature (the engine's)
         evaluate = lambda: heldout_accuracy(  # noqa: E731
-            gen, tokenizer, pool, heldout, rc.max_new_tokens, lc.eval_n_samples, lc.eval_temperature == 0
+            gen, tokenizer, pool, heldout, settings, lc.eval_n_samples, lc.eval_temperature == 0, workflow
         )
         acc_before = evaluate()
         acc_warm = acc_before
@@ -87,20 +90,18 @@ def run_sync(cfg: Config) -> RunSummary:
             for _ in range(rc.batch_prompts):
                 problems.append(dataset.train[order[cursor % len(order)]])
                 cursor += 1
-            reqs, answers, prompt_of = [], [], []
-            for g, p in enumerate(problems):
-                ids = p.prompt_ids
-                group_id = (step - 1) * rc.batch_prompts + g
-                reqs += group_requests(ids, group_id, rc.n_samples, rc.max_new_tokens)
-                answers += [p.answer] * rc.n_samples
-                prompt_of += [p.prompt_id] * rc.n_samples
-
+            samples = [
+                (SampleId((step - 1) * rc.batch_prompts + g, s), p)
+                for g, p in enumerate(problems)
+                for s in range(rc.n_samples)
+            ]
+            starts = [EpisodeStart(str(k), p.row, p.prompt_ids) for k, p in samples]
             t_gen = time.time()
-            outs = generate(gen, reqs)
-            t_rew = time.time()
-            rewards = score_outputs(pool, tokenizer, outs, answers)
+            eps = run_episodes(gen, workflow, tokenizer, pool, settings, starts)
             t_write = time.time()
-            trajs = [to_trajectory(o, pid, r, 0, t_gen, t_rew) for o, pid, r in zip(outs, prompt_of, rewards)]
+            # rewards are scored while other episodes generate: t_reward is the tail after the last answer
+            t_rew = max([t_gen] + [e.stats.reward_span[0] for e in eps if e.stats.reward_span])
+            trajs = [to_trajectory(e, k, p.prompt_id, 0) for e, (k, p) in zip(eps, samples)]
             shard = write_shard(rollout_dir, trajs, gen_rank=0, seq=step, run_id=cfg.run_name)
 
             # train on what the store returns, the same path the asynchronous runtime takes

@@ -13,7 +13,7 @@ import torch
 
 from areal_hpc.algo.advantages import batch_advantages
 from areal_hpc.config import Config
-from areal_hpc.data import load_dataset
+from areal_hpc.data import load_run_dataset
 from areal_hpc.model import DTYPES, load_tokenizer
 from areal_hpc.runtime.build import build_train_engine, warm_start
 from areal_hpc.runtime.layout import Layout
@@ -90,7 +90,7 @@ class Trainer(RoleLoop):
         elif self.cfg.trainer.warm_start_steps:
             with self.timeline.span("train"):
                 tok = load_tokenizer(self.model_dir)
-                warm_start(self.engine, tok, load_dataset(self.cfg.data, tok), self.cfg, progress=False)
+                warm_start(self.engine, tok, load_run_dataset(self.cfg, tok), self.cfg, progress=False)
         body = {"version": self.engine.version, "raw_gbps": None}
         # gathered once per publish (collective under ZeRO-3: every trainer calls weights() once here)
         state = self.engine.weights() if (self.sender is not None or self.engine.collective_weights) else None

@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         from areal_hpc.runtime.layout import GENERATOR, SCHEDULER, TRAINER, Layout
 
         cfg = load_config(run_dir.config)
+        from areal_hpc.workflow import check_user_code
+
+        check_user_code(cfg)  # every rank imports the user's code itself, before any engine loads
         if group is not None:
             layout = Layout.from_groups(comm.allgather(group))
         else:

@@ -58,11 +58,11 @@ def _prompt_tokens(cfg: Config, sample: int = 200) -> int:
 
     if not (Path(cfg.model.path) / "tokenizer_config.json").is_file():
         return 64
-    from areal_hpc.data import load_dataset
+    from areal_hpc.data import load_run_dataset
     from areal_hpc.model import load_tokenizer
 
     tok = load_tokenizer(Path(cfg.model.path))
-    prompts = load_dataset(cfg.data, tok).train[:sample]
+    prompts = load_run_dataset(cfg, tok).train[:sample]
     return max(1, round(sum(len(p.prompt_ids) for p in prompts) / max(1, len(prompts))))
 
 

@@ -1,0 +1,58 @@
+"""Episodes as code a user writes: `async def workflow(ep: Episode) -> float | None`, run many at once by a runner."""
+
+from __future__ import annotations
+
+from areal_hpc.plugins import check_signature, resolve
+from areal_hpc.workflow.builtin import BUILTIN, multi_turn, single_turn, tool
+from areal_hpc.workflow.episode import Completion, Episode, Segment, ToolResult
+from areal_hpc.workflow.runner import EpisodeRunner, FinishedEpisode, RunnerSettings, Workflow, WorkflowError
+
+__all__ = [
+    "Episode",
+    "Completion",
+    "Segment",
+    "ToolResult",
+    "EpisodeRunner",
+    "FinishedEpisode",
+    "RunnerSettings",
+    "Workflow",
+    "WorkflowError",
+    "load_workflow",
+    "check_user_code",
+    "runner_settings",
+    "single_turn",
+    "multi_turn",
+    "tool",
+]
+
+
+def load_workflow(name: str) -> Workflow:
+    """rollout.workflow: a built-in by name, or an `async def f(episode)` by import path (one line if unusable)."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    fn = resolve(name, "rollout.workflow")
+    check_signature(fn, name, "rollout.workflow", ("episode",), is_async=True)
+    return fn
+
+
+def runner_settings(cfg, tokenizer, model_dir) -> RunnerSettings:
+    """What an EpisodeRunner needs from a run's config and model folder."""
+    from areal_hpc.prompts import chat_enabled, max_context
+
+    return RunnerSettings(
+        workflow=cfg.workflow,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_context=max_context(model_dir) if cfg.rollout.engine != "emulated" else None,
+        chat=chat_enabled(tokenizer, cfg.data.chat_template, cfg.data.system_prompt),
+        tool_memory_mb=cfg.reward.code_memory_mb,
+        sandbox=cfg.reward.sandbox,
+    )
+
+
+def check_user_code(cfg) -> None:
+    """Import reward.fn and rollout.workflow and check their signatures: one line (PluginError) if either is
+    unusable. Every rank runs it at start-up, before any engine loads, as do the launchers."""
+    from areal_hpc.reward import check_reward_fn
+
+    check_reward_fn(cfg)
+    load_workflow(cfg.rollout.workflow)

@@ -1,0 +1,62 @@
+"""The blocking call: run a batch of episodes on an engine with nothing else in flight (evaluation, the sync loop)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from areal_hpc.workflow.runner import EpisodeRunner, FinishedEpisode, RunnerSettings, Workflow
+
+MAX_REJECTED = 8  # a sample whose episode is rejected this many times in a row stops the run (it never finishes)
+
+
+@dataclass
+class EpisodeStart:
+    key: str  # unique in the batch
+    row: dict
+    prompt_ids: list[int]
+    greedy: bool = False
+
+
+def rejected_too_often(key: str, times: int) -> RuntimeError:
+    return RuntimeError(
+        f"rollout.workflow rejected {times} episodes in a row of {key}; return a reward (0.0) for episodes that "
+        "should count"
+    )
+
+
+def run_episodes(
+    engine, workflow: Workflow, tokenizer, pool, settings: RunnerSettings, starts: list[EpisodeStart], retry=True
+) -> list[FinishedEpisode]:
+    """Every episode to its end, in the order of `starts`; with `retry` a rejected episode runs again (else it
+    comes back with reward None). Between engine steps the episodes waiting on a reward or a tool go on."""
+    runner = EpisodeRunner(workflow, tokenizer, pool, engine.add, settings)
+    by_key = {s.key: s for s in starts}
+    if len(by_key) != len(starts):
+        raise ValueError("run_episodes: episode keys must be unique")
+    done: dict[str, FinishedEpisode] = {}
+    rejected: dict[str, int] = {}
+    try:
+        for s in starts:
+            runner.start(s.key, s.row, s.prompt_ids, s.greedy)
+        while len(done) < len(starts):
+            for ep in runner.poll():
+                if ep.reward is None and retry:
+                    rejected[ep.key] = rejected.get(ep.key, 0) + 1
+                    if rejected[ep.key] >= MAX_REJECTED:
+                        raise rejected_too_often(ep.key, MAX_REJECTED)
+                    s = by_key[ep.key]
+                    runner.start(s.key, s.row, s.prompt_ids, s.greedy)
+                else:
+                    done[ep.key] = ep
+            if engine.num_running or engine.num_waiting:
+                for out in engine.step():
+                    runner.deliver(out)
+            elif len(done) < len(starts):
+                time.sleep(0.001)  # every episode waits for a reward or a tool
+    finally:
+        left = runner.cancel()  # on an error: what its episodes still have in the engine leaves it
+        if left:
+            engine.interrupt(left)
+        runner.close()
+    return [done[s.key] for s in starts]

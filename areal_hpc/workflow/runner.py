@@ -1,0 +1,258 @@
+"""Runs many episodes at once as asyncio tasks over a step-driven engine, stepped by the generator's own loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from areal_hpc.types import GenOutput, GenRequest
+from areal_hpc.workflow.episode import Completion, Episode, EpisodeStats, Segment, ToolResult
+
+log = logging.getLogger("areal_hpc.workflow")
+
+Workflow = Callable[[Episode], Awaitable[float | None]]
+
+
+class WorkflowError(RuntimeError):
+    """The workflow raised: a bug in episode code stops the run (one line; the traceback is in the rank's log)."""
+
+
+@dataclass
+class RunnerSettings:
+    workflow: object  # the config's WorkflowConfig: what built-in workflows read, `args` for the user's
+    max_new_tokens: int  # rollout.max_new_tokens: a generate call's default budget
+    max_context: int | None = None  # the model's context: no generate call runs past it
+    chat: bool = False  # data.chat_template resolved: appended messages go through the template
+    tool_memory_mb: int = 1024
+    sandbox: str = "bwrap"  # reward.sandbox: the isolation tool calls run under
+    tool_threads: int = 4  # tool calls waiting at once (each a sandboxed python3 process)
+
+
+@dataclass
+class FinishedEpisode:
+    key: str
+    reward: float | None  # None: the workflow rejected the episode
+    segments: list[Segment]
+    stats: EpisodeStats
+    finish_reason: str  # of its last generate call
+    t_start: float
+    t_end: float
+
+
+class EpisodeRunner:
+    """Episodes as tasks on a private event loop that never runs on its own: `poll()` runs what is ready, once,
+    between two engine steps. A generate call becomes a GenRequest handed to `submit` (the generator puts it
+    into the engine); `deliver()` hands back the engine's output and wakes the episode."""
+
+    # a workflow may await things of its own (asyncio.sleep, a thread): the loop runs at least this often
+    IDLE_POLL_S = 0.01
+
+    def __init__(self, workflow: Workflow, tokenizer, pool, submit: Callable[[list[GenRequest]], None], settings):
+        self.workflow = workflow
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.submit = submit
+        self.settings: RunnerSettings = settings
+        self.loop = asyncio.new_event_loop()
+        self.tasks: dict[str, asyncio.Task] = {}  # episode key -> task
+        self.waiting: dict[str, tuple[asyncio.Future, str]] = {}  # request id -> (its future, episode key)
+        self.finished: list[FinishedEpisode] = []
+        self.calls = 0  # request ids are unique for the runner's life: f"{key}#{n}"
+        self.failure: WorkflowError | None = None
+        self.due = False  # something happened that an episode waits for: the next poll runs the loop
+        self.last_run = 0.0
+        self._tools: ThreadPoolExecutor | None = None
+        self._turn_cache: dict[tuple[str, str], list[int]] = {}
+        self._rewards: list[tuple[str, dict, asyncio.Future]] = []  # reward calls of this poll, sent after it
+
+    # -- the generator's side ----------------------------------------------------------------------
+    def start(self, key: str, row: dict, prompt_ids: list[int], greedy: bool = False) -> None:
+        """A new episode; its first request reaches `submit` at the next poll()."""
+        if key in self.tasks:
+            raise ValueError(f"episode {key!r} is already running")
+        ep = Episode(self, key, row, prompt_ids, greedy)
+        self.tasks[key] = self.loop.create_task(self._run(ep))
+        self.due = True
+
+    def deliver(self, out: GenOutput) -> None:
+        """An engine output for a request this runner submitted."""
+        fut, _ = self.waiting.pop(out.request_id)
+        if not fut.done():
+            fut.set_result(out)
+            self.due = True
+
+    def poll(self) -> list[FinishedEpisode]:
+        """Run every episode that can go on until it waits again; the episodes that ended since the last poll.
+
+        Cheap when nothing happened since the last poll (no start, no engine output, no reward or tool back).
+        """
+        if not self.due and not (self.tasks and time.monotonic() - self.last_run > self.IDLE_POLL_S):
+            return []
+        self._run_once()
+        if self.failure is not None:
+            raise self.failure
+        done, self.finished = self.finished, []
+        return done
+
+    def cancel(self, keys: list[str] | None = None) -> list[str]:
+        """Stop these episodes (None: all); the request ids they have in the engine, for the caller to interrupt."""
+        keys = list(self.tasks) if keys is None else [k for k in keys if k in self.tasks]
+        for k in keys:
+            self.tasks.pop(k).cancel()
+        gone = set(keys)
+        rids = [rid for rid, (_, k) in self.waiting.items() if k in gone]
+        for rid in rids:
+            del self.waiting[rid]
+        self._run_once()  # let the cancellations run (finally blocks, awaited futures)
+        return rids
+
+    def _run_once(self) -> None:
+        """One pass of the event loop: every callback ready now runs (an episode goes on until it waits)."""
+        self.due, self.last_run = False, time.monotonic()
+        self.loop.call_soon(self.loop.stop)
+        self.loop.run_forever()
+        self._flush_rewards()
+
+    @property
+    def running(self) -> int:
+        return len(self.tasks)
+
+    def close(self) -> None:
+        self.cancel()
+        if self._tools is not None:
+            self._tools.shutdown(wait=False, cancel_futures=True)
+        self.loop.close()
+
+    # -- an episode's life ----------------------------------------------------------------------------
+    async def _run(self, ep: Episode) -> None:
+        try:
+            reward = await self.workflow(ep)
+            if reward is not None:
+                try:
+                    reward = float(reward)
+                except (TypeError, ValueError):
+                    raise TypeError(f"it returned {reward!r}; return a float, or None to reject") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("workflow failed in episode %s", ep.key)
+            self.failure = self.failure or WorkflowError(
+                f"workflow failed in episode {ep.key}: {type(e).__name__}: {e}"
+            )
+            return
+        finally:
+            self.tasks.pop(ep.key, None)
+        self.finished.append(
+            FinishedEpisode(ep.key, reward, ep.segments, ep.stats, ep.last_finish, ep.t_start, time.time())
+        )
+
+    # -- what Episode's awaitables do -----------------------------------------------------------------
+    async def generate(self, ep: Episode, max_new_tokens: int | None, stop: list[str] | None) -> Completion:
+        tokens = ep.tokens
+        budget = max_new_tokens or self.settings.max_new_tokens
+        if self.settings.max_context:
+            budget = min(budget, self.settings.max_context - len(tokens))
+        if budget <= 0:
+            return Completion([], [], [], "length", "")
+        rid = f"{ep.key}#{self.calls}"
+        self.calls += 1
+        fut = self.loop.create_future()
+        self.waiting[rid] = (fut, ep.key)
+        self.submit([GenRequest(rid, tokens, budget, greedy=ep.greedy, stop=list(stop or []))])
+        out: GenOutput = await fut
+        text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        reason = "stop" if out.finish_reason == "stop" else "length"
+        return Completion(out.output_ids, out.output_logprobs, out.output_versions, reason, text)
+
+    async def reward(self, ep: Episode, completion: str) -> float:
+        t0 = time.time()
+        fut = self.loop.create_future()
+        self._rewards.append((completion, ep.row, fut))
+        value, status = await fut
+        st = ep.stats
+        st.reward_timeouts += status == "timeout"
+        st.reward_errors += status == "error"
+        st.reward_span = (st.reward_span[0] if st.reward_span else t0, time.time())
+        return value
+
+    def _flush_rewards(self) -> None:
+        """The reward calls of one poll go to the pool as one batch (as a group's answers did before episodes)."""
+        if not self._rewards:
+            return
+        batch, self._rewards = self._rewards, []
+        job = self.pool.submit([c for c, _, _ in batch], [r for _, r, _ in batch])
+        futures = [f for _, _, f in batch]
+        job.add_done_callback(lambda j: self._call_in_loop(_settle, futures, j.result()))
+
+    def _call_in_loop(self, fn, *args) -> None:
+        """From another thread: run fn at the next poll (nothing, once the runner is closed)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+            self.due = True  # set after the callback is queued: the poll that sees it runs it
+        except RuntimeError:  # the loop is closed: no episode waits any more
+            pass
+
+    async def run_python(self, ep: Episode, code: str, timeout_s: float | None) -> ToolResult:
+        from areal_hpc.workflow.tools import sandboxed_python
+
+        if self._tools is None:
+            self._tools = ThreadPoolExecutor(self.settings.tool_threads, thread_name_prefix="tool")
+        wall = timeout_s or self.settings.workflow.tool_timeout_s
+        call = (code, wall, self.settings.tool_memory_mb, self.settings.sandbox)
+        done = self.loop.create_future()
+        job = self._tools.submit(sandboxed_python, *call)
+        job.add_done_callback(lambda j: self._call_in_loop(_settle_one, done, j))
+        result = await done
+        ep.stats.tool_calls += 1
+        ep.stats.tool_errors += not result.ok
+        ep.stats.tool_s += result.seconds
+        return result
+
+    def render_turn(self, role: str, content: str) -> list[int]:
+        """Token ids of one new chat message plus the assistant's next-turn prompt (rendered once, cached)."""
+        key = (role, content)
+        if key not in self._turn_cache:
+            self._turn_cache[key] = render_turn(self.tokenizer, role, content, self.settings.chat)
+        return list(self._turn_cache[key])
+
+
+def episode_of(request_id: str) -> str:
+    """The episode key of one of the runner's request ids ("{key}#{n}")."""
+    return request_id.rpartition("#")[0]
+
+
+def render_turn(tokenizer, role: str, content: str, chat: bool) -> list[int]:
+    """The chat template's text for one more message after an assistant turn, with the next assistant prompt:
+    the difference between a conversation rendered with and without it (`content` alone without a template)."""
+    if not chat:
+        return list(tokenizer.encode(content, add_special_tokens=False))
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    before = tokenizer.apply_chat_template(base, tokenize=False)
+    after = tokenizer.apply_chat_template(
+        base + [{"role": role, "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    if not after.startswith(before):
+        raise ValueError("the chat template renders earlier turns differently once a message follows them")
+    return list(tokenizer.encode(after[len(before) :], add_special_tokens=False))
+
+
+def _settle(futures: list[asyncio.Future], scores) -> None:
+    """A reward batch is back: each waiting episode gets (its reward, how its call ended)."""
+    statuses = getattr(scores, "statuses", ["ok"] * len(scores))  # the emulated rewards never fail
+    for f, value, status in zip(futures, scores, statuses):
+        if not f.done():  # a cancelled episode no longer waits
+            f.set_result((float(value), status))
+
+
+def _settle_one(fut: asyncio.Future, job) -> None:
+    """A tool call is back: its waiting episode gets the result (or its exception)."""
+    if fut.done():
+        return
+    if job.exception() is not None:
+        fut.set_exception(job.exception())
+    else:
+        fut.set_result(job.result())
