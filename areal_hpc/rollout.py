@@ -53,6 +53,36 @@ def group_summary(trajs: list[Trajectory], prompt_id: int, group_id: int) -> dic
     }
 
 
+def episode_stats(trajs: list[Trajectory]) -> dict:
+    """Sums over trajectories of what their episodes did, as a version's metrics row adds them up."""
+    after_prompt = sum(len(t.loss_mask) - t.prompt_len for t in trajs)
+    trained = int(sum(int(t.loss_mask.sum()) for t in trajs))
+    return {
+        "turns_sum": int(sum(t.turns for t in trajs)),
+        "tool_calls": int(sum(t.tool_calls for t in trajs)),
+        "tool_errors": int(sum(t.tool_errors for t in trajs)),
+        "tool_s": float(sum(t.tool_s for t in trajs)),
+        "reward_timeouts": int(sum(t.reward_timeouts for t in trajs)),
+        "reward_errors": int(sum(t.reward_errors for t in trajs)),
+        "trained_tokens": trained,
+        "unsampled_tokens": int(after_prompt - trained),  # tokens a workflow added after the prompt
+    }
+
+
+def episode_metrics(stats: list[dict], samples: int) -> dict:
+    """A version's episode columns in metrics.csv from the episode_stats of its parts."""
+    trained = sum(x["trained_tokens"] for x in stats)
+    unsampled = sum(x["unsampled_tokens"] for x in stats)
+    row = {k: sum(x[k] for x in stats) for k in EPISODE_SUMS}
+    return row | {
+        "turns_mean": sum(x["turns_sum"] for x in stats) / max(samples, 1),
+        "trained_share": trained / max(trained + unsampled, 1),  # of the tokens after the prompt
+    }
+
+
+EPISODE_SUMS = ("tool_calls", "tool_errors", "tool_s", "reward_timeouts", "reward_errors", "unsampled_tokens")
+
+
 def final_rewards(verifier_rewards: list[float], outputs: list[GenOutput]) -> list[float]:
     """An answer cut off by the length limit (no EOS) scores 0, whatever the verifier said."""
     return [r if o.finish_reason == "stop" else 0.0 for r, o in zip(verifier_rewards, outputs)]

@@ -31,6 +31,14 @@ class Trajectory:
     gen_rank: int = 0
     t_start: float = 0.0
     t_end: float = 0.0
+    # the episode that made it (areal_hpc.workflow): engine requests, tool calls (that failed), tool seconds,
+    # reward calls past reward.timeout_s or raising
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_s: float = 0.0
+    reward_timeouts: int = 0
+    reward_errors: int = 0
 
     @property
     def gen_len(self) -> int:

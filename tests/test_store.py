@@ -97,6 +97,8 @@ def test_round_trip_every_field(tmp_path):
         make_traj(rng, 0, 9, 2),
         make_traj(rng, 33, 1500, 10, finish_reason="length"),
     ]
+    trajs[1].turns, trajs[1].tool_calls, trajs[1].tool_errors, trajs[1].tool_s = 3, 2, 1, 0.25
+    trajs[1].reward_timeouts, trajs[1].reward_errors = 1, 2
     p = write_shard(tmp_path, trajs, gen_rank=3, seq=17, run_id="run-a")
     assert p.name == "g003-00000017.h5"
     got = read_shard(p)
@@ -121,13 +123,19 @@ def test_round_trip_every_field(tmp_path):
         "t_start",
         "t_end",
         "finish_reason",
+        "turns",
+        "tool_calls",
+        "tool_errors",
+        "tool_s",
+        "reward_timeouts",
+        "reward_errors",
     ):
         assert list(getattr(s, f)) == [getattr(t, f) for t in trajs], f
     np.testing.assert_array_equal(s.reward, np.array([t.reward for t in trajs], dtype=np.float32))
     assert read_shard_summary(p, verify_tokens=True).n_trajectories == 5
 
     with h5py.File(p) as f:
-        assert f.attrs["schema_version"] == 1 and f.attrs["n_trajectories"] == 5
+        assert f.attrs["schema_version"] == 2 and f.attrs["n_trajectories"] == 5
         assert f["finish_reason"].dtype == np.dtype("S8") and f["offsets"].dtype == np.int64
         assert all(f[k].compression is None for k in f)
 

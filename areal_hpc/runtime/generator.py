@@ -278,6 +278,8 @@ class Generator(RoleLoop):
         spans = [e.stats.reward_span for e in episodes if e.stats.reward_span]
         if spans:
             self.timeline.add("reward", min(a for a, _ in spans), max(b for _, b in spans))
+        for a, b in (span for e in episodes for span in e.stats.tool_spans):
+            self.timeline.add("tool", a, b)
         gid, pid = key.group_id, g.problem.prompt_id
         trajs = [to_trajectory(e, SampleId(gid, s), pid, self.rank) for s, e in enumerate(episodes)]
         if not self.scored:

@@ -10,6 +10,7 @@ import time
 
 from areal_hpc.config import Config
 from areal_hpc.metrics import MetricsLogger
+from areal_hpc.rollout import episode_metrics
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.scheduler_core import SchedulerCore
@@ -169,7 +170,7 @@ class RunReport:
         }
         for k in _PER_LOSS_TOKEN:
             row[k] = sum(x.get(k, 0.0) * x.get("loss_tokens", 0) for x in s) / w
-        self.got(v, "train", row)
+        self.got(v, "train", row | episode_metrics(s, n))
 
     def flush_rows(self, force: bool = False) -> None:
         """Write finished rows in version order: a row is complete once trained and every awaited part arrived."""

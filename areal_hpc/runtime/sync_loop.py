@@ -19,6 +19,7 @@ from areal_hpc.evaluation import heldout_accuracy
 from areal_hpc.metrics import MetricsLogger
 from areal_hpc.model import ensure_model, load_tokenizer
 from areal_hpc.reward import reward_pool_for
+from areal_hpc.rollout import episode_metrics, episode_stats
 from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.runtime.build import build_generation_engine, build_train_engine, warm_start
 from areal_hpc.store import Ledger, read_shard, write_shard
@@ -130,6 +131,7 @@ def run_sync(cfg: Config) -> RunSummary:
                 "t_train": t_sync - t_train,
                 "t_sync": t_end - t_sync,
                 "wall_s": t_end - t0,
+                **episode_metrics([episode_stats(batch)], len(batch)),
                 **{k: v for k, v in stats.items()},
             }
             last = step == tc.versions or (tc.max_wall_s and t_end - t_rl >= tc.max_wall_s)

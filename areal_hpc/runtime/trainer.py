@@ -15,6 +15,7 @@ from areal_hpc.algo.advantages import batch_advantages
 from areal_hpc.config import Config
 from areal_hpc.data import load_run_dataset
 from areal_hpc.model import DTYPES, load_tokenizer
+from areal_hpc.rollout import episode_stats
 from areal_hpc.runtime.build import build_train_engine, warm_start
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
@@ -41,6 +42,7 @@ def share_stats(trajs: list[Trajectory], version: int) -> dict:
         "staleness_sum": float(sum(stale)),
         "staleness_max": int(max(stale, default=0)),
         "interrupted": int(sum(t.version_start != t.version_end for t in trajs)),
+        **episode_stats(trajs),
     }
 
 

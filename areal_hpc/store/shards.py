@@ -16,7 +16,7 @@ from h5py import h5d, h5s
 from areal_hpc.types import Trajectory
 from areal_hpc.utils import fsync_dir as _fsync_dir
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: episode counts (turns, tool calls, reward failures)
 SHARD_SUFFIX = ".h5"
 TMP_SUFFIX = ".tmp"
 FINISH_REASON_DTYPE = np.dtype("S8")
@@ -42,6 +42,12 @@ TRAJ_FIELDS: dict[str, np.dtype] = {
     "gen_rank": np.dtype("<i4"),
     "t_start": np.dtype("<f8"),
     "t_end": np.dtype("<f8"),
+    "turns": np.dtype("<i4"),
+    "tool_calls": np.dtype("<i4"),
+    "tool_errors": np.dtype("<i4"),
+    "tool_s": np.dtype("<f4"),
+    "reward_timeouts": np.dtype("<i4"),
+    "reward_errors": np.dtype("<i4"),
 }
 # The Trajectory fields stored as given (all but the token arrays), and the properties stored beside them so
 # that a summary (no token data) has them too. TRAJ_FIELDS, in checksum order, must hold exactly these.

@@ -50,6 +50,7 @@ class EpisodeStats:
     reward_timeouts: int = 0
     reward_errors: int = 0
     reward_span: tuple[float, float] | None = None  # first reward call to the last answer (the timeline's span)
+    tool_spans: list[tuple[float, float]] = field(default_factory=list)  # each tool call's start and end
 
 
 class Episode:

@@ -203,13 +203,14 @@ class EpisodeRunner:
             self._tools = ThreadPoolExecutor(self.settings.tool_threads, thread_name_prefix="tool")
         wall = timeout_s or self.settings.workflow.tool_timeout_s
         call = (code, wall, self.settings.tool_memory_mb, self.settings.sandbox)
-        done = self.loop.create_future()
+        done, t0 = self.loop.create_future(), time.time()
         job = self._tools.submit(sandboxed_python, *call)
         job.add_done_callback(lambda j: self._call_in_loop(_settle_one, done, j))
         result = await done
         ep.stats.tool_calls += 1
         ep.stats.tool_errors += not result.ok
         ep.stats.tool_s += result.seconds
+        ep.stats.tool_spans.append((t0, time.time()))
         return result
 
     def render_turn(self, role: str, content: str) -> list[int]:

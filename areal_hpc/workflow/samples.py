@@ -32,4 +32,10 @@ def to_trajectory(ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_ran
         gen_rank=gen_rank,
         t_start=ep.t_start,
         t_end=ep.t_end,
+        turns=ep.stats.turns,
+        tool_calls=ep.stats.tool_calls,
+        tool_errors=ep.stats.tool_errors,
+        tool_s=ep.stats.tool_s,
+        reward_timeouts=ep.stats.reward_timeouts,
+        reward_errors=ep.stats.reward_errors,
     )
