@@ -1,4 +1,4 @@
-"""The rollout workflow: requests for a group of n samples, and outputs -> scored Trajectories."""
+"""Rollout records: a group's requests and one output as a Trajectory (tests, benchmarks), group and episode sums."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ from areal_hpc.types import GenOutput, GenRequest, SampleId, Trajectory, parse_r
 def group_requests(prompt_ids: list[int], group_id: int, n_samples: int, max_new_tokens: int) -> list[GenRequest]:
     """n requests for one prompt; ids encode (group, sample) so outputs can be regrouped."""
     return [GenRequest(str(SampleId(group_id, s)), list(prompt_ids), max_new_tokens) for s in range(n_samples)]
-
-
-def completion_texts(tokenizer, outputs: list[GenOutput]) -> list[str]:
-    return [tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outputs]
 
 
 def to_trajectory(
@@ -81,13 +77,3 @@ def episode_metrics(stats: list[dict], samples: int) -> dict:
 
 
 EPISODE_SUMS = ("tool_calls", "tool_errors", "tool_s", "reward_timeouts", "reward_errors", "unsampled_tokens")
-
-
-def final_rewards(verifier_rewards: list[float], outputs: list[GenOutput]) -> list[float]:
-    """An answer cut off by the length limit (no EOS) scores 0, whatever the verifier said."""
-    return [r if o.finish_reason == "stop" else 0.0 for r, o in zip(verifier_rewards, outputs)]
-
-
-def score_outputs(reward_pool, tokenizer, outputs: list[GenOutput], answers: list[str]) -> list[float]:
-    """Reward each output (blocking)."""
-    return final_rewards(reward_pool.score(completion_texts(tokenizer, outputs), answers), outputs)

@@ -15,6 +15,7 @@ from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import reward_pool_for
 from areal_hpc.rollout import group_summary
 from areal_hpc.runtime.build import build_generation_engine
+from areal_hpc.runtime.heldout import HeldoutEvals
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
 from areal_hpc.runtime.role_loop import Handler, RoleLoop
@@ -38,26 +39,18 @@ class _Group:
     rejected: dict[int, int] = field(default_factory=dict)  # sample -> episodes the workflow rejected in a row
 
 
-@dataclass
-class _Eval:
-    tag: str
-    version: int  # the weights it started on; a weight load meanwhile resumes it under the newer ones
-    t_start: float
-    rewards: dict[int, float] = field(default_factory=dict)  # held-out index * k + sample -> episode reward
-    newest: int = -1  # the newest version that sampled any of its tokens
-
-
 class Generator(RoleLoop):
     """Streams groups through a step-driven engine on this rank's main thread, which polls MPI between steps
     (at most every `busy_poll_s` while the engine is busy).
 
     It asks rank 0 for prompts whenever the engine has a free slot (one group queued beyond them), up to
-    `rollout.max_concurrent_groups` groups in flight; granted prompts join at the next step. A group is
-    scored in the reward pool once its n samples are done; scored groups are written as a shard by count or
-    age and announced. New weights are received at once and loaded as `rollout.weight_update` says (keep_kv:
-    between two steps, running requests go on; recompute: they are interrupted and resumed as prompt +
-    partial; drain: admission stops until they finish). A held-out evaluation runs as greedy requests in the
-    same stream, so it never holds up a weight load or the trainers.
+    `rollout.max_concurrent_groups` groups in the engine; a group is n episodes of the configured workflow
+    (areal_hpc.workflow), which ask for completions, rewards and tools, and their requests join at the next
+    step. A group whose n episodes have ended is written as a shard by count or age and announced. New weights
+    are received at once and loaded as `rollout.weight_update` says (keep_kv: between two steps, running
+    requests go on; recompute: they are interrupted and resumed as prompt + partial; drain: admission stops
+    until they finish). A held-out evaluation runs as greedy episodes in the same stream, so it never holds up
+    a weight load or the trainers.
     """
 
     role = "generator"
@@ -112,8 +105,15 @@ class Generator(RoleLoop):
         self.have_weights = False
         self.scored: list[tuple[list[Trajectory], dict]] = []  # scored groups waiting for a shard
         self.scored_since = 0.0
-        self.eval_tags: list[str] = []  # asked for, not started
-        self.eval: _Eval | None = None
+        lc = cfg.logging
+        self.evals = HeldoutEvals(
+            self.heldout,
+            self.runner,
+            lc.eval_n_samples,
+            lc.eval_temperature == 0,  # else avg@k at the engine's temperature
+            lambda body: self.mail.send(0, Tag.EVAL_RESULT, body),
+            lambda t0, t1: self.timeline.add("eval", t0, t1),
+        )
         self.stopping = False
         self.interrupted = 0
         self.prefilled = 0  # engine.prefill_tokens at the last WEIGHTS_OK
@@ -161,8 +161,8 @@ class Generator(RoleLoop):
     def _load_staged(self) -> None:
         """Load received weights as soon as the engine allows: at once (keep_kv: between two steps, the running
         requests go on; recompute: they are interrupted and resumed), or with drain once they are done."""
-        if self.staged is None or (self.eval is not None and self.eval.tag == "init"):
-            return  # "init" measures the model folder itself: nothing trains on generator 0 before it ends
+        if self.staged is None or self.evals.measuring_init:
+            return
         mode = self.cfg.rollout.weight_update
         if mode == "drain" and (self.engine.num_running or self.engine.num_waiting):
             return
@@ -253,7 +253,7 @@ class Generator(RoleLoop):
         for ep in done:
             key = parse_request_id(ep.key)
             if isinstance(key, EvalId):
-                self._eval_done(key.index, ep)
+                self.evals.episode_done(key.index, ep)
             else:
                 self._episode_done(key, ep)
         return bool(done)
@@ -312,46 +312,12 @@ class Generator(RoleLoop):
         self.seq += 1
         self.mail.send(0, Tag.GROUPS_DONE, {"shard": shard.name, "groups": summaries})
 
-    # -- held-out evaluation --------------------------------------------------------------------
-    def _start_eval(self) -> None:
-        """The next evaluation asked for, as episodes of the configured workflow in the stream: greedy, or
-        logging.eval_n_samples per prompt at the engine's temperature."""
-        if self.eval is not None or not self.eval_tags:
-            return
-        tag = self.eval_tags.pop(0)
-        while tag.startswith("v") and self.eval_tags:
-            # asked faster than they run: a later evaluation supersedes a periodic one
-            self.mail.send(0, Tag.EVAL_RESULT, {"tag": tag, "version": None, "version_end": None, "acc": None})
-            tag = self.eval_tags.pop(0)
-        if not self.heldout:
-            v = self.engine.version
-            self.mail.send(0, Tag.EVAL_RESULT, {"tag": tag, "version": v, "version_end": v, "acc": float("nan")})
-            return
-        self.eval = _Eval(tag, self.engine.version, time.time())
-        k, greedy = self.cfg.logging.eval_n_samples, self.cfg.logging.eval_temperature == 0  # avg@k when k > 1
-        for i, p in enumerate(self.heldout):
-            for s in range(k):
-                self.runner.start(str(EvalId(i * k + s)), p.row, p.prompt_ids, greedy=greedy)
-
-    def _eval_done(self, index: int, ep: FinishedEpisode) -> None:
-        """A held-out episode's reward (a rejected one scores 0); the result goes to rank 0 once all are in."""
-        ev = self.eval
-        ev.rewards[index] = ep.reward or 0.0
-        ev.newest = max([ev.newest] + [v for seg in ep.segments if seg.trained for v in seg.versions])
-        total = len(self.heldout) * self.cfg.logging.eval_n_samples
-        if len(ev.rewards) < total:
-            return
-        self.eval = None
-        self.timeline.add("eval", ev.t_start, time.time())
-        body = {"tag": ev.tag, "version": ev.version, "version_end": max(ev.newest, ev.version)}
-        self.mail.send(0, Tag.EVAL_RESULT, body | {"acc": sum(ev.rewards.values()) / total})
-
     # -- the loop -------------------------------------------------------------------------------
     def handlers(self) -> dict[Tag, Handler]:
         return {
             Tag.GRANT: lambda src, body: self._grant(body["prompts"]),
             Tag.NEW_VERSION: lambda src, body: self._receive(body["version"]),
-            Tag.EVAL: lambda src, body: self.eval_tags.append(body["tag"]),
+            Tag.EVAL: lambda src, body: self.evals.asked.append(body["tag"]),
             Tag.STOP: self._on_stop,
         }
 
@@ -372,7 +338,7 @@ class Generator(RoleLoop):
         """Load weights if due, one engine step, then everything around it that does not wait."""
         busy = False
         self._load_staged()
-        self._start_eval()
+        self.evals.start_next(self.engine.version)
         busy = self._poll_episodes()  # granted episodes put their first requests in before the step
         if self.engine.num_running or self.engine.num_waiting:
             self._step()
@@ -385,12 +351,12 @@ class Generator(RoleLoop):
         return busy
 
     def finished(self) -> bool:
-        return self.stopping and not (self.eval or self.eval_tags or self.scored)
+        return self.stopping and not (self.evals.busy or self.scored)
 
     def run(self) -> None:
         torch.set_num_threads(self.cfg.cluster.threads_per_rank)
         if self.index == 0 and not self.resume and self.cfg.logging.eval_prompts:
-            self.eval_tags.append("init")  # the model folder as it is, before any training
+            self.evals.asked.append("init")  # the model folder as it is, before any training
         self.loop()
         self._end_generate_span()
         self.mail.send(0, Tag.BYE, {"interrupted": self.interrupted})
