@@ -184,7 +184,8 @@ def summary_lines(out: dict) -> list[str]:
         f"data:      {out['data']}: {what}, max {out['max_new_tokens']} new tokens, engine {out['engine']}",
         f"pass@1:    {out['avg_at_k']:.1%} +- {out['avg_at_k_stderr']:.1%} (avg@{k}, standard error over problems)"
         + (f"; {passes}" if passes else ""),
-        f"answers:   {out['mean_response_tokens']:.1f} tokens on average, {out['truncated_share']:.1%} truncated",
+        f"answers:   {out['mean_response_tokens']:.1f} tokens on average, {out['truncated_share']:.1%} truncated"
+        + (f", {out['tool_share']:.1%} called a tool" if out.get("tool_share") else ""),
         f"time:      {out['eval_s']:.1f} s to generate and score ({out['engine_start_s']:.1f} s engine start)",
     ]
 

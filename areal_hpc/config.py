@@ -19,6 +19,7 @@ class ModelConfig:
     path: str = MISSING  # a local Hugging Face folder (config.json, safetensors, tokenizer files)
     build_tiny: bool = False  # build a tiny model + tokenizer into `path` if it does not exist
     arch: str = "llama"  # tiny-model architecture: llama | qwen2
+    vocab: str = "arith"  # tiny-model vocabulary: arith | arith_tool (with the tool demo's code and output fences)
     hidden_size: int = 128
     intermediate_size: int = 512
     num_layers: int = 2
@@ -41,7 +42,9 @@ class DataConfig:
     system_prompt: str = ""  # a system turn before each question (needs the chat template)
     max_prompt_tokens: int = 0  # prompts longer than this many tokens are skipped and counted (0 = no limit)
     heldout_size: int = 500
-    max_operand: int = 99  # arithmetic: operands drawn from [0, max_operand]
+    max_operand: int = 99  # arithmetic: operands drawn from [min_operand, max_operand]
+    min_operand: int = 0
+    operator: str = "+"  # arithmetic: + (sums) | * (products: the tool demo)
     train_size: int = 9500  # arithmetic: number of training problems
     seed: int = 0
 
@@ -94,7 +97,10 @@ class WorkflowConfig:
     turn_discount: float = 0.5  # multi_turn: a right answer at turn k (from 0) earns turn_discount ** k
     feedback: str = "Wrong, try again."  # multi_turn: the user's turn after a wrong answer
     max_tool_calls: int = 4  # tool: code blocks run per episode
+    tool: str = "python"  # tool: python (python3 in the sandbox) | calculator (print(<arithmetic>), in-process)
     tool_timeout_s: float = 5.0  # tool: the sandbox's wall limit per call
+    # tool: the share of warm-start examples written with a tool call (the rest answer directly)
+    warm_start_tool_share: float = 0.5
     args: dict = field(default_factory=dict)
 
 

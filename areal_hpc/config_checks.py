@@ -21,6 +21,9 @@ class ConfigError(ValueError):
 _CHOICES = {
     "model.arch": ("llama", "qwen2"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.vocab": ("arith", "arith_tool"),
+    "data.operator": ("+", "*"),
+    "workflow.tool": ("python", "calculator"),
     "data.kind": ("arithmetic", "jsonl", "parquet", "code"),
     "reward.sandbox": ("bwrap", "auto", "none"),
     "data.chat_template": CHAT_TEMPLATE_MODES,
@@ -42,6 +45,7 @@ _LOWER = {
     "model.num_heads": (1, True),
     "data.heldout_size": (0, True),
     "data.max_operand": (1, True),
+    "data.min_operand": (0, True),
     "data.train_size": (1, True),
     "data.max_prompt_tokens": (0, True),
     "reward.timeout_s": (0, False),
@@ -219,6 +223,14 @@ def validate(cfg: Config) -> Config:
         )
     _check_plugin(cfg.reward.fn, "reward.fn", ("", "math", "code"))
     _check_plugin(cfg.rollout.workflow, "rollout.workflow", BUILTIN_WORKFLOWS)
+    if cfg.data.min_operand > cfg.data.max_operand:
+        raise ConfigError(
+            f"config data.min_operand={cfg.data.min_operand} is above data.max_operand={cfg.data.max_operand}"
+        )
+    if not 0 <= cfg.workflow.warm_start_tool_share <= 1:
+        raise ConfigError(
+            f"config workflow.warm_start_tool_share={cfg.workflow.warm_start_tool_share!r} must be in [0, 1]"
+        )
     if cfg.workflow.turn_discount > 1:
         raise ConfigError(f"config workflow.turn_discount={cfg.workflow.turn_discount!r} must be in [0, 1]")
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":

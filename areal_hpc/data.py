@@ -39,30 +39,37 @@ class MathDataset:
     longest_prompt: int = 0  # tokens in the longest prompt kept
 
 
-def arithmetic_problems(n: int, max_operand: int, seed: int, start_id: int = 0, exclude=frozenset()) -> list[Problem]:
-    """Addition problems `07+35=` (operands zero-padded to a fixed width), answer the sum."""
+def arithmetic_problems(
+    n: int, max_operand: int, seed: int, start_id: int = 0, exclude=frozenset(), operator: str = "+", min_operand=0
+) -> list[Problem]:
+    """Problems `07+35=` (operands zero-padded to a fixed width; `*` for products), answer the result."""
     width = len(str(max_operand))
     rng = random.Random(seed)
     seen = set(exclude)
     out: list[Problem] = []
-    total = (max_operand + 1) ** 2
+    total = (max_operand - min_operand + 1) ** 2
     if n + len(seen) > total:
-        raise ValueError(f"asked for {n} distinct problems but operands 0..{max_operand} give only {total - len(seen)}")
+        raise ValueError(
+            f"asked for {n} distinct problems but operands {min_operand}..{max_operand} give only {total - len(seen)}"
+        )
     while len(out) < n:
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
         if (a, b) in seen:
             continue
         seen.add((a, b))
-        q = f"{a:0{width}d}+{b:0{width}d}="
-        out.append(Problem(start_id + len(out), q, str(a + b), row={"question": q, "answer": str(a + b)}))
+        q, answer = f"{a:0{width}d}{operator}{b:0{width}d}=", str(a * b if operator == "*" else a + b)
+        out.append(Problem(start_id + len(out), q, answer, row={"question": q, "answer": answer}))
     return out
 
 
-def arithmetic_dataset(train_size: int, heldout_size: int, max_operand: int, seed: int) -> MathDataset:
-    """Disjoint train / held-out addition problems (held-out ids follow the train ids)."""
-    heldout = arithmetic_problems(heldout_size, max_operand, seed + 10_000, start_id=train_size)
-    exclude = {tuple(int(x) for x in p.prompt[:-1].split("+")) for p in heldout}
-    train = arithmetic_problems(train_size, max_operand, seed, start_id=0, exclude=exclude)
+def arithmetic_dataset(
+    train_size: int, heldout_size: int, max_operand: int, seed: int, operator: str = "+", min_operand: int = 0
+) -> MathDataset:
+    """Disjoint train / held-out problems (held-out ids follow the train ids)."""
+    kw = {"operator": operator, "min_operand": min_operand}
+    heldout = arithmetic_problems(heldout_size, max_operand, seed + 10_000, start_id=train_size, **kw)
+    exclude = {tuple(int(x) for x in p.prompt[:-1].split(operator)) for p in heldout}
+    train = arithmetic_problems(train_size, max_operand, seed, start_id=0, exclude=exclude, **kw)
     return MathDataset(train=train, heldout=heldout)
 
 
@@ -240,7 +247,8 @@ def load_dataset(data_cfg, tokenizer, need_answer: bool = True) -> MathDataset:
 
     need_answer: rows must carry a reference answer (false when a user's reward.fn reads the row itself)."""
     if data_cfg.kind == "arithmetic":
-        ds = arithmetic_dataset(data_cfg.train_size, data_cfg.heldout_size, data_cfg.max_operand, data_cfg.seed)
+        dc = data_cfg
+        ds = arithmetic_dataset(dc.train_size, dc.heldout_size, dc.max_operand, dc.seed, dc.operator, dc.min_operand)
     else:
         ds = load_math_dataset(
             data_cfg.path,

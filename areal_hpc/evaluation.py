@@ -34,6 +34,7 @@ class EvalResult:
     mean_response_tokens: float
     truncated_share: float  # answers cut off by max_new_tokens (no stop token), scored 0
     rewards: list[list[float]] = field(repr=False)  # per problem, per sample
+    tool_share: float = 0.0  # episodes that called a tool (the `tool` workflow, or one of your own)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -41,7 +42,7 @@ class EvalResult:
         return d
 
 
-def summarize(rewards: list[list[float]], lengths: list[int], truncated: list[bool]) -> EvalResult:
+def summarize(rewards: list[list[float]], lengths: list[int], truncated: list[bool], tool_users: int = 0) -> EvalResult:
     """The figures papers report from per-problem, per-sample rewards (1 = correct)."""
     n = len(rewards[0])
     per_problem = [sum(r) / n for r in rewards]
@@ -57,6 +58,7 @@ def summarize(rewards: list[list[float]], lengths: list[int], truncated: list[bo
         mean_response_tokens=sum(lengths) / len(lengths),
         truncated_share=sum(truncated) / len(truncated),
         rewards=rewards,
+        tool_share=tool_users / len(truncated),
     )
 
 
@@ -80,7 +82,8 @@ def evaluate(
     scores = [e.reward or 0.0 for e in eps]
     rewards = [scores[i * n_samples : (i + 1) * n_samples] for i in range(len(problems))]
     lengths = [sum(len(seg.ids) for seg in e.segments if seg.trained) for e in eps]
-    return summarize(rewards, lengths, [e.finish_reason == "length" for e in eps])
+    tool_users = sum(e.stats.tool_calls > 0 for e in eps)
+    return summarize(rewards, lengths, [e.finish_reason == "length" for e in eps], tool_users)
 
 
 def heldout_accuracy(

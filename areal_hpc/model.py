@@ -15,6 +15,8 @@ ARITH_SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
 ARITH_SYMBOLS = [str(d) for d in range(10)] + ["+", "=", "\\boxed{", "}"]
 # Chat turns for the tiny tokenizer's own chat template, so the chat-template path runs end to end on the demo.
 ARITH_ROLES = ["<system>", "<user>", "<assistant>"]
+# The tool demo's extra tokens (model.vocab=arith_tool): a code block calling print(), and its output block.
+TOOL_SYMBOLS = ["*", "```python\n", "```output\n", "```\n", "print(", ")", "\n"]
 ARITH_CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}<system>{{ m['content'] }}"
@@ -44,20 +46,30 @@ class ModelFolderError(ValueError):
     """A model folder that transformers cannot load; one line saying what is missing."""
 
 
-def build_arith_tokenizer():
-    """A word-level tokenizer over the arithmetic vocabulary; decoding concatenates tokens."""
+def build_arith_tokenizer(tool: bool = False):
+    """A word-level tokenizer over the arithmetic vocabulary (with `tool`: the tool demo's tokens too);
+    decoding concatenates tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(ARITH_SPECIALS + ARITH_SYMBOLS + ARITH_ROLES)}
+    words = ARITH_SPECIALS + ARITH_SYMBOLS + ARITH_ROLES + (TOOL_SYMBOLS if tool else [])
+    vocab = {tok: i for i, tok in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    # Every symbol is its own token; whitespace is dropped.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.WhitespaceSplit(),
-            pre_tokenizers.Split(Regex(r"\\boxed\{|[0-9]|\+|=|\}"), behavior="isolated"),
-        ]
-    )
+    if not tool:  # every symbol is its own token; whitespace is dropped
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.WhitespaceSplit(),
+                pre_tokenizers.Split(Regex(r"\\boxed\{|[0-9]|\+|=|\}"), behavior="isolated"),
+            ]
+        )
+    else:  # the code fences keep their newline (the tool's stop string is "```\n"); spaces are dropped
+        symbols = r"```python\n|```output\n|```\n|print\(|\\boxed\{|[0-9]|\+|\*|=|\}|\)|\n"
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(symbols), behavior="isolated"),
+                pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
+            ]
+        )
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -158,6 +170,7 @@ def ensure_model(model_cfg) -> Path:
             intermediate_size=model_cfg.intermediate_size,
             num_layers=model_cfg.num_layers,
             num_heads=model_cfg.num_heads,
+            tokenizer=build_arith_tokenizer(tool=model_cfg.vocab == "arith_tool"),
             if_absent=True,
         )
     return check_model_folder(p)

@@ -219,3 +219,40 @@ def test_a_reward_fn_that_hangs_or_raises_scores_zero_and_is_counted(tmp_path):
         rows = [{"id": "a", "weight": 0.75}] * 3
         scores = pool.submit(["ok", "hang", "raise"], rows).result(timeout=60)
     assert list(scores) == [0.75, 0.0, 0.0] and scores.timeouts == 1 and scores.errors == 1
+
+
+def test_rows_keep_every_field_fill_the_template_or_bring_their_messages(tmp_path, tiny_model_dir):
+    import json as _json
+
+    from areal_hpc.data import load_run_dataset
+
+    rows = [
+        {"q": "1+2=", "hint": "small", "answer": "3", "difficulty": 1},
+        {"messages": [{"role": "user", "content": "2+2="}], "answer": "4", "difficulty": 2},
+        {"q": "5+5=", "answer": "10"},  # no hint: skipped, named
+        {"q": "3+3=", "hint": "six", "answer": "6", "difficulty": 3},
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(_json.dumps(r) for r in rows) + "\n")
+    cfg = load_config(
+        None,
+        [
+            "model.path=/m",
+            "data.kind=jsonl",
+            f"data.path={path}",
+            "data.prompt_template={hint}: {q}",
+            "data.heldout_size=0",
+            "data.chat_template=on",
+        ],
+    )
+    with pytest.warns(UserWarning, match=rf"skipped 1 malformed rows .*first at {path}:3: missing or empty 'hint'"):
+        ds = load_run_dataset(cfg, load_tokenizer(tiny_model_dir))
+    by_answer = {p.answer: p for p in ds.train}
+    assert set(by_answer) == {"3", "4", "6"}
+    assert by_answer["3"].row == rows[0]  # every field, the ones of its own included
+    assert by_answer["3"].prompt == "<user>small: 1+2=<assistant>"
+    assert by_answer["4"].prompt == "<user>2+2=<assistant>" and by_answer["4"].row["difficulty"] == 2
+    # a reward of its own needs no reference answer: rows without one are kept
+    cfg.reward.fn = str(ROOT / "jobs/examples/my_reward.py") + ":reward"
+    path.write_text(_json.dumps({"q": "1+1=", "hint": "h"}) + "\n" + _json.dumps({"q": "2+1=", "hint": "h"}) + "\n")
+    assert len(load_run_dataset(cfg, load_tokenizer(tiny_model_dir)).train) == 2

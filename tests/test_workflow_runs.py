@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
+from click.testing import CliRunner
 from test_runtime import _audit
 
+from areal_hpc.cli import main
 from areal_hpc.config import load_config
 from areal_hpc.launch.local import launch
 from areal_hpc.model import load_tokenizer
+from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.timeline import load_timeline
 from areal_hpc.store import list_shards, read_shard
 from areal_hpc.workflow.runner import render_turn
@@ -146,3 +151,29 @@ def test_multi_turn_episodes_straddle_weight_loads_past_hung_rewards_and_tools(t
     assert len(tools) >= m["tool_calls"].sum()  # the timeline also has groups generated but never consumed
     busy = [((gen.t_start < t.t_end) & (gen.t_end > t.t_start)).any() for t in tools.itertuples()]
     assert sum(busy) >= 0.5 * len(tools)
+
+
+@pytest.mark.slow
+def test_the_tool_demo_learns_to_call_its_calculator(tmp_path):
+    cfg = load_config(
+        ROOT / "jobs" / "demo_tool.yaml",
+        [
+            f"store.run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+        ],
+    )
+    s = launch(cfg, progress=False)
+    # RL itself adds >= 20 points over the warm-started policy, and answers use the tool more
+    assert s["acc_final"] - s["acc_start"] >= 0.20, (s["acc_start"], s["acc_final"])
+    assert s["tool_share_final"] > s["tool_share_start"], (s["tool_share_start"], s["tool_share_final"])
+    m = pd.read_csv(tmp_path / "run" / "metrics.csv")
+    assert m["tool_calls"].sum() > 0 and m["tool_errors"].sum() < 0.2 * m["tool_calls"].sum()
+    # `areal-hpc eval` runs the run's workflow: the trained policy is evaluated with its tool
+    ckpt = RunDir(tmp_path / "run").trainer_checkpoint(s["versions"])
+    res = CliRunner().invoke(main, ["eval", str(ckpt), "--engine", "torch", "--json", str(tmp_path / "e.json")])
+    assert res.exit_code == 0, res.output
+    got = json.loads((tmp_path / "e.json").read_text())
+    assert got["workflow"] == "tool" and got["tool_share"] == pytest.approx(s["tool_share_final"], abs=0.05)
+    assert got["avg_at_k"] == pytest.approx(s["acc_final"], abs=0.05)

@@ -73,6 +73,22 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> Trai
     )
 
 
+def warm_start_segments(p, cfg: Config, rng: random.Random) -> list[tuple[str, bool]]:
+    """The reference episode of one problem, as (text, trained) segments: its answer, or for the arithmetic
+    task under the `tool` workflow (a share workflow.warm_start_tool_share of them) a tool call whose output
+    is not trained, then the answer."""
+    if cfg.data.kind != "arithmetic":
+        return [(p.answer, True)]
+    answer = arithmetic_completion(p.answer)
+    wc = cfg.workflow
+    if cfg.rollout.workflow != "tool" or rng.random() >= wc.warm_start_tool_share:
+        return [(answer, True)]
+    from areal_hpc.workflow.builtin import tool_observation
+
+    code = f"```python\nprint({p.row['question'].rstrip('=')})\n```\n"
+    return [(code, True), (tool_observation(p.answer), False), (answer, True)]
+
+
 def warm_start(trainer: TrainEngine, tokenizer, dataset: MathDataset, cfg: Config, progress: bool) -> float:
     """Supervised steps on reference answers: RL needs near-miss mistakes to start from.
 
@@ -88,10 +104,12 @@ def warm_start(trainer: TrainEngine, tokenizer, dataset: MathDataset, cfg: Confi
         batch = rng.sample(examples, min(tc.warm_start_batch, len(examples)))
         seqs, masks = [], []
         for p in batch:
-            prompt = p.prompt_ids  # built as every rollout's prompt is (chat template included)
-            target = arithmetic_completion(p.answer) if cfg.data.kind == "arithmetic" else p.answer
-            answer = tokenizer.encode(target, add_special_tokens=False) + [eos]
-            seqs.append(np.asarray(prompt + answer))
-            masks.append(np.asarray([0] * len(prompt) + [1] * len(answer)))
+            seq, mask = list(p.prompt_ids), [0] * len(p.prompt_ids)  # built as every rollout's prompt is
+            for text, trained in warm_start_segments(p, cfg, rng):
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                seq += ids
+                mask += [int(trained)] * len(ids)
+            seqs.append(np.asarray(seq + [eos]))
+            masks.append(np.asarray(mask + [1]))
         loss = trainer.supervised_step(seqs, masks, tc.warm_start_lr)
     return loss

@@ -18,6 +18,7 @@ class _Eval:
     t_start: float
     rewards: dict[int, float] = field(default_factory=dict)  # held-out index * k + sample -> episode reward
     newest: int = -1  # the newest version that sampled any of its tokens
+    tool_users: int = 0  # episodes that called a tool
 
 
 class HeldoutEvals:
@@ -47,10 +48,11 @@ class HeldoutEvals:
         tag = self.asked.pop(0)
         while tag.startswith("v") and self.asked:
             # asked faster than they run: a later evaluation supersedes a periodic one
-            self.report({"tag": tag, "version": None, "version_end": None, "acc": None})
+            self.report({"tag": tag, "version": None, "version_end": None, "acc": None, "tool_share": None})
             tag = self.asked.pop(0)
         if not self.problems:
-            self.report({"tag": tag, "version": version, "version_end": version, "acc": float("nan")})
+            nan = float("nan")
+            self.report({"tag": tag, "version": version, "version_end": version, "acc": nan, "tool_share": nan})
             return
         self.current = _Eval(tag, version, time.time())
         for i, p in enumerate(self.problems):
@@ -61,6 +63,7 @@ class HeldoutEvals:
         """A held-out episode's reward (a rejected one scores 0); the result goes to rank 0 once all are in."""
         ev = self.current
         ev.rewards[index] = ep.reward or 0.0
+        ev.tool_users += ep.stats.tool_calls > 0
         ev.newest = max([ev.newest] + [v for seg in ep.segments if seg.trained for v in seg.versions])
         total = len(self.problems) * self.k
         if len(ev.rewards) < total:
@@ -68,4 +71,4 @@ class HeldoutEvals:
         self.current = None
         self.span(ev.t_start, time.time())
         body = {"tag": ev.tag, "version": ev.version, "version_end": max(ev.newest, ev.version)}
-        self.report(body | {"acc": sum(ev.rewards.values()) / total})
+        self.report(body | {"acc": sum(ev.rewards.values()) / total, "tool_share": ev.tool_users / total})

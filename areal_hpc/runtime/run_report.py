@@ -50,6 +50,7 @@ class RunReport:
         self.load_s: list[float] = []  # each generator's load of each version
         self.sync_bytes = 0
         self.evals: dict[str, float] = {}  # evaluation tag -> held-out accuracy
+        self.eval_tool_share: dict[str, float] = {}  # evaluation tag -> share of its episodes that called a tool
         self.rows: dict[int, dict] = {}  # version -> metrics row being assembled
         self.row_wait: dict[int, set] = {}  # version -> parts the row still waits for
         self.row_got: dict[int, set] = {}  # version -> parts that arrived
@@ -126,6 +127,7 @@ class RunReport:
         tag, acc = body["tag"], body["acc"]
         if acc is not None:  # None: superseded by a later evaluation before it started
             self.evals[tag] = acc
+            self.eval_tool_share[tag] = body["tool_share"]
             log.info("held-out accuracy %s (weights v%s): %.3f", tag, body["version"], acc)
         if tag.startswith("v"):
             row = {}
@@ -133,6 +135,7 @@ class RunReport:
                 # the weights its tokens came from: an evaluation that spans a weight load ends on the newer
                 row = {
                     "heldout_acc": acc,
+                    "heldout_tool_share": body["tool_share"],
                     "heldout_version": body["version"],
                     "heldout_version_end": body["version_end"],
                 }
@@ -229,6 +232,8 @@ class RunReport:
             "acc_init": self.evals.get("init"),
             "acc_start": self.evals.get("start"),
             "acc_final": self.evals.get("final"),
+            "tool_share_start": self.eval_tool_share.get("start"),
+            "tool_share_final": self.eval_tool_share.get("final"),
             "wall_s": now - self.t0,
             "t0": self.t0,  # epoch seconds of metrics.csv's wall_s = 0 (the timeline's times are epoch seconds)
             "rl_wall_s": rl,

@@ -41,8 +41,9 @@ def tool_observation(text: str) -> str:
 
 async def tool(ep: Episode) -> float:
     """Tool-integrated reasoning: when the model closes a ```python block, generation stops, the block runs in
-    the sandbox and its output (or error, or time-out) is appended as an observation, not trained; up to
-    workflow.max_tool_calls times. The final answer is scored by the reward function."""
+    the sandbox (workflow.tool=calculator: an in-process calculator) and its output (or error, or time-out) is
+    appended as an observation, not trained; up to workflow.max_tool_calls times. The final answer is scored
+    by the reward function."""
     wc = ep.config
     text = ""
     for _ in range(wc.max_tool_calls + 1):
@@ -51,7 +52,8 @@ async def tool(ep: Episode) -> float:
         block = _CODE.search(answer.text)
         if answer.finish_reason != "stop" or block is None or not answer.text.endswith(CODE_CLOSE):
             break  # EOS, the length limit, or a stop that closed no code block
-        result = await ep.run_python(block.group(1))
+        code = block.group(1)
+        result = ep.calculate(code) if wc.tool == "calculator" else await ep.run_python(code)
         text += ep.decode(ep.append_text(tool_observation(result.text)))
     if ep.last_finish != "stop":
         return 0.0

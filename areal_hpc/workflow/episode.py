@@ -119,5 +119,17 @@ class Episode:
         in a worker thread: other episodes keep the engine busy meanwhile."""
         return await self._runner.run_python(self, code, timeout_s)
 
+    def calculate(self, code: str) -> ToolResult:
+        """The calculator tool on `code` (lines of `print(<arithmetic>)`), in this process; counted as a tool call."""
+        from areal_hpc.workflow.tools import calculator
+
+        t0 = time.time()
+        result = calculator(code)
+        self.stats.tool_calls += 1
+        self.stats.tool_errors += not result.ok
+        self.stats.tool_s += result.seconds
+        self.stats.tool_spans.append((t0, time.time()))
+        return result
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
