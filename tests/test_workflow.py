@@ -240,7 +240,7 @@ def test_rows_keep_every_field_fill_the_template_or_bring_their_messages(tmp_pat
             "model.path=/m",
             "data.kind=jsonl",
             f"data.path={path}",
-            "data.prompt_template={hint}: {q}",
+            "data.prompt_template='{hint}: {q}'",
             "data.heldout_size=0",
             "data.chat_template=on",
         ],

@@ -90,9 +90,9 @@ class EpisodeRunner:
 
         Cheap when nothing happened since the last poll (no start, no engine output, no reward or tool back).
         """
-        if not self.due and not (self.tasks and time.monotonic() - self.last_run > self.IDLE_POLL_S):
-            return []
-        self._run_once()
+        if self.due or (self.tasks and time.monotonic() - self.last_run > self.IDLE_POLL_S):
+            self._run_once()
+        # episodes may also have ended in a pass that cancel() ran
         if self.failure is not None:
             raise self.failure
         done, self.finished = self.finished, []
@@ -186,7 +186,24 @@ class EpisodeRunner:
         batch, self._rewards = self._rewards, []
         job = self.pool.submit([c for c, _, _ in batch], [r for _, r, _ in batch])
         futures = [f for _, _, f in batch]
-        job.add_done_callback(lambda j: self._call_in_loop(_settle, futures, j.result()))
+        job.add_done_callback(lambda j: self._call_in_loop(self._settle, futures, j.result()))
+
+    def _settle(self, futures: list[asyncio.Future], scores) -> None:
+        """In the loop: a reward batch is back; each waiting episode gets (its reward, how its call ended)."""
+        statuses = getattr(scores, "statuses", ["ok"] * len(scores))  # the emulated rewards never fail
+        for f, value, status in zip(futures, scores, statuses):
+            if not f.done():  # a cancelled episode no longer waits
+                f.set_result((float(value), status))
+        self.due = True  # the episodes it woke run at the next pass, not this one
+
+    def _settle_tool(self, fut: asyncio.Future, job) -> None:
+        """In the loop: a tool call is back; its waiting episode gets the result (or its exception)."""
+        if not fut.done():
+            if job.exception() is not None:
+                fut.set_exception(job.exception())
+            else:
+                fut.set_result(job.result())
+        self.due = True
 
     def _call_in_loop(self, fn, *args) -> None:
         """From another thread: run fn at the next poll (nothing, once the runner is closed)."""
@@ -205,7 +222,7 @@ class EpisodeRunner:
         call = (code, wall, self.settings.tool_memory_mb, self.settings.sandbox)
         done, t0 = self.loop.create_future(), time.time()
         job = self._tools.submit(sandboxed_python, *call)
-        job.add_done_callback(lambda j: self._call_in_loop(_settle_one, done, j))
+        job.add_done_callback(lambda j: self._call_in_loop(self._settle_tool, done, j))
         result = await done
         ep.stats.tool_calls += 1
         ep.stats.tool_errors += not result.ok
@@ -239,21 +256,3 @@ def render_turn(tokenizer, role: str, content: str, chat: bool) -> list[int]:
     if not after.startswith(before):
         raise ValueError("the chat template renders earlier turns differently once a message follows them")
     return list(tokenizer.encode(after[len(before) :], add_special_tokens=False))
-
-
-def _settle(futures: list[asyncio.Future], scores) -> None:
-    """A reward batch is back: each waiting episode gets (its reward, how its call ended)."""
-    statuses = getattr(scores, "statuses", ["ok"] * len(scores))  # the emulated rewards never fail
-    for f, value, status in zip(futures, scores, statuses):
-        if not f.done():  # a cancelled episode no longer waits
-            f.set_result((float(value), status))
-
-
-def _settle_one(fut: asyncio.Future, job) -> None:
-    """A tool call is back: its waiting episode gets the result (or its exception)."""
-    if fut.done():
-        return
-    if job.exception() is not None:
-        fut.set_exception(job.exception())
-    else:
-        fut.set_result(job.result())
