@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,9 @@ from areal_hpc.model import load_tokenizer
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.timeline import load_timeline
 from areal_hpc.store import list_shards, read_shard
+from areal_hpc.workflow.builtin import tool_observation
 from areal_hpc.workflow.runner import render_turn
+from areal_hpc.workflow.tools import calculator
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "jobs" / "examples" / "custom.yaml"
@@ -92,7 +95,8 @@ def reward(completion, row):
 async def looping_tool_then_multi_turn(ep):
     if random.random() < 0.1:  # a tool that loops forever, stopped at workflow.tool_timeout_s
         await ep.run_python("while True:\n    pass")
-    return await multi_turn(ep)
+    reward = await multi_turn(ep)
+    return None if random.random() < 0.05 else reward  # rejected now and then: the sample runs again
 """
 
 
@@ -172,6 +176,21 @@ def test_the_tool_demo_learns_to_call_its_calculator(tmp_path):
     assert s["tool_share_final"] > s["tool_share_start"], (s["tool_share_start"], s["tool_share_final"])
     m = pd.read_csv(tmp_path / "run" / "metrics.csv")
     assert m["tool_calls"].sum() > 0 and m["tool_errors"].sum() < 0.2 * m["tool_calls"].sum()
+    # token fidelity: what the trainer consumed is the sampled tokens, and between them exactly the rendered
+    # observation of the calculator on the code block just sampled
+    tok = load_tokenizer(tmp_path / "model")
+    checked = 0
+    for t in _trajectories(tmp_path / "run"):
+        turns = _turns(t)
+        for (a, b), (c, _) in zip(turns, turns[1:]):
+            code = re.search(
+                r"```python\n(.*?)```\n$", tok.decode(t.input_ids[a:b], skip_special_tokens=True), re.S
+            ).group(1)
+            want = tok.encode(tool_observation(calculator(code).text), add_special_tokens=False)
+            assert t.input_ids[b:c].tolist() == want and (t.versions[b:c] == -1).all()
+            checked += 1
+        assert (t.loss_mask[: t.prompt_len] == 0).all() and t.loss_mask[turns[-1][1] :].sum() == 0
+    assert checked > 1000
     # `areal-hpc eval` runs the run's workflow: the trained policy is evaluated with its tool
     ckpt = RunDir(tmp_path / "run").trainer_checkpoint(s["versions"])
     res = CliRunner().invoke(main, ["eval", str(ckpt), "--engine", "torch", "--json", str(tmp_path / "e.json")])

@@ -1,5 +1,4 @@
-"""Rewards for rollouts: f(completion, row) -> float (functions.py): math, code in a sandbox, or the user's; scored in a
-process pool (pool.py)."""
+"""Rewards as f(completion, row) -> float (functions.py): math, code in a sandbox, or yours, in a process pool."""
 
 from areal_hpc.reward.code import code_reward
 from areal_hpc.reward.functions import BUILTIN_REWARDS, check_reward_fn, reward_fn_name, reward_pool_for

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from areal_hpc.plugins import check_signature, resolve
 from areal_hpc.workflow.builtin import BUILTIN, multi_turn, single_turn, tool
-from areal_hpc.workflow.episode import Completion, Episode, Segment, ToolResult
+from areal_hpc.workflow.episode import Episode
+from areal_hpc.workflow.records import Completion, Segment, ToolResult
 from areal_hpc.workflow.runner import EpisodeRunner, FinishedEpisode, RunnerSettings, Workflow, WorkflowError
 
 __all__ = [

@@ -3,54 +3,9 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from areal_hpc.workflow.runner import EpisodeRunner
-
-
-@dataclass
-class Completion:
-    """One answer the model sampled, exactly as the engine returned it (appended to the transcript, trained)."""
-
-    ids: list[int]
-    logprobs: list[float]  # behaviour logprob of each token
-    versions: list[int]  # the weight version that sampled each token
-    finish_reason: str  # stop (EOS or a stop string) | length
-    text: str  # ids decoded (special tokens skipped): for rewards and parsing, never tokenized again
-
-
-@dataclass
-class ToolResult:
-    """A tool call's outcome; `text` is what goes back to the model."""
-
-    text: str
-    ok: bool  # exited 0 within its time limit
-    timed_out: bool
-    seconds: float
-
-
-@dataclass
-class Segment:
-    """A run of transcript tokens: sampled by the policy (trained), or added by the workflow (not trained)."""
-
-    ids: list[int]
-    trained: bool
-    logprobs: list[float] = field(default_factory=list)  # sampled segments: behaviour logprobs
-    versions: list[int] = field(default_factory=list)  # sampled segments: weight versions
-
-
-@dataclass
-class EpisodeStats:
-    turns: int = 0  # generate calls
-    tool_calls: int = 0
-    tool_errors: int = 0  # tool calls that timed out or exited non-zero
-    tool_s: float = 0.0
-    reward_timeouts: int = 0
-    reward_errors: int = 0
-    reward_span: tuple[float, float] | None = None  # first reward call to the last answer (the timeline's span)
-    tool_spans: list[tuple[float, float]] = field(default_factory=list)  # each tool call's start and end
+from areal_hpc.workflow.records import Completion, EpisodeStats, Segment, ToolResult
+from areal_hpc.workflow.tools import calculator
 
 
 class Episode:
@@ -63,7 +18,8 @@ class Episode:
     so the trainer trains on what the model saw. Waiting for a reward or a tool holds no engine slot.
     """
 
-    def __init__(self, runner: EpisodeRunner, key: str, row: dict, prompt_ids: list[int], greedy: bool):
+    def __init__(self, runner, key: str, row: dict, prompt_ids: list[int], greedy: bool):
+        # runner: the EpisodeRunner that runs this episode (generate, reward and tool calls go through it)
         self._runner = runner
         self.key = key
         self.row = row  # the dataset row, every field
@@ -121,8 +77,6 @@ class Episode:
 
     def calculate(self, code: str) -> ToolResult:
         """The calculator tool on `code` (lines of `print(<arithmetic>)`), in this process; counted as a tool call."""
-        from areal_hpc.workflow.tools import calculator
-
         t0 = time.time()
         result = calculator(code)
         self.stats.tool_calls += 1

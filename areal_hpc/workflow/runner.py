@@ -10,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from areal_hpc.types import GenOutput, GenRequest
-from areal_hpc.workflow.episode import Completion, Episode, EpisodeStats, Segment, ToolResult
+from areal_hpc.workflow.episode import Episode
+from areal_hpc.workflow.records import Completion, EpisodeStats, Segment, ToolResult
+from areal_hpc.workflow.tools import sandboxed_python
 
 log = logging.getLogger("areal_hpc.workflow")
 
@@ -214,8 +216,6 @@ class EpisodeRunner:
             pass
 
     async def run_python(self, ep: Episode, code: str, timeout_s: float | None) -> ToolResult:
-        from areal_hpc.workflow.tools import sandboxed_python
-
         if self._tools is None:
             self._tools = ThreadPoolExecutor(self.settings.tool_threads, thread_name_prefix="tool")
         wall = timeout_s or self.settings.workflow.tool_timeout_s

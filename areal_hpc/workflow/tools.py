@@ -9,7 +9,7 @@ import re
 import time
 
 from areal_hpc.reward.sandbox import Limits, isolation, run_python
-from areal_hpc.workflow.episode import ToolResult
+from areal_hpc.workflow.records import ToolResult
 
 MAX_OUTPUT_CHARS = 1000  # what goes back to the model: a tool cannot flood the context
 
