@@ -38,7 +38,8 @@ def _turns(t) -> list[tuple[int, int]]:
     return list(zip(edges[::2], edges[1::2]))
 
 
-def test_the_example_reward_and_two_turn_workflow_run_from_their_files_at_eta0(tmp_path):
+def test_the_example_reward_and_two_turn_workflow_run_from_their_files_at_eta0(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the example's paths are relative to where a run starts: the repository root
     cfg = load_config(
         EXAMPLE,
         [
