@@ -81,7 +81,7 @@ def evaluate(
     eps = run_episodes(engine, workflow or single_turn, tokenizer, reward_pool, settings, starts, retry=False)
     scores = [e.reward or 0.0 for e in eps]
     rewards = [scores[i * n_samples : (i + 1) * n_samples] for i in range(len(problems))]
-    lengths = [sum(len(seg.ids) for seg in e.segments if seg.trained) for e in eps]
+    lengths = [sum(len(seg.ids) for seg in e.sampled) for e in eps]
     tool_users = sum(e.stats.tool_calls > 0 for e in eps)
     return summarize(rewards, lengths, [e.finish_reason == "length" for e in eps], tool_users)
 

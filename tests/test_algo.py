@@ -236,3 +236,15 @@ def test_balance_keeps_groups_together():
         gs = {groups[i] for i in s}
         for g in gs:
             assert all(i in s for i in range(len(groups)) if groups[i] == g)
+
+
+def test_branches_of_one_episode_share_its_advantage():
+    # group 0: episode 0 (reward 1) split into two branches, episode 1 (reward 0): stats over the two episodes
+    r = np.array([1.0, 1.0, 0.0, 1.0, 0.0])
+    g = np.array([0, 0, 0, 1, 1])
+    sample = np.array([0, 0, 1, 0, 1])
+    a = group_advantages(r, g, "mean", sample_ids=sample)
+    np.testing.assert_allclose(a, [0.5, 0.5, -0.5, 0.5, -0.5])
+    s = group_advantages(r, g, "mean_std", sample_ids=sample)
+    np.testing.assert_allclose(s, [s[3], s[3], s[4], s[3], s[4]], rtol=1e-6)  # as if each episode were one sample
+    assert group_advantages(r, g, "mean")[0] == pytest.approx(1 / 3)  # without: the branches weigh twice

@@ -18,7 +18,7 @@ from areal_hpc.types import GenRequest, SampleId
 from areal_hpc.workflow import Episode, RunnerSettings, WorkflowError, load_workflow, multi_turn
 from areal_hpc.workflow.batch import EpisodeStart, run_episodes
 from areal_hpc.workflow.runner import render_turn
-from areal_hpc.workflow.samples import to_trajectory
+from areal_hpc.workflow.samples import to_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "jobs" / "demo.yaml"
@@ -61,7 +61,7 @@ def test_multi_turn_episodes_train_on_exactly_the_sampled_tokens(tiny_model_dir)
     turns = [e.stats.turns for e in eps]
     assert max(turns) >= 2, turns  # an untrained model is wrong: feedback turns happen
     for k, ep in enumerate(eps):
-        t = to_trajectory(ep, SampleId(0, k), 0, 0)
+        (t,) = to_trajectories(ep, SampleId(0, k), 0, 0)
         sampled = [o for rid, o in sorted(eng.outputs.items()) if rid.startswith(f"0:{k}#")]
         sampled.sort(key=lambda o: int(o.request_id.split("#")[1]))
         assert len(sampled) == ep.stats.turns
@@ -256,3 +256,29 @@ def test_rows_keep_every_field_fill_the_template_or_bring_their_messages(tmp_pat
     cfg.reward.fn = str(ROOT / "jobs/examples/my_reward.py") + ":reward"
     path.write_text(_json.dumps({"q": "1+1=", "hint": "h"}) + "\n" + _json.dumps({"q": "2+1=", "hint": "h"}) + "\n")
     assert len(load_run_dataset(cfg, load_tokenizer(tiny_model_dir)).train) == 2
+
+
+async def _branching(ep: Episode) -> float:
+    first = await ep.generate()
+    ep.branch(ep.prompt_ids + first.ids[:1])  # a new history: the prompt and only the first answer's first token
+    await ep.generate()
+    return 1.0 if ep.key.endswith(":0") else 0.0
+
+
+def test_a_workflow_that_rewrites_history_yields_a_sample_per_branch(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    eng = RecordingEngine(str(tiny_model_dir), seed=7, max_num_seqs=8)
+    with RewardPool(num_workers=1) as pool:
+        eps = run_episodes(eng, _branching, tok, pool, _settings(tok), _starts(tok, 2))
+    trajs = [t for k, ep in enumerate(eps) for t in to_trajectories(ep, SampleId(0, k), 0, 0)]
+    assert [t.sample_idx for t in trajs] == [0, 0, 1, 1] and [t.reward for t in trajs] == [1.0, 1.0, 0.0, 0.0]
+    for k, ep in enumerate(eps):
+        outs = sorted((o for rid, o in eng.outputs.items() if rid.startswith(f"0:{k}#")), key=lambda o: o.request_id)
+        first, second = trajs[2 * k], trajs[2 * k + 1]
+        assert first.input_ids.tolist() == outs[0].prompt_ids + outs[0].output_ids
+        # the second history starts from a context taken from the first answer: seen, not trained again
+        assert second.prompt_len == len(ep.segments[0].ids) == first.prompt_len + 1
+        assert second.input_ids.tolist() == outs[1].prompt_ids + outs[1].output_ids
+        assert second.loss_mask[: second.prompt_len].sum() == 0 and second.loss_mask[second.prompt_len :].all()
+        assert first.turns == 2 and second.turns == 0  # the episode's counts, once
+    eng.close()

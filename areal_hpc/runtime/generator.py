@@ -26,7 +26,7 @@ from areal_hpc.types import EvalId, GenRequest, SampleId, Trajectory, parse_requ
 from areal_hpc.workflow import EpisodeRunner, FinishedEpisode, load_workflow, runner_settings
 from areal_hpc.workflow.batch import MAX_REJECTED, rejected_too_often
 from areal_hpc.workflow.runner import episode_of
-from areal_hpc.workflow.samples import to_trajectory
+from areal_hpc.workflow.samples import to_trajectories
 
 log = logging.getLogger("areal_hpc.generator")
 
@@ -249,7 +249,7 @@ class Generator(RoleLoop):
 
     def _poll_episodes(self) -> bool:
         """Run the episodes that can go on (their next requests reach the engine); file the ones that ended."""
-        done = self.runner.poll()
+        done = self.runner.poll(engine_idle=not (self.engine.num_running or self.engine.num_waiting))
         for ep in done:
             key = parse_request_id(ep.key)
             if isinstance(key, EvalId):
@@ -281,7 +281,7 @@ class Generator(RoleLoop):
         for a, b in (span for e in episodes for span in e.stats.tool_spans):
             self.timeline.add("tool", a, b)
         gid, pid = key.group_id, g.problem.prompt_id
-        trajs = [to_trajectory(e, SampleId(gid, s), pid, self.rank) for s, e in enumerate(episodes)]
+        trajs = [t for s, e in enumerate(episodes) for t in to_trajectories(e, SampleId(gid, s), pid, self.rank)]
         if not self.scored:
             self.scored_since = time.time()
         self.scored.append((trajs, group_summary(trajs, g.problem.prompt_id, key.group_id)))

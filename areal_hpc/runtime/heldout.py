@@ -64,7 +64,7 @@ class HeldoutEvals:
         ev = self.current
         ev.rewards[index] = ep.reward or 0.0
         ev.tool_users += ep.stats.tool_calls > 0
-        ev.newest = max([ev.newest] + [v for seg in ep.segments if seg.trained for v in seg.versions])
+        ev.newest = max([ev.newest] + [v for seg in ep.sampled for v in seg.versions])
         total = len(self.problems) * self.k
         if len(ev.rewards) < total:
             return

@@ -27,7 +27,7 @@ from areal_hpc.types import SampleId
 from areal_hpc.utils import seed_everything
 from areal_hpc.workflow import load_workflow, runner_settings
 from areal_hpc.workflow.batch import EpisodeStart, run_episodes
-from areal_hpc.workflow.samples import to_trajectory
+from areal_hpc.workflow.samples import to_trajectories
 
 
 @dataclass
@@ -102,7 +102,7 @@ def run_sync(cfg: Config) -> RunSummary:
             t_write = time.time()
             # rewards are scored while other episodes generate: t_reward is the tail after the last answer
             t_rew = max([t_gen] + [e.stats.reward_span[0] for e in eps if e.stats.reward_span])
-            trajs = [to_trajectory(e, k, p.prompt_id, 0) for e, (k, p) in zip(eps, samples)]
+            trajs = [t for e, (k, p) in zip(eps, samples) for t in to_trajectories(e, k, p.prompt_id, 0)]
             shard = write_shard(rollout_dir, trajs, gen_rank=0, seq=step, run_id=cfg.run_name)
 
             # train on what the store returns, the same path the asynchronous runtime takes
@@ -110,7 +110,8 @@ def run_sync(cfg: Config) -> RunSummary:
             t_train = time.time()  # t_store covers the shard write and its read-back
             r = np.array([t.reward for t in batch])
             gids = np.array([t.group_id for t in batch])
-            adv, keep = batch_advantages(r, gids, pc.adv_norm, pc.drop_uniform_groups)
+            sids = np.array([t.sample_idx for t in batch])  # an episode's branches share its advantage
+            adv, keep = batch_advantages(r, gids, pc.adv_norm, pc.drop_uniform_groups, sids)
             # the ledger names the version whose training step consumed the batch (the policy
             # version being improved), so on-policy data has staleness 0
             consumed_by = trainer.version

@@ -162,7 +162,8 @@ class Trainer(RoleLoop):
             pc = self.cfg.ppo
             r = np.array([t.reward for t in trajs], dtype=np.float64)
             gids = np.array([t.group_id for t in trajs], dtype=np.int64)
-            adv, keep = batch_advantages(r, gids, pc.adv_norm, pc.drop_uniform_groups)
+            sids = np.array([t.sample_idx for t in trajs], dtype=np.int64)  # an episode's branches share its advantage
+            adv, keep = batch_advantages(r, gids, pc.adv_norm, pc.drop_uniform_groups, sids)
             kept = np.flatnonzero(keep)
             minibatches = [[k for k, i in enumerate(kept) if mb_of[i] == j] for j in range(len(share))]
             stats = self.engine.ppo_update([trajs[i] for i in kept], adv[kept], minibatches)

@@ -40,7 +40,7 @@ def run_episodes(
         for s in starts:
             runner.start(s.key, s.row, s.prompt_ids, s.greedy)
         while len(done) < len(starts):
-            for ep in runner.poll():
+            for ep in runner.poll(engine_idle=not (engine.num_running or engine.num_waiting)):
                 if ep.reward is None and retry:
                     rejected[ep.key] = rejected.get(ep.key, 0) + 1
                     if rejected[ep.key] >= MAX_REJECTED:

@@ -29,6 +29,7 @@ class Episode:
         self.args: dict = dict(self.config.args)  # workflow.args: settings for a workflow of your own
         self.tokenizer = runner.tokenizer
         self.segments: list[Segment] = [Segment(list(prompt_ids), trained=False)]
+        self.branches: list[list[Segment]] = []  # earlier transcripts, given up by branch()
         self.stats = EpisodeStats()
         self.t_start = time.time()
         self.last_finish = "stop"
@@ -37,6 +38,14 @@ class Episode:
     @property
     def tokens(self) -> list[int]:
         return [t for s in self.segments for t in s.ids]
+
+    def branch(self, context_ids: list[int] | None = None) -> None:
+        """Rewrite history: the transcript so far is kept as a sample of its own (when the model sampled in it),
+        trained with this episode's reward and advantage, and a new transcript starts from `context_ids`
+        (default: the prompt), none of them trained, whatever earlier transcripts they came from."""
+        if any(s.trained for s in self.segments):
+            self.branches.append(self.segments)
+        self.segments = [Segment(list(self.prompt_ids if context_ids is None else context_ids), trained=False)]
 
     def append_text(self, text: str) -> list[int]:
         """`text` tokenized once and appended, not trained (a tool's output inside the model's turn)."""

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_hpc.types import GenOutput, GenRequest
 from areal_hpc.workflow.episode import Episode
@@ -38,11 +38,22 @@ class RunnerSettings:
 class FinishedEpisode:
     key: str
     reward: float | None  # None: the workflow rejected the episode
-    segments: list[Segment]
+    segments: list[Segment]  # the last transcript
     stats: EpisodeStats
     finish_reason: str  # of its last generate call
     t_start: float
     t_end: float
+    branches: list[list[Segment]] = field(default_factory=list)  # earlier transcripts (Episode.branch)
+
+    @property
+    def transcripts(self) -> list[list[Segment]]:
+        """Every transcript the model sampled in (at least the last one): each becomes a trajectory."""
+        sampled = [t for t in self.branches + [self.segments] if any(s.trained for s in t)]
+        return sampled or [self.segments]
+
+    @property
+    def sampled(self) -> list[Segment]:
+        return [s for t in self.branches + [self.segments] for s in t if s.trained]
 
 
 class EpisodeRunner:
@@ -52,6 +63,9 @@ class EpisodeRunner:
 
     # a workflow may await things of its own (asyncio.sleep, a thread): the loop runs at least this often
     IDLE_POLL_S = 0.01
+    # reward calls go to the pool in batches, as a group's answers did before episodes: every submission costs
+    # the pool's supervisor thread time under the GIL that the engine's loop would otherwise have
+    REWARD_BATCH, REWARD_WAIT_S = 16, 0.02
 
     def __init__(self, workflow: Workflow, tokenizer, pool, submit: Callable[[list[GenRequest]], None], settings):
         self.workflow = workflow
@@ -69,7 +83,8 @@ class EpisodeRunner:
         self.last_run = 0.0
         self._tools: ThreadPoolExecutor | None = None
         self._turn_cache: dict[tuple[str, str], list[int]] = {}
-        self._rewards: list[tuple[str, dict, asyncio.Future]] = []  # reward calls of this poll, sent after it
+        self._rewards: list[tuple[str, dict, asyncio.Future]] = []  # reward calls not sent to the pool yet
+        self._rewards_since = 0.0
 
     # -- the generator's side ----------------------------------------------------------------------
     def start(self, key: str, row: dict, prompt_ids: list[int], greedy: bool = False) -> None:
@@ -87,13 +102,15 @@ class EpisodeRunner:
             fut.set_result(out)
             self.due = True
 
-    def poll(self) -> list[FinishedEpisode]:
+    def poll(self, engine_idle: bool = False) -> list[FinishedEpisode]:
         """Run every episode that can go on until it waits again; the episodes that ended since the last poll.
 
         Cheap when nothing happened since the last poll (no start, no engine output, no reward or tool back).
+        Reward calls wait for a batch unless `engine_idle` (nothing else would happen meanwhile).
         """
         if self.due or (self.tasks and time.monotonic() - self.last_run > self.IDLE_POLL_S):
             self._run_once()
+        self._flush_rewards(force=engine_idle)
         # episodes may also have ended in a pass that cancel() ran
         if self.failure is not None:
             raise self.failure
@@ -117,7 +134,6 @@ class EpisodeRunner:
         self.due, self.last_run = False, time.monotonic()
         self.loop.call_soon(self.loop.stop)
         self.loop.run_forever()
-        self._flush_rewards()
 
     @property
     def running(self) -> int:
@@ -149,7 +165,7 @@ class EpisodeRunner:
         finally:
             self.tasks.pop(ep.key, None)
         self.finished.append(
-            FinishedEpisode(ep.key, reward, ep.segments, ep.stats, ep.last_finish, ep.t_start, time.time())
+            FinishedEpisode(ep.key, reward, ep.segments, ep.stats, ep.last_finish, ep.t_start, time.time(), ep.branches)
         )
 
     # -- what Episode's awaitables do -----------------------------------------------------------------
@@ -173,6 +189,8 @@ class EpisodeRunner:
     async def reward(self, ep: Episode, completion: str) -> float:
         t0 = time.time()
         fut = self.loop.create_future()
+        if not self._rewards:
+            self._rewards_since = time.monotonic()
         self._rewards.append((completion, ep.row, fut))
         value, status = await fut
         st = ep.stats
@@ -181,9 +199,13 @@ class EpisodeRunner:
         st.reward_span = (st.reward_span[0] if st.reward_span else t0, time.time())
         return value
 
-    def _flush_rewards(self) -> None:
-        """The reward calls of one poll go to the pool as one batch (as a group's answers did before episodes)."""
-        if not self._rewards:
+    def _flush_rewards(self, force: bool) -> None:
+        """Waiting reward calls go to the pool as one batch once there are REWARD_BATCH, the oldest has waited
+        REWARD_WAIT_S, or `force`."""
+        n = len(self._rewards)
+        if not n or not (
+            force or n >= self.REWARD_BATCH or time.monotonic() - self._rewards_since >= self.REWARD_WAIT_S
+        ):
             return
         batch, self._rewards = self._rewards, []
         job = self.pool.submit([c for c, _, _ in batch], [r for _, r, _ in batch])

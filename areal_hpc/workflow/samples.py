@@ -1,18 +1,31 @@
-"""A finished episode as the store's record: one Trajectory whose loss mask covers exactly the sampled tokens."""
+"""A finished episode as the store's records: a Trajectory per transcript, loss mask on exactly the sampled tokens."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from areal_hpc.types import SampleId, Trajectory
+from areal_hpc.workflow.records import Segment
 from areal_hpc.workflow.runner import FinishedEpisode
 
 
-def to_trajectory(ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_rank: int) -> Trajectory:
+def to_trajectories(ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_rank: int) -> list[Trajectory]:
+    """One Trajectory per transcript (more than one when the workflow rewrote its history with branch()), all
+    with the episode's reward and sample index, so they share its advantage. The episode's counts (turns,
+    tools, reward failures) go on the first, so that sums over trajectories count each episode once."""
+    out = [_one(t, ep, sample, prompt_id, gen_rank) for t in ep.transcripts]
+    st = ep.stats
+    first = out[0]
+    first.turns, first.tool_calls, first.tool_errors, first.tool_s = st.turns, st.tool_calls, st.tool_errors, st.tool_s
+    first.reward_timeouts, first.reward_errors = st.reward_timeouts, st.reward_errors
+    return out
+
+
+def _one(segments: list[Segment], ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_rank: int) -> Trajectory:
     """The transcript token for token: sampled segments carry their logprobs and versions and loss mask 1;
-    the prompt and what the workflow added carry logprob 0, version -1 and loss mask 0."""
+    the prompt (or a branch's context) and what the workflow added carry logprob 0, version -1, loss mask 0."""
     ids, lps, vers, mask = [], [], [], []
-    for seg in ep.segments:
+    for seg in segments:
         n = len(seg.ids)
         ids += seg.ids
         lps += seg.logprobs if seg.trained else [0.0] * n
@@ -26,16 +39,12 @@ def to_trajectory(ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_ran
         behav_logprobs=np.asarray(lps, dtype=np.float32),
         versions=np.asarray(vers, dtype=np.int32),
         loss_mask=np.asarray(mask, dtype=np.uint8),
-        prompt_len=len(ep.segments[0].ids),
+        prompt_len=len(segments[0].ids),
         reward=float(ep.reward),
         finish_reason=ep.finish_reason,
         gen_rank=gen_rank,
         t_start=ep.t_start,
         t_end=ep.t_end,
-        turns=ep.stats.turns,
-        tool_calls=ep.stats.tool_calls,
-        tool_errors=ep.stats.tool_errors,
-        tool_s=ep.stats.tool_s,
-        reward_timeouts=ep.stats.reward_timeouts,
-        reward_errors=ep.stats.reward_errors,
+        turns=0,
+        tool_calls=0,
     )
