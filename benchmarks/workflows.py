@@ -104,15 +104,8 @@ def tools(args, out: Path) -> dict:
             f"rollout.max_num_seqs={args.slots}",
             f"trainer.versions={args.versions}",
         ]
-        r = run_in(ROOT, out / name, out / "model", overrides)
-        res[name] = r | {"tool_calls": int(_metric_sum(out / name, "tool_calls"))}
+        res[name] = run_in(ROOT, out / name, out / "model", overrides)
     return res
-
-
-def _metric_sum(run_dir: Path, column: str) -> float:
-    import pandas as pd
-
-    return float(pd.read_csv(run_dir / "metrics.csv")[column].sum())
 
 
 def main() -> None:
@@ -143,11 +136,11 @@ def main() -> None:
         print(f"this checkout / {args.baseline}: {nr['new_over_base']:.3f} (pairs: {pairs})\n")
     if args.tools:
         tr = result["tools"] = tools(args, args.out)
-        print(f"{'variant':<15}{'occupancy':>12}{'consumed tok/s':>16}{'tool calls':>12}{'generator busy':>16}")
+        print(f"{'variant':<15}{'occupancy':>12}{'consumed tok/s':>16}{'generator busy':>16}{'step_share':>12}")
         for name, r in tr.items():
             print(
-                f"{name:<15}{r['occupancy']:>12.3f}{r['consumed_tokens_per_s']:>16.0f}{r['tool_calls']:>12}"
-                f"{r['generator_busy']:>16.3f}"
+                f"{name:<15}{r['occupancy']:>12.3f}{r['consumed_tokens_per_s']:>16.0f}{r['generator_busy']:>16.3f}"
+                f"{r['step_share']:>12.3f}"
             )
     from areal_hpc.utils import atomic_write_text
 
