@@ -135,10 +135,6 @@ class EpisodeRunner:
         self.loop.call_soon(self.loop.stop)
         self.loop.run_forever()
 
-    @property
-    def running(self) -> int:
-        return len(self.tasks)
-
     def close(self) -> None:
         self.cancel()
         if self._tools is not None:
