@@ -65,7 +65,7 @@ class EpisodeRunner:
     IDLE_POLL_S = 0.01
     # reward calls go to the pool in batches, as a group's answers did before episodes: every submission costs
     # the pool's supervisor thread time under the GIL that the engine's loop would otherwise have
-    REWARD_BATCH, REWARD_WAIT_S = 8, 0.005
+    REWARD_BATCH, REWARD_WAIT_S = 16, 0.02
 
     def __init__(self, workflow: Workflow, tokenizer, pool, submit: Callable[[list[GenRequest]], None], settings):
         self.workflow = workflow
