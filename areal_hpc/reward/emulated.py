@@ -6,6 +6,7 @@ import concurrent.futures as cf
 from collections.abc import Sequence
 
 from areal_hpc.costmodel import unit_hash
+from areal_hpc.reward.pool import Scores
 
 
 class EmulatedRewards:
@@ -38,7 +39,7 @@ class EmulatedRewards:
 
     def submit(self, completions: Sequence[str], references: Sequence) -> cf.Future:
         future: cf.Future = cf.Future()
-        future.set_result([self._score(c, r) for c, r in zip(completions, references)])
+        future.set_result(Scores([self._score(c, r) for c, r in zip(completions, references)]))
         return future
 
     def close(self) -> None:

@@ -88,10 +88,7 @@ class Episode:
         """The calculator tool on `code` (lines of `print(<arithmetic>)`), in this process; counted as a tool call."""
         t0 = time.time()
         result = calculator(code)
-        self.stats.tool_calls += 1
-        self.stats.tool_errors += not result.ok
-        self.stats.tool_s += result.seconds
-        self.stats.tool_spans.append((t0, time.time()))
+        self.stats.add_tool_call(result, t0, time.time())
         return result
 
     def decode(self, ids: list[int]) -> str:

@@ -46,3 +46,9 @@ class EpisodeStats:
     reward_errors: int = 0
     reward_span: tuple[float, float] | None = None  # first reward call to the last answer (the timeline's span)
     tool_spans: list[tuple[float, float]] = field(default_factory=list)  # each tool call's start and end
+
+    def add_tool_call(self, result: ToolResult, t_start: float, t_end: float) -> None:
+        self.tool_calls += 1
+        self.tool_errors += not result.ok
+        self.tool_s += result.seconds
+        self.tool_spans.append((t_start, t_end))

@@ -210,8 +210,7 @@ class EpisodeRunner:
 
     def _settle(self, futures: list[asyncio.Future], scores) -> None:
         """In the loop: a reward batch is back; each waiting episode gets (its reward, how its call ended)."""
-        statuses = getattr(scores, "statuses", ["ok"] * len(scores))  # the emulated rewards never fail
-        for f, value, status in zip(futures, scores, statuses):
+        for f, value, status in zip(futures, scores, scores.statuses):
             if not f.done():  # a cancelled episode no longer waits
                 f.set_result((float(value), status))
         self.due = True  # the episodes it woke run at the next pass, not this one
@@ -242,10 +241,7 @@ class EpisodeRunner:
         job = self._tools.submit(sandboxed_python, *call)
         job.add_done_callback(lambda j: self._call_in_loop(self._settle_tool, done, j))
         result = await done
-        ep.stats.tool_calls += 1
-        ep.stats.tool_errors += not result.ok
-        ep.stats.tool_s += result.seconds
-        ep.stats.tool_spans.append((t0, time.time()))
+        ep.stats.add_tool_call(result, t0, time.time())
         return result
 
     def render_turn(self, role: str, content: str) -> list[int]:
