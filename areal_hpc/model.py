@@ -182,6 +182,16 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def text_decoder(tokenizer):
+    """ids -> text without special tokens, as tokenizer.decode gives it; through the Rust tokenizer directly when
+    that is the same text (a fast tokenizer without space clean-up): transformers' wrapper checks every id in
+    Python first, which costs the generator's loop more than the decoding itself."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+
+
 def _ids(value) -> list[int]:
     """An eos_token_id entry: one id, a list of ids, or absent."""
     if value is None:

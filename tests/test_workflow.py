@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -91,6 +92,13 @@ async def _rejects_first(ep: Episode) -> float | None:
     return float(len(answer.ids))
 
 
+async def _naps(ep: Episode) -> float:
+    await asyncio.sleep(0.05)  # waits for nothing of the runner's: only its idle poll wakes this episode
+    answer = await ep.generate()
+    await asyncio.sleep(0.05)
+    return float(len(answer.ids))
+
+
 async def _raises(ep: Episode) -> float:
     await ep.generate()
     raise KeyError("no_such_field")
@@ -103,6 +111,8 @@ def test_a_rejected_episode_runs_again_and_a_raising_workflow_stops_in_one_line(
         eps = run_episodes(eng, _rejects_first, tok, pool, _settings(tok), _starts(tok, 6))
         assert all(e.reward is not None and e.reward >= 1 for e in eps)
         assert len(eng.outputs) == 12  # every sample generated twice, its slots refilled
+        napped = run_episodes(eng, _naps, tok, pool, _settings(tok), _starts(tok, 3))
+        assert all(e.reward >= 1 and e.t_end - e.t_start >= 0.1 for e in napped)
         with pytest.raises(WorkflowError, match="KeyError: 'no_such_field'") as err:
             run_episodes(eng, _raises, tok, pool, _settings(tok), _starts(tok, 3))
         assert "\n" not in str(err.value)

@@ -64,7 +64,8 @@ class HeldoutEvals:
         ev = self.current
         ev.rewards[index] = ep.reward or 0.0
         ev.tool_users += ep.stats.tool_calls > 0
-        ev.newest = max([ev.newest] + [v for seg in ep.sampled for v in seg.versions])
+        # a segment's versions only grow: its last token carries the newest weights it saw
+        ev.newest = max([ev.newest] + [seg.versions[-1] for seg in ep.sampled if seg.versions])
         total = len(self.problems) * self.k
         if len(ev.rewards) < total:
             return

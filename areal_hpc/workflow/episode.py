@@ -92,4 +92,4 @@ class Episode:
         return result
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._runner.decode(ids)

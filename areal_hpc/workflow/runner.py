@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from areal_hpc.model import text_decoder
 from areal_hpc.types import GenOutput, GenRequest
 from areal_hpc.workflow.episode import Episode
 from areal_hpc.workflow.records import Completion, EpisodeStats, Segment, ToolResult
@@ -61,7 +62,8 @@ class EpisodeRunner:
     between two engine steps. A generate call becomes a GenRequest handed to `submit` (the generator puts it
     into the engine); `deliver()` hands back the engine's output and wakes the episode."""
 
-    # a workflow may await things of its own (asyncio.sleep, a thread): the loop runs at least this often
+    # a workflow may await things of its own (asyncio.sleep, a thread): while one does, the loop runs at least
+    # this often (episodes that wait only for the engine, a reward or a tool are woken by what they wait for)
     IDLE_POLL_S = 0.01
     # reward calls go to the pool in batches, as a group's answers did before episodes: every submission costs
     # the pool's supervisor thread time under the GIL that the engine's loop would otherwise have
@@ -70,6 +72,7 @@ class EpisodeRunner:
     def __init__(self, workflow: Workflow, tokenizer, pool, submit: Callable[[list[GenRequest]], None], settings):
         self.workflow = workflow
         self.tokenizer = tokenizer
+        self.decode = text_decoder(tokenizer)
         self.pool = pool
         self.submit = submit
         self.settings: RunnerSettings = settings
@@ -80,6 +83,7 @@ class EpisodeRunner:
         self.calls = 0  # request ids are unique for the runner's life: f"{key}#{n}"
         self.failure: WorkflowError | None = None
         self.due = False  # something happened that an episode waits for: the next poll runs the loop
+        self.parked = 0  # episodes waiting for something of the runner's (the engine, a reward, a tool)
         self.last_run = 0.0
         self._tools: ThreadPoolExecutor | None = None
         self._turn_cache: dict[tuple[str, str], list[int]] = {}
@@ -108,7 +112,8 @@ class EpisodeRunner:
         Cheap when nothing happened since the last poll (no start, no engine output, no reward or tool back).
         Reward calls wait for a batch unless `engine_idle` (nothing else would happen meanwhile).
         """
-        if self.due or (self.tasks and time.monotonic() - self.last_run > self.IDLE_POLL_S):
+        waits_elsewhere = len(self.tasks) > self.parked
+        if self.due or (waits_elsewhere and time.monotonic() - self.last_run > self.IDLE_POLL_S):
             self._run_once()
         self._flush_rewards(force=engine_idle)
         # episodes may also have ended in a pass that cancel() ran
@@ -177,8 +182,8 @@ class EpisodeRunner:
         fut = self.loop.create_future()
         self.waiting[rid] = (fut, ep.key)
         self.submit([GenRequest(rid, tokens, budget, greedy=ep.greedy, stop=list(stop or []))])
-        out: GenOutput = await fut
-        text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        out: GenOutput = await self._parked(fut)
+        text = self.decode(out.output_ids)
         reason = "stop" if out.finish_reason == "stop" else "length"
         return Completion(out.output_ids, out.output_logprobs, out.output_versions, reason, text)
 
@@ -188,12 +193,20 @@ class EpisodeRunner:
         if not self._rewards:
             self._rewards_since = time.monotonic()
         self._rewards.append((completion, ep.row, fut))
-        value, status = await fut
+        value, status = await self._parked(fut)
         st = ep.stats
         st.reward_timeouts += status == "timeout"
         st.reward_errors += status == "error"
         st.reward_span = (st.reward_span[0] if st.reward_span else t0, time.time())
         return value
+
+    async def _parked(self, fut: asyncio.Future):
+        """Await a future the runner resolves itself: no idle poll needs to run for this episode meanwhile."""
+        self.parked += 1
+        try:
+            return await fut
+        finally:
+            self.parked -= 1
 
     def _flush_rewards(self, force: bool) -> None:
         """Waiting reward calls go to the pool as one batch once there are REWARD_BATCH, the oldest has waited
@@ -240,7 +253,7 @@ class EpisodeRunner:
         done, t0 = self.loop.create_future(), time.time()
         job = self._tools.submit(sandboxed_python, *call)
         job.add_done_callback(lambda j: self._call_in_loop(self._settle_tool, done, j))
-        result = await done
+        result = await self._parked(done)
         ep.stats.add_tool_call(result, t0, time.time())
         return result
 
