@@ -1,0 +1,61 @@
+"""`areal-hpc eval`: a checkpoint or a Hugging Face folder on held-out data, here or as a Slurm job."""
+
+from __future__ import annotations
+
+import click
+
+from areal_hpc.config import ConfigError
+
+
+@click.command("eval")
+@click.argument("model_path", type=click.Path(file_okay=False))
+@click.option(
+    "--data", default="heldout", show_default=True, help="'heldout' (the run's held-out prompts) or FILE.jsonl/.parquet"
+)
+@click.option(
+    "--config", "config_path", type=click.Path(dir_okay=False), help="Data/prompt settings (default: the run's)."
+)
+@click.option("--n-samples", default=1, show_default=True, type=int, help="Answers per problem (avg@k, pass@k).")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--max-new-tokens", type=int, help="Default: the config's rollout.max_new_tokens.")
+@click.option("--engine", type=click.Choice(["auto", "vllm", "torch"]), default="auto", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the figures as JSON here.")
+@click.option("--slurm", is_flag=True, help="Print this evaluation as an sbatch script instead of running it.")
+@click.option("--submit", is_flag=True, help="With --slurm: submit it with sbatch.")
+@click.argument("overrides", nargs=-1)
+def eval_cmd(
+    model_path, data, config_path, n_samples, temperature, max_new_tokens, engine, json_path, slurm, submit, overrides
+):
+    """Evaluate RUN_DIR/checkpoints/vN or a Hugging Face folder: pass@1 as avg@k (+- standard error), pass@k."""
+    from areal_hpc import checkpoint_eval as ce
+    from areal_hpc.model import ModelFolderError
+
+    try:
+        target = ce.resolve(model_path, config_path, list(overrides))
+        if slurm:
+            opts = dict(n_samples=n_samples, temperature=temperature, engine=engine, max_new_tokens=max_new_tokens)
+            _eval_job(target, model_path, data, config_path, json_path, submit, overrides, opts)
+            return
+        try:
+            out = ce.run_eval(target, data, n_samples, temperature, max_new_tokens, engine)
+        finally:
+            target.close()
+    except (ConfigError, ModelFolderError, OSError, ValueError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    for line in ce.summary_lines(out):
+        click.echo(line)
+    if json_path:
+        ce.write_json(out, json_path)
+        click.echo(f"wrote {json_path}")
+
+
+def _eval_job(target, model_path, data, config_path, json_path, submit, overrides, opts) -> None:
+    """`eval --slurm`: the same evaluation as a sbatch script (printed, or submitted with --submit)."""
+    from areal_hpc.launch.eval_job import SlurmError, eval_argv, eval_script, submit_eval_sbatch
+
+    argv = eval_argv(model_path, data, config_path, json_path, opts, list(overrides))
+    try:
+        script = eval_script(target, argv)
+        click.echo(f"submitted job {submit_eval_sbatch(script)}" if submit else script, nl=submit)
+    except SlurmError as err:
+        raise click.ClickException(str(err)) from None

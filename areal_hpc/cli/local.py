@@ -1,0 +1,111 @@
+"""`areal-hpc config`, `train-sync` and `run`: a config resolved, and runs on this machine (mpirun)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from areal_hpc.cli.common import load_or_fail
+from areal_hpc.config import to_yaml
+from areal_hpc.rundir import RunDir
+
+
+@click.command("config")
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+def config_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Print the resolved config: CONFIG_PATH plus dotted KEY=VALUE overrides."""
+    click.echo(to_yaml(load_or_fail(config_path, overrides)), nl=False)
+
+
+@click.command("train-sync")
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+def train_sync_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Run the single-process synchronous learning loop (generate, reward, store, train)."""
+    cfg = load_or_fail(config_path, overrides)
+    from areal_hpc.model import ModelFolderError
+    from areal_hpc.runtime.sync_loop import run_sync
+
+    try:
+        s = run_sync(cfg)
+    except (ModelFolderError, OSError, ValueError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    click.echo(
+        f"held-out accuracy: {s.acc_before:.1%} at start, {s.acc_after_warm_start:.1%} after warm start, "
+        f"{s.acc_after:.1%} after {s.versions} RL versions ({s.rl_wall_s:.0f} s of RL, {s.wall_s:.0f} s total)"
+    )
+    click.echo(f"run dir:     {s.run_dir}")
+    click.echo(f"metrics:     {RunDir(s.run_dir).metrics}")
+    click.echo(f"tensorboard: tensorboard --logdir {s.tensorboard_dir}")
+
+
+@click.command("run")
+@click.argument("config_path", required=False, type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False),
+    help="Continue the run in this RUN_DIR from its last checkpoint.",
+)
+@click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
+def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_progress: bool) -> None:
+    """Run the asynchronous runtime under mpirun: CONFIG_PATH [KEY=VALUE ...], or --resume RUN_DIR [KEY=VALUE ...]."""
+    from areal_hpc.launch.local import RunFailed, launch, staleness_histogram
+    from areal_hpc.model import ModelFolderError
+
+    if resume_dir:
+        if config_path is not None:  # with --resume every argument is an override
+            overrides = (config_path, *overrides)
+        saved = RunDir(resume_dir).config
+        if not saved.is_file():
+            raise click.ClickException(f"{resume_dir!r} is not a run dir (no {saved.name})")
+        cfg = load_or_fail(str(saved), (*overrides, f"store.run_dir={Path(resume_dir).resolve()}"))
+    elif config_path is None:
+        raise click.ClickException("give a config file (e.g. jobs/demo.yaml) or --resume RUN_DIR")
+    else:
+        cfg = load_or_fail(config_path, overrides)
+    if no_progress:
+        cfg.logging.progress = False
+    try:
+        s = launch(cfg, resume=bool(resume_dir), progress=cfg.logging.progress)
+    except (RunFailed, ModelFolderError, OSError, ValueError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    run_dir = RunDir(Path(cfg.store.run_dir).resolve())
+    pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
+    click.echo(
+        f"versions:    {s['start_version']} -> {s['versions']} ({s['stop_reason']}) "
+        f"in {s['rl_wall_s']:.0f} s of RL, {s['wall_s']:.0f} s total"
+    )
+    click.echo(
+        f"held-out:    {pct(s['acc_init'])} at start, {pct(s['acc_start'])} after warm start, "
+        f"{pct(s['acc_final'])} at the end"
+    )
+    click.echo(
+        f"throughput:  {s['consumed_tokens_per_s']:.0f} consumed tokens/s "
+        f"({s['tokens_consumed']} tokens, {s['samples_consumed']} samples)"
+    )
+    hist = staleness_histogram(run_dir.root)
+    click.echo(
+        f"staleness:   {hist} (versions behind -> trajectories); "
+        f"dropped too stale: {s['dropped_stale']} groups, {s['dropped_on_resume']} on resume"
+    )
+    click.echo(
+        f"sampling:    {s.get('rejected_uniform', 0)} groups rejected as uniform (all rewards equal) and refilled; "
+        f"{s.get('aborted_requests', 0)} requests interrupted for new weights and resumed; "
+        f"{s.get('prefill_tokens', 0)} tokens prefilled"
+    )
+    if s.get("sync_s_mean") is not None:
+        # per version: on a small model GB/s only measures how fast the generators reach the collective
+        how = f"through {run_dir.weights}" if cfg.sync.method == "disk" else "bucketed broadcast"
+        load = f", loaded in {1e3 * s['load_s_mean']:.0f} ms" if s.get("load_s_mean") is not None else ""
+        click.echo(
+            f"weight sync: {1e3 * s['sync_s_mean']:.0f} ms per version to send {s['sync_bytes'] / 1e6:.1f} MB "
+            f"({how}, {s['sync_gbps_mean']:.2f} GB/s){load}; weight_update={s.get('weight_update')}"
+        )
+    rel = [p.relative_to(run_dir.root) for p in (run_dir.metrics, run_dir.timeline, run_dir.logs, run_dir.checkpoints)]
+    click.echo(f"run dir:     {run_dir.root}  ({', '.join(map(str, rel))})")
+    if cfg.logging.tensorboard:
+        click.echo(f"tensorboard: tensorboard --logdir {run_dir.tensorboard}")

@@ -1,0 +1,148 @@
+"""Runs on Slurm: `areal-hpc render`, `submit`, `sweep`, `collect`, `status`, `cancel` (and the script's `prepare`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from areal_hpc.cli.common import load_or_fail
+from areal_hpc.rundir import RunDir
+
+
+@click.command("render")
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--check/--no-check", default=True, help="Check the request against the cluster (sinfo) first.")
+def render_cmd(config_path: str, overrides: tuple[str, ...], check: bool) -> None:
+    """Print the heterogeneous-job sbatch script for CONFIG_PATH [KEY=VALUE ...] (submit it with sbatch)."""
+    from areal_hpc.launch.slurm import SlurmError, check_request, render_sbatch, which_slurm
+
+    cfg = load_or_fail(config_path, overrides)
+    try:
+        if check and which_slurm():
+            check_request(cfg)
+        script = render_sbatch(cfg, " ".join([config_path, *overrides]))
+        # sbatch opens the job's output file in RUN_DIR/logs before the script runs: it must exist
+        RunDir(Path(cfg.store.run_dir).resolve()).logs.mkdir(parents=True, exist_ok=True)
+    except SlurmError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(script, nl=False)
+
+
+@click.command("submit")
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+def submit_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Submit CONFIG_PATH [KEY=VALUE ...] as a heterogeneous Slurm job through submitit."""
+    from areal_hpc.launch.local import RunFailed
+    from areal_hpc.launch.slurm import SlurmError
+    from areal_hpc.launch.submit import submit
+
+    cfg = load_or_fail(config_path, overrides)
+    try:
+        job = submit(cfg)
+    except (SlurmError, RunFailed, ValueError, OSError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    click.echo(f"submitted job {job.job_id}")
+    click.echo(f"run dir: {cfg.store.run_dir}")
+    click.echo(f"watch:   areal-hpc status {cfg.store.run_dir}")
+
+
+@click.command("sweep")
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--grid", "grid", multiple=True, required=True, help="KEY=V1,V2,... (repeat for more keys)")
+@click.option("--sweep-dir", required=True, type=click.Path(file_okay=False), help="Where the points' run dirs go.")
+@click.option("--max-parallel", type=int, default=None, help="At most this many points running at once.")
+def sweep_cmd(
+    config_path: str, overrides: tuple[str, ...], grid: tuple[str, ...], sweep_dir: str, max_parallel: int | None
+) -> None:
+    """Submit a grid over CONFIG_PATH [KEY=VALUE ...] as one Slurm job array."""
+    import yaml
+
+    from areal_hpc.launch.local import RunFailed
+    from areal_hpc.launch.slurm import SlurmError
+    from areal_hpc.launch.sweep import sweep
+
+    parsed = {}
+    for g in grid:
+        if "=" not in g:
+            raise click.ClickException(f"--grid {g!r} must look like key=v1,v2 (e.g. rollout.eta=0,4)")
+        key, values = g.split("=", 1)
+        parsed[key] = [yaml.safeload_or_fail(v) for v in values.split(",")]
+    try:
+        jobs = sweep(config_path, parsed, sweep_dir, list(overrides), max_parallel)
+    except (SlurmError, RunFailed, ValueError, OSError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    click.echo(f"submitted {len(jobs)} points as job array {jobs[0].job_id.split('_')[0]}")
+    click.echo(f"results: areal-hpc collect {sweep_dir}")
+
+
+@click.command("collect")
+@click.argument("sweep_dir", type=click.Path(file_okay=False))
+def collect_cmd(sweep_dir: str) -> None:
+    """Print a sweep's results (one row per point)."""
+    from areal_hpc.launch.slurm import SlurmError
+    from areal_hpc.launch.sweep import collect
+
+    try:
+        df = collect(sweep_dir)
+    except SlurmError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(df.drop(columns=["run_dir"]).to_string(index=False))
+
+
+@click.command("status")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+def status_cmd(run_dir: str) -> None:
+    """Slurm state (sacct) and progress (version, reward, throughput) of the run in RUN_DIR."""
+
+    from areal_hpc.launch.slurm import SlurmError, job_state, load_job
+
+    try:
+        job = load_job(Path(run_dir))
+        state = job_state(job["job_id"])
+    except SlurmError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"job {job['job_id']}: {state}")
+    from areal_hpc.launch.restarts import restarts_line
+
+    if line := restarts_line(Path(run_dir)):
+        click.echo(line)
+    if (p := RunDir(run_dir).read_progress()) is None:
+        click.echo("progress: none yet (the run has not published its first version)")
+        return
+    reward = "n/a" if p.get("reward_mean") is None else f"{p['reward_mean']:.3f}"
+    acc = "n/a" if p.get("heldout_acc") is None else f"{p['heldout_acc']:.1%}"
+    click.echo(
+        f"progress: version {p['version']}/{p['versions']} ({p['state']}), reward {reward}, held-out {acc}, "
+        f"{p['consumed_tokens_per_s']:.0f} consumed tokens/s, {p['elapsed_s']:.0f} s since start"
+    )
+
+
+@click.command("cancel")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+def cancel_cmd(run_dir: str) -> None:
+    """Cancel the Slurm job of the run in RUN_DIR (its checkpoints stay; resume by submitting again)."""
+    from areal_hpc.launch.slurm import SlurmError, cancel, load_job
+
+    try:
+        job = load_job(Path(run_dir))
+        cancel(job["job_id"])
+    except SlurmError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"cancelled job {job['job_id']}")
+
+
+@click.command("prepare", hidden=True)
+@click.argument("run_dir", type=click.Path(file_okay=False))
+def prepare_cmd(run_dir: str) -> None:
+    """(Run by the batch script) make RUN_DIR ready to start or resume."""
+    from areal_hpc.launch.slurm import prepare_run_dir
+    from areal_hpc.model import ModelFolderError
+
+    try:
+        click.echo(f"[areal] {prepare_run_dir(run_dir)}")
+    except (ModelFolderError, OSError, ValueError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
