@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,8 +192,11 @@ class SlurmConfig:
     gpus_per_node: int = 0
     cpus_per_task: int = 1
     mem: str = ""  # per node, e.g. 64G ("" = partition default)
-    signal_s: int = 120  # USR1 this long before the time limit: checkpoint, stop, requeue
-    requeue: bool = True
+    # USR1 this long before the time limit: checkpoint, stop, requeue. It must cover the version in flight and a
+    # checkpoint (render checks it against the simulator for GPU configs; rank 0 warns when a run measures more)
+    signal_s: int = 120
+    requeue: bool = True  # requeue the job after the time limit's signal (a long run as many time slices)
+    mpi: str = "pmix"  # srun --mpi=: pmix (Open MPI's default launch under Slurm) | pmi2
     # a world that dies (a rank killed, hung, crashed) is started again from the newest complete
     # checkpoint inside the same allocation, this many times, before the job fails
     max_restarts: int = 2
@@ -318,7 +322,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = validate(cfg)
     # a file given relative to where the run was started: every rank, on any node, finds the same one
     cfg.reward.fn, cfg.rollout.workflow = absolute_spec(cfg.reward.fn), absolute_spec(cfg.rollout.workflow)
+    for section, key in PATH_KEYS:
+        sub = getattr(cfg, section)
+        setattr(sub, key, absolute_path(getattr(sub, key)))
     return cfg
+
+
+# every config value that names a file or folder: written absolute into a run's config, so a job script
+# submitted from another directory (or a resume from anywhere) finds what the user meant where they typed it
+PATH_KEYS = (("model", "path"), ("data", "path"), ("store", "run_dir"), ("slurm", "venv"))
+
+
+def absolute_path(value: str) -> str:
+    """`value` as an absolute path from the current directory ('' stays '': unset)."""
+    return os.path.abspath(os.path.expanduser(value)) if value else value
 
 
 def to_yaml(cfg: Config) -> str:

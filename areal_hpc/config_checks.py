@@ -36,6 +36,7 @@ _CHOICES = {
     "sync.method": ("broadcast", "disk"),
     "sync.backend": ("auto", "gloo", "nccl"),
     "cluster.device": ("cpu", "cuda"),
+    "slurm.mpi": ("pmix", "pmi2"),
 }
 # key -> (lower bound, inclusive?) for numbers
 _LOWER = {

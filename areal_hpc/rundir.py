@@ -45,6 +45,11 @@ class RunDir:
         return self.root / "config.yaml"
 
     @property
+    def config_history(self) -> Path:
+        """Every resume's changes to config.yaml, dated (areal-hpc resume appends)."""
+        return self.root / "config-history.yaml"
+
+    @property
     def stop(self) -> Path:
         """Touching it asks a run to checkpoint and stop (the launchers do it on Ctrl-C or a Slurm signal)."""
         return self.root / "STOP"
@@ -198,6 +203,11 @@ class RunDir:
     @property
     def slurm(self) -> Path:
         return self.root / "slurm"
+
+    @property
+    def job_script(self) -> Path:
+        """The batch script `areal-hpc resume` rendered and submitted (the latest)."""
+        return self.slurm / "job.sbatch"
 
     @property
     def job_file(self) -> Path:

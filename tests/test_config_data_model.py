@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ DEMO = ROOT / "jobs" / "demo_sync.yaml"
 def test_demo_config_loads_with_overrides():
     cfg = load_config(DEMO, ["rollout.eta=2", "trainer.lr=3e-4", "run_name=x"])
     assert cfg.rollout.eta == 2 and cfg.trainer.lr == pytest.approx(3e-4)
-    assert cfg.store.run_dir == "runs/x"  # interpolation resolved
+    assert cfg.store.run_dir == os.path.abspath("runs/x")  # interpolation resolved, made absolute where typed
+    assert cfg.model.path == os.path.abspath("runs/models/tiny-arith-llama") and cfg.data.path == ""
     assert "eta: 2" in to_yaml(cfg)
 
 

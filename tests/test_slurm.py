@@ -99,16 +99,28 @@ def _wait_version(run: Path, version: int, job_id: str, timeout: float = 180, si
 
 
 def test_rendered_sbatch_runs_with_plain_sbatch(tmp_path):
-    r = _cli("render", str(DEMO), *_args(tmp_path, "trainer.versions=8"))
+    # rendered in one directory with relative paths, submitted from another: the script carries absolute ones
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir(), there.mkdir()
+    rows = [{"question": f"{x}+{y}=", "answer": str(x + y)} for x in range(20) for y in range(20)]
+    (here / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    relative = ["store.run_dir=../run", "model.path=../model", "data.kind=jsonl", "data.path=sums.jsonl"]
+    r = subprocess.run(
+        [*CLI, "render", str(DEMO), *_args(tmp_path, "trainer.versions=8")[2:], *relative],
+        cwd=here,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
-    script = tmp_path / "job.sbatch"
+    script = there / "job.sbatch"
     script.write_text(r.stdout)
     assert "#SBATCH hetjob" in r.stdout and "srun --mpi=pmix" in r.stdout
-    test_only = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True)
+    assert f"path: {here / 'sums.jsonl'}" in r.stdout and f"path: {tmp_path / 'model'}" in r.stdout
+    test_only = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, cwd=there)
     assert test_only.returncode == 0 and "to start" in test_only.stderr, test_only.stderr
     t0 = time.time()
     job_id = subprocess.run(
-        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, cwd=there
     ).stdout.strip()
     run = tmp_path / "run"
     first_batch = None
@@ -189,6 +201,15 @@ def test_requests_the_cluster_cannot_serve_are_refused_in_one_line(tmp_path, mon
     assert "GPUs" in refused("slurm.gpus_per_node=8")
     assert "CPUs" in refused("cluster.n_generators=9", "slurm.gen_nodes=1", "slurm.cpus_per_task=1")
     assert "model" in refused("model.build_tiny=false", f"model.path={tmp_path / 'no-model'}")
+    # sizing: more GPU ranks than GPUs on a node, and a time-limit signal shorter than a version + checkpoint
+    recipe = [str(ROOT / "jobs" / "math_1p5b_gpu.yaml"), f"model.path={tmp_path}", f"data.path={tmp_path / 'd.jsonl'}"]
+    for more, words in (
+        (["cluster.n_trainers=9", "slurm.signal_s=3600"], "cluster.n_trainers=9 on slurm.train_nodes=1 puts 9 GPU"),
+        (["slurm.signal_s=60"], "slurm.signal_s=60 is shorter than one version plus a checkpoint"),
+    ):
+        r = _cli("render", "--no-check", *recipe, f"store.run_dir={tmp_path / 'gpu'}", *more)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, r.stderr
+    assert _cli("render", "--no-check", *recipe, f"store.run_dir={tmp_path / 'gpu'}").returncode == 0
     # a multi-node job on nodes elsewhere needs the run dir on a shared filesystem
     import areal_hpc.launch.slurm as slurm
 
@@ -231,7 +252,11 @@ def test_time_limit_signal_checkpoints_stops_and_requeues(tmp_path):
     _audit(run, eta=2, versions=20)
 
 
-def test_cancel_stops_the_job_and_status_says_so(tmp_path):
+def _files(run: Path) -> dict[str, int]:
+    return {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+
+
+def test_cancel_then_resume_with_more_versions_pending_first(tmp_path):
     r = _cli("submit", str(DEMO), *_args(tmp_path, "trainer.versions=100000"))
     job_id = r.stdout.split()[2]
     run = tmp_path / "run"
@@ -241,6 +266,53 @@ def test_cancel_stops_the_job_and_status_says_so(tmp_path):
     assert wait_for(job_id, DONE, 60) == "CANCELLED"
     assert f"job {job_id}: CANCELLED" in _cli("status", str(run)).stdout
     assert "not submitted" in _cli("status", str(tmp_path)).stderr
+    stopped = RunDir(run).latest_checkpoint()  # scancel's TERM: rank 0 checkpoints where it stops
+    assert stopped is not None and stopped >= 1
+
+    # what would break the run is refused in one line, and the run directory stays as it was
+    before = _files(run)
+    for bad, words in (
+        ("rollout.eta=4", "rollout.eta cannot change when a run resumes"),
+        ("model.path=/elsewhere", "model.path cannot change"),
+        (f"trainer.versions={stopped}", "nothing left to train"),
+    ):
+        out = _cli("resume", str(run), bad)
+        assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1 and words in out.stderr, out.stderr
+    rerender = _cli("render", str(DEMO), *_args(tmp_path, "trainer.versions=50"))
+    assert rerender.returncode != 0 and f"areal-hpc resume {run}" in rerender.stderr
+    assert _files(run) == before
+
+    # more versions, through sbatch, held in the queue first: status says PENDING and why
+    more = stopped + 3
+    out = _cli("resume", str(run), f"trainer.versions={more}", "slurm.extra_sbatch=[--hold]", "--sbatch")
+    assert out.returncode == 0 and f"resumes from checkpoint v{stopped}" in out.stdout, out.stderr
+    new_id = out.stdout.split()[2].rstrip(":")
+    assert f"job {new_id}: PENDING (JobHeldUser)" in _cli("status", str(run)).stdout
+    subprocess.run(["scontrol", "release", new_id], check=True)
+    assert wait_for(new_id, DONE, 240) == "COMPLETED"
+    s = json.loads((run / "summary.json").read_text())
+    assert s["start_version"] == stopped and s["versions"] == more
+    _audit(run, eta=2, versions=more)  # nothing consumed twice across the cancel and the resume
+    import yaml
+
+    (entry,) = yaml.safe_load((run / "config-history.yaml").read_text())
+    assert entry["from_checkpoint"] == stopped and entry["changes"]["trainer.versions"] == {"from": 100000, "to": more}
+    assert f"version {more}/{more}" in _cli("status", str(run)).stdout
+
+
+def test_status_finds_a_queued_job_that_plain_sbatch_submitted(tmp_path):
+    r = _cli("render", str(DEMO), *_args(tmp_path, "slurm.extra_sbatch=[--hold]"))
+    assert r.returncode == 0, r.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(r.stdout)
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True)
+    job_id = job_id.stdout.strip()
+    try:
+        status = _cli("status", str(tmp_path / "run"))  # no slurm/job.json yet: found in the queue
+        assert f"job {job_id}: PENDING (JobHeldUser)" in status.stdout, status.stdout + status.stderr
+        assert "progress: none yet" in status.stdout
+    finally:
+        subprocess.run(["scancel", job_id], check=True)
 
 
 def test_scancel_of_an_sbatch_job_is_final(tmp_path):

@@ -18,6 +18,7 @@ for _cmd in (
     local.run_cmd,
     slurm.render_cmd,
     slurm.submit_cmd,
+    slurm.resume_cmd,
     slurm.sweep_cmd,
     slurm.collect_cmd,
     slurm.status_cmd,

@@ -16,16 +16,19 @@ from areal_hpc.rundir import RunDir
 @click.option("--check/--no-check", default=True, help="Check the request against the cluster (sinfo) first.")
 def render_cmd(config_path: str, overrides: tuple[str, ...], check: bool) -> None:
     """Print the heterogeneous-job sbatch script for CONFIG_PATH [KEY=VALUE ...] (submit it with sbatch)."""
-    from areal_hpc.launch.slurm import SlurmError, check_request, render_sbatch, which_slurm
+    from areal_hpc.launch.sizing import SizingError, check_sizing
+    from areal_hpc.launch.slurm import SlurmError, check_render_target, check_request, render_sbatch, which_slurm
 
     cfg = load_or_fail(config_path, overrides)
     try:
+        check_render_target(cfg)
         if check and which_slurm():
             check_request(cfg)
+        check_sizing(cfg)
         script = render_sbatch(cfg, " ".join([config_path, *overrides]))
         # sbatch opens the job's output file in RUN_DIR/logs before the script runs: it must exist
         RunDir(Path(cfg.store.run_dir).resolve()).logs.mkdir(parents=True, exist_ok=True)
-    except SlurmError as err:
+    except (SlurmError, SizingError) as err:
         raise click.ClickException(str(err)) from None
     click.echo(script, nl=False)
 
@@ -49,6 +52,27 @@ def submit_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
     click.echo(f"watch:   areal-hpc status {cfg.store.run_dir}")
 
 
+@click.command("resume")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+@click.argument("overrides", nargs=-1)
+@click.option("--sbatch", "via", flag_value="sbatch", help="Render RUN_DIR/slurm/job.sbatch and submit it with sbatch.")
+@click.option("--submitit", "via", flag_value="submitit", help="Submit through submitit.")
+def resume_cmd(run_dir: str, overrides: tuple[str, ...], via: str | None) -> None:
+    """Submit the run in RUN_DIR again from its newest checkpoint, with KEY=VALUE overrides that are safe to change
+    (more versions, time, nodes, eval settings); the default is how the run was submitted before."""
+    from areal_hpc.launch.local import RunFailed
+    from areal_hpc.launch.resume import describe_changes, resume
+    from areal_hpc.launch.slurm import SlurmError
+
+    try:
+        job_id, changes, ckpt = resume(run_dir, list(overrides), via)
+    except (SlurmError, RunFailed, ValueError, OSError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    start = f"checkpoint v{ckpt}" if ckpt is not None else "the beginning (no complete checkpoint)"
+    click.echo(f"submitted job {job_id}: resumes from {start}; {describe_changes(changes)}")
+    click.echo(f"watch:   areal-hpc status {Path(run_dir).resolve()}")
+
+
 @click.command("sweep")
 @click.argument("config_path", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
@@ -70,7 +94,7 @@ def sweep_cmd(
         if "=" not in g:
             raise click.ClickException(f"--grid {g!r} must look like key=v1,v2 (e.g. rollout.eta=0,4)")
         key, values = g.split("=", 1)
-        parsed[key] = [yaml.safeload_or_fail(v) for v in values.split(",")]
+        parsed[key] = [yaml.safe_load(v) for v in values.split(",")]
     try:
         jobs = sweep(config_path, parsed, sweep_dir, list(overrides), max_parallel)
     except (SlurmError, RunFailed, ValueError, OSError) as err:
@@ -98,14 +122,15 @@ def collect_cmd(sweep_dir: str) -> None:
 def status_cmd(run_dir: str) -> None:
     """Slurm state (sacct) and progress (version, reward, throughput) of the run in RUN_DIR."""
 
-    from areal_hpc.launch.slurm import SlurmError, job_state, load_job
+    from areal_hpc.launch.slurm import SlurmError, job_state, load_job, pending_reason
 
     try:
         job = load_job(Path(run_dir))
         state = job_state(job["job_id"])
     except SlurmError as err:
         raise click.ClickException(str(err)) from None
-    click.echo(f"job {job['job_id']}: {state}")
+    why = f" ({pending_reason(job['job_id'])})" if state == "PENDING" else ""
+    click.echo(f"job {job['job_id']}: {state}{why}")
     from areal_hpc.launch.restarts import restarts_line
 
     if line := restarts_line(Path(run_dir)):
@@ -124,7 +149,7 @@ def status_cmd(run_dir: str) -> None:
 @click.command("cancel")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 def cancel_cmd(run_dir: str) -> None:
-    """Cancel the Slurm job of the run in RUN_DIR (its checkpoints stay; resume by submitting again)."""
+    """Cancel the Slurm job of the run in RUN_DIR (its checkpoints stay: go on with areal-hpc resume RUN_DIR)."""
     from areal_hpc.launch.slurm import SlurmError, cancel, load_job
 
     try:

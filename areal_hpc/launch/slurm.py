@@ -91,8 +91,7 @@ def render_sbatch(cfg: Config, source: str = "") -> str:
     """The sbatch script for this config: readable, and runs as is with plain `sbatch`."""
     sc = cfg.slurm
     run_dir = Path(cfg.store.run_dir).resolve()
-    resolved = copy.deepcopy(cfg)
-    resolved.store.run_dir = str(run_dir)
+    resolved = _as_rendered(cfg, RunDir(run_dir))
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined, keep_trailing_newline=True
     )
@@ -117,10 +116,28 @@ def render_sbatch(cfg: Config, source: str = "") -> str:
         config_yaml=to_yaml(resolved),
         paths=RunDir(run_dir),
         rank_env=RANK_ENV,
+        mpi=sc.mpi,
     )
 
 
 # -- checks before anything is queued ------------------------------------------------------------------
+def check_render_target(cfg: Config) -> None:
+    """A rendered script writes its config only where none is (so a requeue finds its run): rendering a different
+    config over a run would be silently ignored. Point to resume instead."""
+    run = RunDir(Path(cfg.store.run_dir).resolve())
+    if run.holds_run() or (run.config.is_file() and run.config.read_text() != to_yaml(_as_rendered(cfg, run))):
+        raise SlurmError(
+            f"run dir {str(run.root)!r} already holds a run; to go on with it: areal-hpc resume {run.root} "
+            "[KEY=VALUE ...]; for a new run pick another run_name=... or store.run_dir=..."
+        )
+
+
+def _as_rendered(cfg: Config, run: RunDir) -> Config:
+    resolved = copy.deepcopy(cfg)
+    resolved.store.run_dir = str(run.root)
+    return resolved
+
+
 @dataclass
 class PartitionInfo:
     name: str
@@ -266,13 +283,37 @@ def save_job(run_dir: Path, info: dict) -> None:
 
 
 def load_job(run_dir: Path) -> dict:
+    """The run's job: slurm/job.json (written at submission by submit and resume, and by the job when it starts),
+    else a queued job whose output goes to this run's logs (a rendered script submitted with plain sbatch)."""
     path = RunDir(run_dir).job_file
-    if not path.exists():
+    if path.exists():
+        return json.loads(path.read_text())
+    queued = queued_job(run_dir)
+    if queued is None:
         raise SlurmError(
-            f"{str(run_dir)!r} has no {path.relative_to(run_dir)}: it was not submitted with areal-hpc "
-            "render+sbatch or submit"
+            f"no job of the run in {str(run_dir)!r}: it was not submitted yet (areal-hpc submit, or areal-hpc "
+            "render then sbatch), or its job left the queue before it started"
         )
-    return json.loads(path.read_text())
+    return {"job_id": queued, "submitted_by": "sbatch"}
+
+
+def queued_job(run_dir: Path) -> str | None:
+    """The id of a job in the queue that writes its Slurm output into RUN_DIR/logs (None if there is none)."""
+    logs = RunDir(Path(run_dir).resolve()).logs
+    out = slurm_command(["squeue", "-h", "--me", "-o", "%i|%j"])
+    ids = {ln.split("|")[0].split("+")[0] for ln in out.splitlines() if "|areal-" in ln}
+    for job_id in sorted(ids, key=lambda i: int(i) if i.isdigit() else 0, reverse=True):
+        show = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+        m = re.search(r"StdOut=(\S+)", show)
+        if m and Path(m.group(1)).parent == logs:
+            return job_id
+    return None
+
+
+def pending_reason(job_id: str) -> str:
+    """Why Slurm has not started a pending job yet (squeue's reason: Priority, Resources, JobHeldUser, ...)."""
+    out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%r"], capture_output=True, text=True).stdout
+    return (out.split() or ["unknown"])[0]
 
 
 def job_state(job_id: str) -> str:

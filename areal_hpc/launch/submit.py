@@ -29,7 +29,7 @@ def srun_command(cfg: Config, run_dir: Path, het: bool = True, python: str = sys
     worker = [python, "-m", "areal_hpc.runtime.worker", str(run_dir), "--resume-auto"]
     cpus = f"--cpus-per-task={cfg.slurm.cpus_per_task}"
     # --overlap: this step shares CPUs with the submitit task that launches it
-    srun = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "--overlap"]
+    srun = ["srun", f"--mpi={cfg.slurm.mpi}", "--kill-on-bad-exit=1", "--overlap"]
     if not het:
         world = 1 + cfg.cluster.n_generators + cfg.cluster.n_trainers
         return [*srun, f"--ntasks={world}", cpus, *worker]
@@ -173,24 +173,36 @@ def new_run_dir(cfg: Config) -> Path:
     """Create RUN_DIR with its resolved config (refusing one that holds a run)."""
     from areal_hpc.launch.local import RunFailed
 
+    root = Path(cfg.store.run_dir).resolve()
+    hint = f"to go on with it: areal-hpc resume {root}; for a new run pick another run_name=... or store.run_dir=..."
     try:
-        return RunDir(Path(cfg.store.run_dir).resolve()).create(cfg, queued=True).root
+        return RunDir(root).create(cfg, queued=True, hint=hint).root
     except RunDirError as err:
         raise RunFailed(str(err)) from None
 
 
 def submit(cfg: Config) -> submitit.Job:
     """Check the request, create RUN_DIR and submit; returns submitit's Job (job.job_id, job.result())."""
+    from areal_hpc.launch.sizing import check_sizing
     from areal_hpc.launch.slurm import check_request
 
     check_request(cfg)
+    check_sizing(cfg)
     run_dir = new_run_dir(cfg)
+    try:
+        return queue(cfg, run_dir)
+    except SlurmError:
+        forget_run_dir(run_dir)  # nothing was queued: let the user fix the request and submit again
+        raise
+
+
+def queue(cfg: Config, run_dir: Path) -> submitit.Job:
+    """Queue the run in RUN_DIR (new, or resumed from its checkpoint) through submitit; record its job id."""
     folder = RunDir(run_dir).submitit
     ex = make_executor(cfg, folder)
     try:
         job = ex.submit(AsyncRun(str(run_dir), srun_command(cfg, run_dir)))
     except submitit.core.utils.FailedJobError as err:
-        forget_run_dir(run_dir)  # nothing was queued: let the user fix the request and submit again
         raise SlurmError(f"sbatch refused the job: {' '.join(str(err).split())[-300:]}") from None
     record_job(run_dir, job, folder)
     return job

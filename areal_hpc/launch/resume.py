@@ -1,0 +1,150 @@
+"""`areal-hpc resume`: a run on Slurm submitted again from its newest checkpoint, with the overrides that are safe."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from areal_hpc.config import Config, load_config, save_config, to_yaml
+from areal_hpc.launch.slurm import SlurmError, job_state, load_job, render_sbatch, save_job
+from areal_hpc.rundir import RunDir
+from areal_hpc.utils import atomic_write_text
+
+# keys a resumed run cannot take new values for, and why: its checkpoint, ledger and store were made with them
+FIXED = {
+    "model.": "the checkpoint holds this model's weights",
+    "data.": "the ledger and the stored groups refer to this dataset's prompts",
+    "rollout.batch_prompts": "the scheduler's checkpoint counts batches of this size",
+    "rollout.n_samples": "the stored groups have this many samples",
+    "rollout.eta": "the stored groups were admitted under this staleness bound",
+    "cluster.n_trainers": "the trainers' checkpoint is written by (and sharded over) this many ranks",
+    "trainer.engine": "the checkpoint is in this engine's format",
+    "trainer.zero_stage": "the checkpoint's shards are laid out for this ZeRO stage",
+    "store.run_dir": "the run is the directory",
+}
+ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "CONFIGURING", "COMPLETING", "RESIZING", "REQUEUE_HOLD"}
+
+
+class ResumeError(ValueError):
+    """A resume that cannot go ahead; one line naming why. Nothing in the run directory changed."""
+
+
+def fixed_key(override: str) -> str | None:
+    """Why the override's key cannot change on resume, or None when it may."""
+    key = override.split("=", 1)[0].strip()
+    for prefix, why in FIXED.items():
+        if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
+            return f"{key} cannot change when a run resumes: {why}; start a new run for that"
+    return None
+
+
+def changed_keys(old: Config, new: Config) -> dict[str, dict]:
+    """Dotted key -> {"from": old, "to": new} for every value that differs."""
+
+    def flat(cfg: Config) -> dict:
+        tree = yaml.safe_load(to_yaml(cfg))
+        out = {}
+
+        def walk(node, prefix):
+            for k, v in node.items():
+                if isinstance(v, dict) and v:
+                    walk(v, f"{prefix}{k}.")
+                else:
+                    out[f"{prefix}{k}"] = v
+
+        walk(tree, "")
+        return out
+
+    a, b = flat(old), flat(new)
+    return {k: {"from": a.get(k), "to": b[k]} for k in b if a.get(k) != b[k]}
+
+
+def plan_resume(run_dir: str | Path, overrides: list[str]) -> tuple[Config, dict[str, dict], int | None]:
+    """The resumed run's config, what changes and the checkpoint it starts from; ResumeError before anything is
+    written when it cannot resume."""
+    run = RunDir(Path(run_dir).resolve())
+    if not run.config.is_file():
+        raise ResumeError(f"{str(run.root)!r} holds no run (no config.yaml); start one with areal-hpc submit or render")
+    for ov in overrides:
+        if (why := fixed_key(ov)) is not None:
+            raise ResumeError(why)
+    old = load_config(run.config)
+    new = load_config(run.config, [*overrides, f"store.run_dir={run.root}"])
+    if run.job_file.exists() or run.logs.exists():
+        try:
+            job = load_job(run.root)
+        except SlurmError:
+            job = None
+        if job is not None and (state := job_state(job["job_id"])) in ACTIVE:
+            raise ResumeError(
+                f"job {job['job_id']} of this run is still {state}: cancel it first (areal-hpc cancel {run.root})"
+            )
+    ckpt = run.latest_checkpoint()
+    if ckpt is not None and new.trainer.versions <= ckpt:
+        raise ResumeError(
+            f"the run's checkpoint is at version {ckpt} and trainer.versions={new.trainer.versions}: nothing left "
+            f"to train; ask for more, e.g. trainer.versions={ckpt + max(1, new.trainer.versions)}"
+        )
+    return new, changed_keys(old, new), ckpt
+
+
+def record_history(run: RunDir, changes: dict[str, dict], ckpt: int | None, command: str) -> None:
+    """One dated entry per resume in config-history.yaml (rewritten atomically)."""
+    entries = yaml.safe_load(run.config_history.read_text()) if run.config_history.exists() else []
+    when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    entries.append({"time": when, "command": command, "from_checkpoint": ckpt, "changes": changes})
+    atomic_write_text(run.config_history, yaml.safe_dump(entries, sort_keys=False))
+
+
+def submit_sbatch(cfg: Config, run: RunDir, source: str) -> str:
+    """The run's batch script, rendered into RUN_DIR/slurm/job.sbatch and submitted with sbatch; its job id."""
+    run.slurm.mkdir(parents=True, exist_ok=True)
+    run.logs.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run.job_script, render_sbatch(cfg, source))
+    out = subprocess.run(["sbatch", "--parsable", str(run.job_script)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SlurmError(f"sbatch refused the job: {' '.join((out.stderr or out.stdout).split())[-300:]}")
+    job_id = out.stdout.strip().split(";")[0]
+    save_job(run.root, {"job_id": job_id, "submitted_by": "sbatch", "script": str(run.job_script)})
+    return job_id
+
+
+def resume(run_dir: str | Path, overrides: list[str], via: str | None = None) -> tuple[str, dict, int | None]:
+    """Submit the run in RUN_DIR again (via 'sbatch' or 'submitit'; default: how it was submitted before).
+    Returns (job id, the config's changes, the checkpoint it resumes from)."""
+    from areal_hpc.launch.sizing import check_sizing
+    from areal_hpc.launch.slurm import check_request
+
+    run = RunDir(Path(run_dir).resolve())
+    cfg, changes, ckpt = plan_resume(run.root, overrides)
+    check_request(cfg)
+    check_sizing(cfg)
+    if via is None:
+        try:
+            via = "submitit" if load_job(run.root).get("submitted_by") == "submitit" else "sbatch"
+        except SlurmError:
+            via = "sbatch"
+    before = run.config.read_text()
+    command = " ".join(["areal-hpc resume", str(run.root), *overrides, f"--{via}"])
+    save_config(cfg, run.config)  # before the job exists: a job that starts at once reads the new config
+    try:
+        if via == "submitit":
+            from areal_hpc.launch.submit import queue
+
+            job_id = queue(cfg, run.root).job_id
+        else:
+            job_id = submit_sbatch(cfg, run, command)
+    except BaseException:
+        atomic_write_text(run.config, before)  # nothing was queued: the run stays as it was
+        raise
+    record_history(run, changes, ckpt, command)
+    return job_id, changes, ckpt
+
+
+def describe_changes(changes: dict[str, dict]) -> str:
+    if not changes:
+        return "no config change"
+    return ", ".join(f"{k}: {v['from']} -> {v['to']}" for k, v in changes.items())
