@@ -17,23 +17,31 @@ from areal_hpc.plugins import absolute_spec
 
 @dataclass
 class ModelConfig:
+    """The policy model: a local Hugging Face folder, or a tiny model built there for the demos."""
+
     path: str = MISSING  # a local Hugging Face folder (config.json, safetensors, tokenizer files)
     build_tiny: bool = False  # build a tiny model + tokenizer into `path` if it does not exist
     arch: str = "llama"  # tiny-model architecture: llama | qwen2
     vocab: str = "arith"  # tiny-model vocabulary: arith | arith_tool (with the tool demo's code and output fences)
-    hidden_size: int = 128
-    intermediate_size: int = 512
-    num_layers: int = 2
-    num_heads: int = 4
-    dtype: str = "float32"  # float32 | bfloat16
+    hidden_size: int = 128  # tiny model: hidden width (a multiple of num_heads)
+    intermediate_size: int = 512  # tiny model: MLP width
+    num_layers: int = 2  # tiny model: transformer layers
+    num_heads: int = 4  # tiny model: attention heads (as many key/value heads)
+    # float32 | bfloat16: the generators' weights, and the dtype trainer 0 publishes them in (trainers keep
+    # fp32 master weights whatever this says)
+    dtype: str = "float32"
 
 
 @dataclass
 class DataConfig:
+    """The prompts: a synthetic arithmetic task or a dataset file, and how a row becomes a prompt."""
+
     kind: str = "arithmetic"  # arithmetic (synthetic) | jsonl | parquet | code (jsonl rows of prompt + tests)
-    path: str = ""  # dataset file for jsonl / parquet
-    question_key: str = "question"  # data.kind=code: the prompt's key (e.g. prompt)
-    answer_key: str = "answer"  # data.kind=code: the tests' key (e.g. tests: Python asserts, a string or a list)
+    path: str = ""  # dataset file for jsonl / parquet / code
+    question_key: str = "question"  # the row's question field (data.kind=code: its prompt, e.g. prompt)
+    # the row's reference-answer field for the math reward (data.kind=code: its tests, e.g. tests: Python
+    # asserts, a string or a list)
+    answer_key: str = "answer"
     # the prompt from a row's fields: {question} is the question_key field, {name} any other ({{ }}: literal braces);
     # a row with a chat `messages` list uses that instead
     prompt_template: str = "{question}"
@@ -42,21 +50,23 @@ class DataConfig:
     chat_template: str = "auto"
     system_prompt: str = ""  # a system turn before each question (needs the chat template)
     max_prompt_tokens: int = 0  # prompts longer than this many tokens are skipped and counted (0 = no limit)
-    heldout_size: int = 500
+    heldout_size: int = 500  # problems held out for evaluation (a file: at most half its rows, drawn with data.seed)
     max_operand: int = 99  # arithmetic: operands drawn from [min_operand, max_operand]
-    min_operand: int = 0
+    min_operand: int = 0  # arithmetic: the smallest operand (see max_operand)
     operator: str = "+"  # arithmetic: + (sums) | * (products: the tool demo)
     train_size: int = 9500  # arithmetic: number of training problems
-    seed: int = 0
+    seed: int = 0  # arithmetic: which problems are drawn; a file: which rows are held out
 
 
 @dataclass
 class RewardConfig:
+    """How answers are scored: the reward function and the pool of processes that runs it."""
+
     # f(completion: str, row: dict) -> float, by import path: package.module:function or path/to/file.py:function;
     # "" = the built-in the data implies: math (the row's answer_key under math-verify), or code (data.kind=code)
     fn: str = ""
     timeout_s: float = 5.0  # per answer; data.kind=code: the sandbox's wall (and cpu) limit
-    num_workers: int = 2
+    num_workers: int = 2  # reward processes per generator rank: answers scored at once, off the generation path
     # data.kind=code: bwrap = bubblewrap namespaces, else the run refuses to start; auto = bubblewrap where it
     # works, else rlimits only; none = rlimits only (no network or filesystem isolation). docs/sandbox.md
     sandbox: str = "bwrap"
@@ -65,18 +75,21 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "torch"  # torch | vllm
+    """Generation: the engine, sampling, the batch and its staleness bound, and how new weights are loaded."""
+
+    engine: str = "torch"  # torch | vllm | emulated (with trainer.engine=emulated: docs/emulation.md)
     n_samples: int = 8  # samples per prompt (group size)
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature (> 0); behaviour logprobs are those of softmax(logits / T)
+    # must be 1.0: the trainer recomputes logprobs of the full distribution, so a truncated sampler is refused
     top_p: float = 1.0
-    max_new_tokens: int = 8
+    max_new_tokens: int = 8  # most new tokens per model call (an episode's turn); an answer cut off there scores 0
     batch_prompts: int = 32  # B: prompts (groups) per training step
     eta: int = 4  # staleness bound in versions; 0 = synchronous
-    max_running: int = 0  # cap on prompts in flight per the scheduler (0 = no cap)
+    max_running: int = 0  # most prompts in flight over all generators, set by rank 0 (0 = only the eta bound)
     # new weights on a generator with requests in flight (docs/architecture.md, "Weight loads"):
-    # keep_kv: load between two engine steps; running requests keep their KV cache and go on (nothing redone)
-    # recompute: interrupt them, load, prefill prompt + partial again under the new weights (AReaL's design)
-    # drain: stop admitting, let them finish, then load
+    # keep_kv = load between two engine steps, running requests keep their KV cache and go on (nothing redone);
+    # recompute = interrupt them, load, prefill prompt + partial again under the new weights (AReaL's design);
+    # drain = stop admitting, let them finish, then load
     weight_update: str = "keep_kv"
     interrupt: bool | None = None  # deprecated: true = weight_update=recompute, false = drain
     max_num_seqs: int = 256  # sequences one engine step holds (vLLM's max_num_seqs): the engine's slots
@@ -102,17 +115,23 @@ class WorkflowConfig:
     tool_timeout_s: float = 5.0  # tool: the sandbox's wall limit per call
     # tool: the share of warm-start examples written with a tool call (the rest answer directly)
     warm_start_tool_share: float = 0.5
-    args: dict = field(default_factory=dict)
+    args: dict = field(default_factory=dict)  # anything a workflow of your own reads, as episode.args
 
 
 @dataclass
 class PPOConfig:
-    eps_clip: float = 0.2
-    behav_imp_weight_cap: float = 5.0  # 0 disables the cap
-    n_minibatches: int = 4
-    adv_norm: str = "mean_std"  # mean | mean_std
+    """The decoupled PPO objective (docs/algorithm.md)."""
+
+    eps_clip: float = 0.2  # the policy ratio is clipped to [1 - eps_clip, 1 + eps_clip]
+    # tokens whose behaviour importance weight (proximal / behaviour probability) exceeds this leave the loss;
+    # 0 disables the cap
+    behav_imp_weight_cap: float = 5.0
+    n_minibatches: int = 4  # optimizer steps per version: the batch is split into this many PPO minibatches
+    adv_norm: str = "mean_std"  # group advantage: mean (reward - group mean) | mean_std (then / group std)
     drop_uniform_groups: bool = True  # dynamic sampling: skip groups with all-equal rewards
-    prox: str = "recompute"  # recompute | loglinear
+    # proximal logprobs: recompute (a forward pass of the current weights) | loglinear (interpolated between
+    # behaviour and current logprobs, no extra pass)
+    prox: str = "recompute"
     # false: plain PPO against the behaviour policy (the paper's baseline): the ratio is taken to the
     # behaviour logprobs, with no proximal policy, no behaviour weight and no proximal recompute
     decoupled: bool = True
@@ -120,20 +139,22 @@ class PPOConfig:
 
 @dataclass
 class TrainerConfig:
-    engine: str = "torch"  # torch | deepspeed
-    lr: float = 2e-5
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.05
-    grad_clip: float = 1.0
-    max_tokens_per_mb: int = 4096
+    """Training: the engine, the optimizer, the run's length, the warm start and checkpoints."""
+
+    engine: str = "torch"  # torch | deepspeed | emulated (with rollout.engine=emulated)
+    lr: float = 2e-5  # AdamW learning rate (constant)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas, two numbers in [0, 1)
+    weight_decay: float = 0.05  # AdamW weight decay
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0 = no clipping)
+    max_tokens_per_mb: int = 4096  # token budget of one micro-batch (a longer sequence gets one to itself)
     versions: int = 100  # training steps (policy versions) to run
     max_wall_s: float = 0.0  # stop after this many seconds of RL (0 = no limit)
     warm_start_steps: int = 0  # supervised steps on reference answers before RL (0 = none)
-    warm_start_lr: float = 1e-3
-    warm_start_examples: int = 1000
-    warm_start_batch: int = 64
+    warm_start_lr: float = 1e-3  # warm start: learning rate
+    warm_start_examples: int = 1000  # warm start: the first this many training problems are its examples
+    warm_start_batch: int = 64  # warm start: examples per step
     checkpoint_every: int = 0  # versions between checkpoints (0 = only at the end)
-    seed: int = 1
+    seed: int = 1  # random seed of training and sampling (each generator adds 1000 x its rank)
     zero_stage: int = 2  # trainer.engine=deepspeed: ZeRO stage 1, 2 or 3
     bf16: bool = False  # bf16 compute on fp32 master weights (torch: autocast; deepspeed: its bf16 mode)
     packing: bool = True  # padding-free micro-batches (false: right-padded, the old path, for comparison)
@@ -143,28 +164,42 @@ class TrainerConfig:
 
 @dataclass
 class StoreConfig:
-    run_dir: str = "runs/${run_name}"
+    """Where a run's files go (docs/run-dir.md), and how generators write their rollouts as shards."""
+
+    run_dir: str = "runs/${run_name}"  # the run directory; under Slurm every node must see it
     # a generator writes its scored groups as one shard when this many are waiting, or when the oldest has
     # waited shard_max_wait_s, or when nothing else of its is in flight: few files on a shared filesystem,
     # little delay for the trainers
     shard_max_groups: int = 16
-    shard_max_wait_s: float = 0.5
+    shard_max_wait_s: float = 0.5  # seconds the oldest scored group waits at most before its shard is written
 
 
 @dataclass
 class SyncConfig:
-    method: str = "broadcast"  # broadcast (collective, trainer rank 0 -> generators) | disk (safetensors files)
-    backend: str = "auto"  # auto (nccl on cuda, else gloo) | gloo | nccl
-    bucket_mb: int = 64  # size of each pre-allocated broadcast bucket
-    checksum: bool = True  # crc32 of the weights on both ends after every version (logged; cheap on small models)
-    keep_versions: int = 3  # disk method: weight folders kept under RUN_DIR/weights/
-    timeout_s: float = 1800.0  # how long a collective may wait for the other side
+    """How trainer 0 sends the new weights to every generator after each version."""
+
+    # broadcast = a collective from trainer 0 to the generators, in pre-allocated buckets; disk = safetensors
+    # files under RUN_DIR/weights/v{N}/ that the generators load
+    method: str = "broadcast"
+    backend: str = "auto"  # broadcast: auto (nccl on cuda, else gloo) | gloo | nccl (needs cluster.device=cuda)
+    bucket_mb: int = 64  # broadcast: MB per pre-allocated bucket; the weights go in as many as they fill
+    # crc32 of the weights sent and of the weights loaded, after every version, in metrics.csv (a pass over
+    # all weights on both ends: cheap on small models, off in the GPU recipes)
+    checksum: bool = True
+    keep_versions: int = 3  # disk: newest weight folders kept under RUN_DIR/weights/ (older ones are deleted)
+    # seconds a collective (the weight broadcast, the trainers' all-reduce) waits for the other ranks before
+    # it fails; under Slurm cut to end a minute before the allocation does
+    timeout_s: float = 1800.0
 
 
 @dataclass
 class ClusterConfig:
-    n_generators: int = 1
-    n_trainers: int = 1
+    """The ranks: how many generators and trainers, their threads and device, and when a rank counts as hung."""
+
+    n_generators: int = 1  # generator ranks (one GPU each on cuda)
+    n_trainers: int = 1  # trainer ranks, data parallel (one GPU each on cuda)
+    # torch CPU threads per rank (torch.set_num_threads); under Slurm give each rank as many CPUs
+    # (slurm.cpus_per_task)
     threads_per_rank: int = 1
     # a rank that sends rank 0 nothing for this long is hung (stopped, or deadlocked outside its loop):
     # the run ends with one line naming it, and the job script restarts it. Longer than any one step
@@ -182,27 +217,34 @@ class ClusterConfig:
 class SlurmConfig:
     """How `areal-hpc render` / `submit` ask Slurm for the heterogeneous job (training + generation)."""
 
-    partition: str = ""  # "" = the cluster's default partition
-    account: str = ""
-    qos: str = ""
-    time: str = "01:00:00"  # [D-]HH:MM:SS or minutes
-    constraint: str = ""
-    train_nodes: int = 1  # component 0: scheduler + trainers
-    gen_nodes: int = 1  # component 1: generators
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    mem: str = ""  # per node, e.g. 64G ("" = partition default)
-    # USR1 this long before the time limit: checkpoint, stop, requeue. It must cover the version in flight and a
-    # checkpoint (render checks it against the simulator for GPU configs; rank 0 warns when a run measures more)
+    partition: str = ""  # partition the job runs in (--partition; "" = the cluster's default)
+    account: str = ""  # account the job is charged to (--account; "" = your default)
+    qos: str = ""  # quality of service (--qos; "" = the account's default)
+    time: str = "01:00:00"  # time limit per start of the job (--time): minutes, M:S, H:M:S or D-H[:M[:S]]
+    constraint: str = ""  # node features the job needs (--constraint, e.g. h100; "" = any node)
+    train_nodes: int = 1  # nodes of component 0: the scheduler (rank 0) and the trainers
+    gen_nodes: int = 1  # nodes of component 1: the generators
+    gpus_per_node: int = 0  # GPUs per node in both components (--gpus-per-node; 0 = none)
+    cpus_per_task: int = 1  # CPUs per rank (--cpus-per-task; one task per rank): at least cluster.threads_per_rank
+    mem: str = ""  # memory per node (--mem, e.g. 64G; "" = the partition's default)
+    # seconds before the time limit at which Slurm sends USR1 (with slurm.requeue): rank 0 checkpoints, every
+    # rank stops, the job requeues. It must cover the version in flight and a checkpoint: render checks it
+    # against the simulator for GPU configs, and rank 0 warns when a run measures more
     signal_s: int = 120
-    requeue: bool = True  # requeue the job after the time limit's signal (a long run as many time slices)
-    mpi: str = "pmix"  # srun --mpi=: pmix (Open MPI's default launch under Slurm) | pmi2
+    # true: the rendered job asks for --requeue and the slurm.signal_s warning, so at its time limit or on
+    # preemption it goes back in the queue and resumes from the newest checkpoint; false: it ends there.
+    # `submit` (submitit) always requeues
+    requeue: bool = True
+    mpi: str = "pmix"  # srun --mpi=: pmix (Open MPI's usual launch under Slurm) | pmi2
     # a world that dies (a rank killed, hung, crashed) is started again from the newest complete
     # checkpoint inside the same allocation, this many times, before the job fails
     max_restarts: int = 2
-    venv: str = ""  # virtual environment to activate ("" = the one running areal-hpc)
-    setup: list[str] = field(default_factory=list)  # shell lines before the run (module load ...)
-    extra_sbatch: list[str] = field(default_factory=list)  # more "#SBATCH" options, e.g. "--exclusive"
+    # virtual environment the job activates on every node (a folder with bin/activate; "" = the one running
+    # areal-hpc render / submit, or none outside a venv)
+    venv: str = ""
+    setup: list[str] = field(default_factory=list)  # shell lines the job runs before starting the ranks (module load)
+    # more sbatch options, each repeated for both components: "--key=value" or a flag, e.g. "--exclusive"
+    extra_sbatch: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -220,12 +262,14 @@ class EmulationConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
+    """What a run records and shows: TensorBoard, held-out evaluation, the progress bar."""
+
+    tensorboard: bool = True  # also write metrics.csv's rows under RUN_DIR/tensorboard/
     eval_every: int = 10  # versions between held-out evaluations (0 = only first and last)
-    eval_prompts: int = 500
+    eval_prompts: int = 500  # held-out prompts evaluated (at most data.heldout_size)
     eval_n_samples: int = 1  # samples per held-out prompt; the logged accuracy is avg@k (pass@1 over k samples)
     eval_temperature: float = 0.0  # 0 = greedy (then eval_n_samples must be 1); else must equal rollout.temperature
-    progress: bool = True
+    progress: bool = True  # a progress bar on the terminal (areal-hpc run --no-progress: false)
 
 
 def concurrent_groups(rc: RolloutConfig) -> int:
@@ -235,6 +279,9 @@ def concurrent_groups(rc: RolloutConfig) -> int:
 
 @dataclass
 class Config:
+    """A run's whole configuration: its name and one section per part."""
+
+    # the run's name: store.run_dir defaults to runs/<run_name>, and the Slurm job is named areal-<run_name>
     run_name: str = "demo"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
