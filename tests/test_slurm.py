@@ -284,7 +284,10 @@ def test_cancel_then_resume_with_more_versions_pending_first(tmp_path):
 
     # more versions, through sbatch, held in the queue first: status says PENDING and why
     more = stopped + 3
-    out = _cli("resume", str(run), f"trainer.versions={more}", "slurm.extra_sbatch=[--hold]", "--sbatch")
+    # (signal_s=0: any version and checkpoint outlast it, so rank 0 must warn that the time limit would lose work)
+    out = _cli(
+        "resume", str(run), f"trainer.versions={more}", "slurm.extra_sbatch=[--hold]", "slurm.signal_s=0", "--sbatch"
+    )
     assert out.returncode == 0 and f"resumes from checkpoint v{stopped}" in out.stdout, out.stderr
     new_id = out.stdout.split()[2].rstrip(":")
     assert f"job {new_id}: PENDING (JobHeldUser)" in _cli("status", str(run)).stdout
@@ -297,7 +300,8 @@ def test_cancel_then_resume_with_more_versions_pending_first(tmp_path):
 
     (entry,) = yaml.safe_load((run / "config-history.yaml").read_text())
     assert entry["from_checkpoint"] == stopped and entry["changes"]["trainer.versions"] == {"from": 100000, "to": more}
-    assert f"version {more}/{more}" in _cli("status", str(run)).stdout
+    status = _cli("status", str(run)).stdout
+    assert f"version {more}/{more}" in status and "more than slurm.signal_s=0" in status, status
 
 
 def test_status_finds_a_queued_job_that_plain_sbatch_submitted(tmp_path):

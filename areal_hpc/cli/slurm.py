@@ -138,6 +138,8 @@ def status_cmd(run_dir: str) -> None:
     if (p := RunDir(run_dir).read_progress()) is None:
         click.echo("progress: none yet (the run has not published its first version)")
         return
+    if p.get("warning"):
+        click.echo(f"warning: {p['warning']}")
     reward = "n/a" if p.get("reward_mean") is None else f"{p['reward_mean']:.3f}"
     acc = "n/a" if p.get("heldout_acc") is None else f"{p['heldout_acc']:.1%}"
     click.echo(

@@ -43,6 +43,7 @@ class RunReport:
         self.aborted_requests = 0  # requests generators interrupted for new weights (and resumed)
         self.prefill_tokens = 0  # tokens the generators' engines prefilled, resumed requests' second prefill included
         self.dropped_on_resume = 0
+        self.warning: str | None = None  # shown by `areal-hpc status` (progress.json) and logged once
         self.quarantined: list[str] = []  # corrupt shards this launch's resume moved out of the store
         self.raw_gbps = math.nan
         self.sync_gbps: list[float] = []
@@ -215,6 +216,7 @@ class RunReport:
             "elapsed_s": now - self.t0,
             "dropped_stale": self.core.dropped_stale,
             "rejected_uniform": self.core.rejected,
+            "warning": self.warning,
             "time": now,
         }
         atomic_write_text(self.run_dir.progress, json.dumps(doc))

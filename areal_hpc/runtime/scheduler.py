@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 from areal_hpc.config import Config
@@ -65,6 +66,10 @@ class Scheduler(RoleLoop):
         self.stop_reason = ""
         self.byes = 0
         self._stop_file_checked = 0.0
+        # the longest version (trained to trained) and checkpoint (asked to complete) seen: against slurm.signal_s
+        self.version_s = self.ckpt_s = 0.0
+        self._t_trained: float | None = None
+        self._t_ckpt = 0.0
 
     def handlers(self) -> dict[Tag, Handler]:
         return {
@@ -164,6 +169,10 @@ class Scheduler(RoleLoop):
         self.train_done = {}
         self.batch = None
         self.report.trained(v, parts)
+        now = time.time()
+        if self._t_trained is not None:
+            self.version_s = max(self.version_s, now - self._t_trained)
+        self._t_trained = now
         ck = self.cfg.trainer.checkpoint_every
         if ck and v % ck == 0:
             self._start_checkpoint(v)
@@ -183,7 +192,7 @@ class Scheduler(RoleLoop):
     def _start_checkpoint(self, v: int) -> None:
         if self.last_ckpt == v or self.ckpt_pending is not None:
             return
-        self.ckpt_pending, self.ckpt_acks = v, 0
+        self.ckpt_pending, self.ckpt_acks, self._t_ckpt = v, 0, time.time()
         for t in self.layout.trainer_ranks:
             self.mail.send(t, Tag.CHECKPOINT, {"version": v})
 
@@ -201,6 +210,21 @@ class Scheduler(RoleLoop):
         save_scheduler_state(self.run_dir, v, state)
         self.last_ckpt, self.ckpt_pending = v, None
         log.info("checkpoint v%d complete", v)
+        self.ckpt_s = max(self.ckpt_s, time.time() - self._t_ckpt)
+        self._check_signal_budget()
+
+    def _check_signal_budget(self) -> None:
+        """Once per start, under Slurm: a version plus a checkpoint took longer than slurm.signal_s, so the time
+        limit's signal would come too late to save the version in flight."""
+        sc, need = self.cfg.slurm, self.version_s + self.ckpt_s
+        if self.report.warning or not (os.environ.get("SLURM_JOB_ID") and sc.requeue) or need <= sc.signal_s:
+            return
+        self.report.warning = (
+            f"a version plus a checkpoint took {need:.0f} s ({self.version_s:.0f} + {self.ckpt_s:.0f}), more than "
+            f"slurm.signal_s={sc.signal_s}: the time limit would lose the version in flight; areal-hpc resume with "
+            f"slurm.signal_s={math.ceil(1.25 * need / 60) * 60}"
+        )
+        log.warning(self.report.warning)
 
     # -- granting and batches -------------------------------------------------------------------
     def _grant(self) -> None:
