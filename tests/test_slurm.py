@@ -273,7 +273,7 @@ def test_cancel_then_resume_with_more_versions_pending_first(tmp_path):
     before = _files(run)
     for bad, words in (
         ("rollout.eta=4", "rollout.eta cannot change when a run resumes"),
-        ("model.path=/elsewhere", "model.path cannot change"),
+        ("model.arch=qwen2", "model.arch cannot change"),
         (f"trainer.versions={stopped}", "nothing left to train"),
     ):
         out = _cli("resume", str(run), bad)

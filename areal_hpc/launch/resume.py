@@ -25,6 +25,8 @@ FIXED = {
     "trainer.zero_stage": "the checkpoint's shards are laid out for this ZeRO stage",
     "store.run_dir": "the run is the directory",
 }
+# the same files, moved: a resume may point at them again (the checkpoint's shapes are checked when it loads)
+MOVABLE = {"model.path", "data.path"}
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "CONFIGURING", "COMPLETING", "RESIZING", "REQUEUE_HOLD"}
 
 
@@ -35,6 +37,8 @@ class ResumeError(ValueError):
 def fixed_key(override: str) -> str | None:
     """Why the override's key cannot change on resume, or None when it may."""
     key = override.split("=", 1)[0].strip()
+    if key in MOVABLE:
+        return None
     for prefix, why in FIXED.items():
         if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
             return f"{key} cannot change when a run resumes: {why}; start a new run for that"
