@@ -31,7 +31,7 @@ def eval_cmd(
     from areal_hpc.model import ModelFolderError
 
     try:
-        target = ce.resolve(model_path, config_path, list(overrides))
+        target = ce.resolve(model_path, config_path, list(overrides), data)
         if slurm:
             opts = dict(n_samples=n_samples, temperature=temperature, engine=engine, max_new_tokens=max_new_tokens)
             _eval_job(target, model_path, data, config_path, json_path, submit, overrides, opts)
