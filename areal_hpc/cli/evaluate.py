@@ -1,4 +1,4 @@
-"""`areal-hpc eval`: a checkpoint or a Hugging Face folder on held-out data, here or as a Slurm job."""
+"""`areal-hpc eval` (a checkpoint or a Hugging Face folder on held-out data, here or as a Slurm job) and `export`."""
 
 from __future__ import annotations
 
@@ -59,3 +59,24 @@ def _eval_job(target, model_path, data, config_path, json_path, submit, override
         click.echo(f"submitted job {submit_eval_sbatch(script)}" if submit else script, nl=submit)
     except SlurmError as err:
         raise click.ClickException(str(err)) from None
+
+
+@click.command("export")
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path())
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+    help="Weights' dtype; auto: the run's model folder's (the trainer's own are float32).",
+)
+def export_cmd(checkpoint, out_dir, dtype):
+    """Write RUN_DIR/checkpoints/vN (torch, or DeepSpeed ZeRO shards) as a Hugging Face folder OUT_DIR, on CPU."""
+    from areal_hpc.export import ExportError, export_checkpoint
+
+    try:
+        done = export_checkpoint(checkpoint, out_dir, dtype, progress=lambda line: click.echo(line, err=True))
+    except (ConfigError, ExportError, OSError) as err:
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    click.echo(done.summary())
