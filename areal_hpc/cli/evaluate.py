@@ -77,6 +77,6 @@ def export_cmd(checkpoint, out_dir, dtype):
 
     try:
         done = export_checkpoint(checkpoint, out_dir, dtype, progress=lambda line: click.echo(line, err=True))
-    except (ConfigError, ExportError, OSError) as err:
+    except (ConfigError, ExportError, OSError, ValueError) as err:  # ValueError: a model folder transformers refuses
         raise click.ClickException(str(err).splitlines()[0]) from None
     click.echo(done.summary())
