@@ -36,7 +36,7 @@ class EvalTarget:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _run_of_checkpoint(path: Path) -> tuple[RunDir, int] | None:
+def run_of_checkpoint(path: Path) -> tuple[RunDir, int] | None:
     """The run dir and version of RUN_DIR/checkpoints/vN, None for any other folder."""
     run = RunDir(path.parent.parent)
     if not path.name[1:].isdigit():
@@ -47,18 +47,31 @@ def _run_of_checkpoint(path: Path) -> tuple[RunDir, int] | None:
     return run, version
 
 
-def resolve(path: str, config_path: str | None = None, overrides: list[str] | None = None) -> EvalTarget:
-    """An HF folder (config.json + weights + tokenizer) or a torch trainer's checkpoint in RUN_DIR/checkpoints/vN."""
+def run_model_folder(run: RunDir) -> Path:
+    """The model folder a run trained (model.path in its config.yaml; relative: to where it was started, here)."""
+    return Path(load_config(run.config).model.path).resolve()
+
+
+def resolve(
+    path: str, config_path: str | None = None, overrides: list[str] | None = None, data: str | None = None
+) -> EvalTarget:
+    """An HF folder (config.json + weights + tokenizer) or a torch trainer's checkpoint in RUN_DIR/checkpoints/vN.
+
+    The model comes from `path` (a checkpoint: its run's model folder) and a `data` file fills data.path, so
+    a recipe whose model.path and data.path are left to the user (jobs/math_1p5b_gpu.yaml) serves as --config.
+    """
     p = Path(path).resolve()
     if not p.is_dir():
         where = RunDir("RUN_DIR").trainer_checkpoint(0).with_name("vN")
         raise EvalError(f"{path!r} is not a folder; give a run's checkpoint ({where}) or a Hugging Face model folder")
-    found = _run_of_checkpoint(p)
+    found = run_of_checkpoint(p)
     run, version = found if found else (None, None)
     if config_path is None and run is not None:
         config_path = str(run.config)
-    model_ov = [] if run is not None else [f"model.path={p}", "model.build_tiny=false"]
-    cfg = load_config(config_path, model_ov + list(overrides or []))
+    # the user's overrides come last: model.path=... still points a checkpoint at a model folder that moved
+    model_ov = [f"model.path={run_model_folder(run) if run is not None else p}", "model.build_tiny=false"]
+    data_ov = [f"data.path={Path(data).resolve()}"] if data not in (None, HELDOUT) else []
+    cfg = load_config(config_path, model_ov + data_ov + list(overrides or []))
     if run is None:
         from areal_hpc.model import check_model_folder
 
@@ -66,11 +79,9 @@ def resolve(path: str, config_path: str | None = None, overrides: list[str] | No
     if not (p / "model.safetensors").is_file():
         raise EvalError(
             f"checkpoint {str(p)!r} has no model.safetensors (a DeepSpeed checkpoint?); "
-            "export it as a Hugging Face folder and evaluate that"
+            f"export it first (areal-hpc export {path} OUT_DIR) and evaluate OUT_DIR"
         )
-    base = Path(cfg.model.path)
-    if not base.is_absolute():
-        base = (Path.cwd() / base).resolve()
+    base = Path(cfg.model.path).resolve()
     if not (base / "config.json").is_file():
         raise EvalError(f"checkpoint {str(p)!r}: its run's model folder {str(base)!r} (model.path) has no config.json")
     # the base folder's config, tokenizer and generation config with the checkpoint's weights: no copy
@@ -131,6 +142,14 @@ def run_eval(
     if temperature == 0 and n_samples > 1:
         raise EvalError(f"--temperature 0 (greedy) gives one answer per problem; --n-samples {n_samples} needs T > 0")
     cfg = target.cfg
+    if cfg.cluster.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # a GPU recipe as --config on a login node
+            raise EvalError(
+                "config cluster.device=cuda but no GPU is visible here; run it on a GPU node (--slurm) "
+                "or add cluster.device=cpu"
+            )
     mnt = max_new_tokens or cfg.rollout.max_new_tokens
     tokenizer = load_tokenizer(target.folder)
     problems, too_long = eval_problems(target, data, tokenizer)

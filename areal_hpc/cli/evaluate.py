@@ -1,4 +1,4 @@
-"""`areal-hpc eval`: a checkpoint or a Hugging Face folder on held-out data, here or as a Slurm job."""
+"""`areal-hpc eval` (a checkpoint or a Hugging Face folder on held-out data, here or as a Slurm job) and `export`."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def eval_cmd(
     from areal_hpc.model import ModelFolderError
 
     try:
-        target = ce.resolve(model_path, config_path, list(overrides))
+        target = ce.resolve(model_path, config_path, list(overrides), data)
         if slurm:
             opts = dict(n_samples=n_samples, temperature=temperature, engine=engine, max_new_tokens=max_new_tokens)
             _eval_job(target, model_path, data, config_path, json_path, submit, overrides, opts)
@@ -59,3 +59,24 @@ def _eval_job(target, model_path, data, config_path, json_path, submit, override
         click.echo(f"submitted job {submit_eval_sbatch(script)}" if submit else script, nl=submit)
     except SlurmError as err:
         raise click.ClickException(str(err)) from None
+
+
+@click.command("export")
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path())
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+    help="Weights' dtype; auto: the run's model folder's (the trainer's own are float32).",
+)
+def export_cmd(checkpoint, out_dir, dtype):
+    """Write RUN_DIR/checkpoints/vN (torch, or DeepSpeed ZeRO shards) as a Hugging Face folder OUT_DIR, on CPU."""
+    from areal_hpc.export import ExportError, export_checkpoint
+
+    try:
+        done = export_checkpoint(checkpoint, out_dir, dtype, progress=lambda line: click.echo(line, err=True))
+    except (ConfigError, ExportError, OSError, ValueError) as err:  # ValueError: a model folder transformers refuses
+        raise click.ClickException(str(err).splitlines()[0]) from None
+    click.echo(done.summary())

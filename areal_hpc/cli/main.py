@@ -27,5 +27,6 @@ for _cmd in (
     analysis.report_cmd,
     analysis.simulate_cmd,
     evaluate.eval_cmd,
+    evaluate.export_cmd,
 ):
     main.add_command(_cmd)
