@@ -369,7 +369,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = validate(cfg)
     # a file given relative to where the run was started: every rank, on any node, finds the same one
     cfg.reward.fn, cfg.rollout.workflow = absolute_spec(cfg.reward.fn), absolute_spec(cfg.rollout.workflow)
-    for section, key in PATH_KEYS:
+    for dotted in PATH_KEYS:
+        section, key = dotted.split(".")
         sub = getattr(cfg, section)
         setattr(sub, key, absolute_path(getattr(sub, key)))
     return cfg
@@ -377,7 +378,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 # every config value that names a file or folder: written absolute into a run's config, so a job script
 # submitted from another directory (or a resume from anywhere) finds what the user meant where they typed it
-PATH_KEYS = (("model", "path"), ("data", "path"), ("store", "run_dir"), ("slurm", "venv"))
+PATH_KEYS = ("model.path", "data.path", "store.run_dir", "slurm.venv")
 
 
 def absolute_path(value: str) -> str:

@@ -31,7 +31,12 @@ def _layout_names() -> set[str]:
 
 # Words that are also run-dir names but mean something else where they stand: submitit's cluster kind and
 # who submitted a job (a value in slurm/job.json).
-NOT_PATHS = {("launch/submit.py", "slurm", "cluster"), ("launch/submit.py", "submitit", "submitted_by")}
+NOT_PATHS = {
+    ("launch/submit.py", "slurm", "cluster"),
+    ("launch/submit.py", "submitit", "submitted_by"),
+    ("launch/resume.py", "submitit", None),  # how a run was submitted (job.json's submitted_by), not a folder
+    ("cli/slurm.py", "submitit", "flag_value"),
+}
 
 
 def _meaning(tree: ast.AST) -> dict[int, str]:

@@ -55,7 +55,7 @@ def submit_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
 @click.command("resume")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 @click.argument("overrides", nargs=-1)
-@click.option("--sbatch", "via", flag_value="sbatch", help="Render RUN_DIR/slurm/job.sbatch and submit it with sbatch.")
+@click.option("--sbatch", "via", flag_value="sbatch", help="Render the run's batch script and submit it with sbatch.")
 @click.option("--submitit", "via", flag_value="submitit", help="Submit through submitit.")
 def resume_cmd(run_dir: str, overrides: tuple[str, ...], via: str | None) -> None:
     """Submit the run in RUN_DIR again from its newest checkpoint, with KEY=VALUE overrides that are safe to change
