@@ -9,7 +9,7 @@ WORK="${1:-$(mktemp -d /tmp/areal-guide.XXXX)}"
 AREAL="$ROOT/.venv/bin/areal-hpc"
 bash "$ROOT/env/slurm-up.sh" >/dev/null
 mkdir -p "$WORK/jobs" && cp "$ROOT/jobs/demo.yaml" "$WORK/jobs/" && cd "$WORK"
-say() { echo; echo "\$ $*"; "$@"; }
+say() { printf "\n$ %s\n" "$*" >&2; "$@"; }
 wait_for() {  # wait_for RUN_DIR TEXT: until status prints TEXT (3 minutes at most)
   for _ in $(seq 360); do "$AREAL" status "$1" 2>/dev/null | grep -q "$2" && return 0; sleep 0.5; done
   echo "status never said '$2'"; "$AREAL" status "$1"; return 1
