@@ -148,6 +148,11 @@ class StoreConfig:
     # little delay for the trainers
     shard_max_groups: int = 16
     shard_max_wait_s: float = 0.5
+    # HDF5 filter on the shards' token columns, after a byte shuffle: none | lzf (2.2-2.3x smaller) | gzip
+    # (level 1: 2.4-2.6x; every HDF5 tool reads it, lzf needs h5py's filter). none by default: either
+    # filter doubles to triples a shard's write + read time (lzf +17 ms, gzip +27-40 ms per 2 MB shard;
+    # benchmarks/store_io.py --compression, docs/run-dir.md). Compressed and uncompressed shards read alike
+    compression: str = "none"
 
 
 @dataclass

@@ -34,6 +34,7 @@ _CHOICES = {
     "trainer.engine": ("torch", "deepspeed", "emulated"),
     "emulation.preset": ("1.5B", "7B"),
     "sync.method": ("broadcast", "disk"),
+    "store.compression": ("none", "lzf", "gzip"),
     "sync.backend": ("auto", "gloo", "nccl"),
     "cluster.device": ("cpu", "cuda"),
 }
