@@ -132,6 +132,12 @@ class TrainerConfig:
     warm_start_examples: int = 1000
     warm_start_batch: int = 64
     checkpoint_every: int = 0  # versions between checkpoints (0 = only at the end)
+    # complete checkpoints kept: once one is complete, rank 0 deletes those older than the newest
+    # keep_checkpoints (0 = keep all). 3: the newest (the one a resume takes), the one before it (what a
+    # resume falls back to when the newest is damaged: docs/reliability.md) and one more for a problem
+    # noticed a checkpoint late, where keeping all of a long run costs terabytes (a 1.5B model with its
+    # optimizer state is ~22 GB per checkpoint: areal_hpc/disk_estimate.py)
+    keep_checkpoints: int = 3
     seed: int = 1
     zero_stage: int = 2  # trainer.engine=deepspeed: ZeRO stage 1, 2 or 3
     bf16: bool = False  # bf16 compute on fp32 master weights (torch: autocast; deepspeed: its bf16 mode)

@@ -86,6 +86,7 @@ _LOWER = {
     "trainer.warm_start_examples": (1, True),
     "trainer.warm_start_batch": (1, True),
     "trainer.checkpoint_every": (0, True),
+    "trainer.keep_checkpoints": (0, True),
     "cluster.n_generators": (1, True),
     "cluster.n_trainers": (1, True),
     "cluster.threads_per_rank": (1, True),
