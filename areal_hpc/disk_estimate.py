@@ -17,6 +17,9 @@ ADAM_BYTES = 8  # exp_avg and exp_avg_sq, fp32, one each per parameter
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the estimate needs of a model: its parameters and how many of them a tied output head shares."""
@@ -27,7 +30,11 @@ class ModelShape:
 
 def model_shape(config: dict) -> ModelShape:
     """Parameters of a Llama/Qwen2-style decoder from its config.json: embedding, per layer attention (q, k,
-    v with grouped KV heads; biases when the architecture has them) and the gated MLP, norms, the head."""
+    v with grouped KV heads; biases when the architecture has them) and the gated MLP, norms, the head.
+    Other shapes (mixtures of experts, ...) count wrong or lack a key (ValueError): give a parameter count."""
+    missing = [k for k in _SHAPE_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"config.json has no {missing[0]!r}: pass estimate_disk the parameter count")
     h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or heads

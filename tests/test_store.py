@@ -166,6 +166,13 @@ def test_compressed_shards_read_back_identical_and_old_ones_still_read(tmp_path)
             # are over the data, so every filter stores the same
             assert {k for k in f if f[k].compression} == (set() if c == "none" else set(TOKEN_FIELDS)), c
             assert f.attrs["checksum"] == checksum
+    # a column that compresses below the file's size is no damaged header: 300k equal tokens
+    rng = np.random.default_rng(1)
+    flat = make_traj(rng, 10, 300_000, 0, input_ids=np.zeros(300_010, np.int32))
+    flat.behav_logprobs[:] = -0.5
+    p = write_shard(tmp_path / "flat", [flat], 0, 0, compression="gzip")
+    assert p.stat().st_size < flat.input_ids.nbytes
+    assert_same(flat, read_shard(p)[0])
     # a shard written before shards could be compressed (by the code of commit 9c548aa), read by today's code
     old = read_shard(OLD_SHARD)
     for a, b in zip(make_batch(7, n=4), old, strict=True):

@@ -314,8 +314,11 @@ def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
                 shape, dtype = ds.shape, ds.dtype
                 if dtype != want or len(shape) != 1:
                     raise CorruptShardError(path, f"dataset {name!r} is {dtype}{shape}, expected 1-d {want}")
-                limit = file_size * (MAX_FILTER_RATIO if ds.get_create_plist().get_nfilters() else 1)
-                if shape[0] * want.itemsize > limit:  # a damaged header must not trigger a huge allocation
+                nbytes = shape[0] * want.itemsize
+                # a damaged header must not trigger a huge allocation (the filter is looked up only when needed)
+                if nbytes > file_size and (
+                    nbytes > file_size * MAX_FILTER_RATIO or not ds.get_create_plist().get_nfilters()
+                ):
                     raise CorruptShardError(path, f"dataset {name!r} claims {shape[0]} items, more than the file holds")
                 if name in TOKEN_FIELDS and len(arrays["offsets"]) and shape[0] != arrays["offsets"][-1]:
                     raise CorruptShardError(
