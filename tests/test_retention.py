@@ -157,4 +157,6 @@ def test_qwen2p5_1p5b_shape_and_the_recipe_estimate():
     # 512 groups x 16 answers x (1024 + 16384) tokens x 13 bytes + 104 bytes per answer
     assert est.rollout_bytes_per_version == 512 * 16 * ((1024 + 16384) * 13 + 104)
     with pytest.raises(ValueError, match="config.json"):
-        estimate_disk(cfg)
+        estimate_disk(cfg)  # no model folder here, and no count given
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        model_shape({k: v for k, v in qwen.items() if k != "num_hidden_layers"})
