@@ -154,6 +154,12 @@ class TrainerConfig:
     warm_start_examples: int = 1000  # warm start: the first this many training problems are its examples
     warm_start_batch: int = 64  # warm start: examples per step
     checkpoint_every: int = 0  # versions between checkpoints (0 = only at the end)
+    # complete checkpoints kept: once one is complete, rank 0 deletes those older than the newest
+    # keep_checkpoints (0 = keep all). 3: the newest (the one a resume takes), the one before it (what a
+    # resume falls back to when the newest is damaged: docs/reliability.md) and one more for a problem
+    # noticed a checkpoint late, where keeping all of a long run costs terabytes (a 1.5B model with its
+    # optimizer state is ~22 GB per checkpoint: areal_hpc/disk_estimate.py)
+    keep_checkpoints: int = 3
     seed: int = 1  # random seed of training and sampling (each generator adds 1000 x its rank)
     zero_stage: int = 2  # trainer.engine=deepspeed: ZeRO stage 1, 2 or 3
     bf16: bool = False  # bf16 compute on fp32 master weights (torch: autocast; deepspeed: its bf16 mode)
@@ -172,6 +178,11 @@ class StoreConfig:
     # little delay for the trainers
     shard_max_groups: int = 16
     shard_max_wait_s: float = 0.5  # seconds the oldest scored group waits at most before its shard is written
+    # HDF5 filter on the shards' token columns, after a byte shuffle: none | lzf (2.2-2.3x smaller) | gzip
+    # (level 1: 2.4-2.6x; every HDF5 tool reads it, lzf needs h5py's filter). none by default: either
+    # filter doubles to triples a shard's write + read time (lzf +17 ms, gzip +27-40 ms per 2 MB shard;
+    # benchmarks/store_io.py --compression, docs/run-dir.md). Compressed and uncompressed shards read alike
+    compression: str = "none"
 
 
 @dataclass

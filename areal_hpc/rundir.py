@@ -6,10 +6,15 @@ import errno
 import json
 import os
 import re
+import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
+from areal_hpc.utils import fsync_dir
+
 _CHECKPOINT_STATE_RE = re.compile(r"^v(\d{8})\.scheduler\.json$")
+_CHECKPOINT_DIR_RE = re.compile(r"^v(\d{8})$")
 
 
 def _versioned(version: int) -> str:
@@ -102,15 +107,38 @@ class RunDir:
         """Written after the trainers' checkpoint is in place: its presence marks the checkpoint complete."""
         return self.checkpoints / f"{_versioned(version)}.scheduler.json"
 
-    def latest_checkpoint(self) -> int | None:
-        """The newest version with both the trainer folder and the scheduler state, or None."""
+    def checkpoint_parts(self) -> tuple[set[int], set[int]]:
+        """The versions with a trainer folder, and those with a scheduler state (both: complete)."""
         try:
             names = os.listdir(self.checkpoints)
         except FileNotFoundError:
-            return None
-        done = [int(m.group(1)) for n in names if (m := _CHECKPOINT_STATE_RE.match(n))]
-        done = [v for v in done if self.trainer_checkpoint(v).is_dir()]
-        return max(done) if done else None
+            return set(), set()
+        states = {int(m.group(1)) for n in names if (m := _CHECKPOINT_STATE_RE.match(n))}
+        folders = {int(m.group(1)) for n in names if (m := _CHECKPOINT_DIR_RE.match(n))}
+        return {v for v in folders if self.trainer_checkpoint(v).is_dir()}, states
+
+    def complete_checkpoints(self) -> list[int]:
+        """Versions with both the trainer folder and the scheduler state, oldest first."""
+        folders, states = self.checkpoint_parts()
+        return sorted(folders & states)
+
+    def latest_checkpoint(self) -> int | None:
+        """The newest version with both the trainer folder and the scheduler state, or None."""
+        done = self.complete_checkpoints()
+        return done[-1] if done else None
+
+    def prune_checkpoints(self, keep: int) -> list[int]:
+        """Delete what `checkpoints_to_prune` lists (keep 0: nothing); returns those versions.
+
+        Each goes state first, made durable, then its folder: a kill mid-delete leaves a folder without
+        its state, which no resume takes for a checkpoint and the next prune removes."""
+        doomed = checkpoints_to_prune(*self.checkpoint_parts(), keep)
+        for v in doomed:
+            self.scheduler_state(v).unlink(missing_ok=True)
+            fsync_dir(self.checkpoints)
+            if self.trainer_checkpoint(v).exists():
+                shutil.rmtree(self.trainer_checkpoint(v))
+        return doomed
 
     @property
     def weights(self) -> Path:
@@ -269,6 +297,19 @@ class RunDir:
         self.logs.mkdir(parents=True, exist_ok=True)
         for old in self.logs.glob("error-rank*.txt"):
             old.unlink()
+
+
+def checkpoints_to_prune(folders: Iterable[int], states: Iterable[int], keep: int) -> list[int]:
+    """The versions whose checkpoint files may go, oldest first: complete ones (folder and state) older than
+    the newest `keep` complete ones, and parts of incomplete ones (a folder or a state alone: a crash
+    mid-write or mid-delete) older than the newest complete one. Nothing newer than the newest complete
+    checkpoint is listed: it may be one being written, and a resume never uses it. keep 0: nothing."""
+    folders, states = set(folders), set(states)
+    complete = sorted(folders & states)
+    if keep <= 0 or not complete:
+        return []
+    kept = set(complete[-keep:])
+    return sorted(v for v in folders | states if v < complete[-1] and v not in kept)
 
 
 class SweepDir:

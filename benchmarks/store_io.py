@@ -1,4 +1,4 @@
-"""Shard store I/O benchmark: write and read back realistic rollout shards, report MB/s."""
+"""Shard store I/O benchmark: write and read back realistic rollout shards, report MB/s (--compression: per filter)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,41 @@ import h5py
 import numpy as np
 
 from areal_hpc.store import list_shards, read_shard, read_shard_summary, write_shard
-from areal_hpc.store.shards import OFFSETS_DTYPE, TOKEN_FIELDS, TRAJ_FIELDS
+from areal_hpc.store.shards import OFFSETS_DTYPE, TOKEN_FIELDS, TRAJ_FIELDS, Compression
 from areal_hpc.types import Trajectory
 
 RESULTS = Path(__file__).resolve().parent / "results" / "store_io.json"
+COMPARE_RESULTS = RESULTS.with_name("store_compression.json")
+# what --compression compares: the issue's gzip 1 and 4 and lzf, each with and without the byte shuffle
+FILTERS = (
+    Compression(),
+    Compression("lzf", shuffle=False),
+    Compression("lzf"),
+    Compression("gzip", 1, shuffle=False),
+    Compression("gzip", 1),
+    Compression("gzip", 4, shuffle=False),
+    Compression("gzip", 4),
+)
 TOKEN_BYTES = sum(dt.itemsize for dt in TOKEN_FIELDS.values())
 TRAJ_BYTES = sum(dt.itemsize for dt in TRAJ_FIELDS.values()) + OFFSETS_DTYPE.itemsize
 
 
-def make_shard(rng: np.random.Generator, n: int, group: int, version: int, gen_rank: int, max_gen: int):
+VOCAB = 151_000
+
+
+def token_ids(rng: np.random.Generator, n: int, dist: str) -> np.ndarray:
+    """zipf: text's token frequencies fall off as 1/rank, and a BPE vocabulary numbers its tokens roughly by
+    frequency (merges are learned most frequent first), so most ids are small; uniform: the incompressible
+    worst case (the benchmark's ids before the compression comparison)."""
+    if dist == "uniform":
+        return rng.integers(0, VOCAB, n, dtype=np.int32)
+    r = rng.zipf(1.1, n)
+    return np.where(r > VOCAB, rng.integers(1, VOCAB, n), r).astype(np.int32) - 1
+
+
+def make_shard(
+    rng: np.random.Generator, n: int, group: int, version: int, gen_rank: int, max_gen: int, tokens: str = "uniform"
+):
     """n trajectories in groups of `group` samples: prompt ~100 tokens, long-tailed generation <= max_gen."""
     prompt = np.clip(rng.normal(100, 30, n // group + 1), 16, 400).astype(int).repeat(group)[:n]
     gen = np.clip(rng.lognormal(np.log(350), 0.9, n), 1, max_gen).astype(int)
@@ -44,7 +70,7 @@ def make_shard(rng: np.random.Generator, n: int, group: int, version: int, gen_r
                 prompt_id=i // group,
                 group_id=i // group,
                 sample_idx=i % group,
-                input_ids=rng.integers(0, 151_000, L, dtype=np.int32),
+                input_ids=token_ids(rng, L, tokens),
                 behav_logprobs=logp,
                 versions=versions,
                 loss_mask=mask,
@@ -69,8 +95,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--dir", default=None, help="directory to write into (default: a temporary dir)")
     ap.add_argument("--keep", action="store_true", help="keep the shards afterwards")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS), help="JSON result file")
+    ap.add_argument(
+        "--out", default=None, help=f"JSON result file (default {RESULTS}, --compression: {COMPARE_RESULTS})"
+    )
+    ap.add_argument("--compression", action="store_true", help="compare the HDF5 filters (FILTERS) on the same shards")
+    ap.add_argument(
+        "--tokens",
+        default=None,
+        help="token ids: zipf | uniform, comma-separated to compare (default: uniform; --compression: zipf,uniform)",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="--compression: interleaved passes over the filters (median)"
+    )
     args = ap.parse_args(argv)
+    if args.compression:
+        return compare(args)
 
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="store_io-"))
     rollout_dir = base / "rollouts"
@@ -79,7 +118,10 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(args.seed)
 
     t0 = time.perf_counter()
-    shards = [make_shard(rng, args.per_shard, args.group, 1 + s // 4, s % 4, args.max_gen) for s in range(args.shards)]
+    tokens = args.tokens or "uniform"
+    shards = [
+        make_shard(rng, args.per_shard, args.group, 1 + s // 4, s % 4, args.max_gen, tokens) for s in range(args.shards)
+    ]
     gen_s = time.perf_counter() - t0
     n_traj = sum(len(s) for s in shards)
     n_tok = sum(len(t.input_ids) for s in shards for t in s)
@@ -122,6 +164,7 @@ def main(argv=None) -> dict:
         "dir": str(base),
         "shards": args.shards,
         "per_shard": args.per_shard,
+        "tokens_dist": tokens,
         "trajectories": n_traj,
         "tokens": n_tok,
         "payload_bytes": payload,
@@ -134,7 +177,7 @@ def main(argv=None) -> dict:
         "summary_s": round(summary_s, 4),
         "summary_shards_per_s": round(len(paths) / summary_s, 1),
     }
-    out = Path(args.out)
+    out = Path(args.out or RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
 
@@ -145,6 +188,99 @@ def main(argv=None) -> dict:
     print(f"write: {res['write_MBps']:.1f} MB/s ({write_s:.2f} s, tmp + fsync + os.replace per shard)")
     print(f"read: {res['read_MBps']:.1f} MB/s (read_shard, warm cache, mean of {len(read_times)} passes)")
     print(f"summary: {res['summary_shards_per_s']:.1f} shards/s (read_shard_summary)")
+    print(f"result: {out}")
+    return res
+
+
+def _host() -> dict:
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "h5py": h5py.__version__,
+        "hdf5": h5py.version.hdf5_version,
+    }
+
+
+def compare(args) -> dict:
+    """Every filter in FILTERS on the same shards, the filters interleaved within each repeat (a shared
+    host's speed drifts), per shard: bytes on disk, write (write_shard: pack, filter, checksum, fsync,
+    rename) and read (read_shard, warm cache: decompress, verify the checksum, build the trajectories)."""
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="store_io-"))
+    rows = []
+    try:
+        for dist in (args.tokens or "zipf,uniform").split(","):
+            rng = np.random.default_rng(args.seed)
+            shards = [
+                make_shard(rng, args.per_shard, args.group, 1 + s // 4, s % 4, args.max_gen, dist)
+                for s in range(args.shards)
+            ]
+            n_tok = sum(len(t.input_ids) for s in shards for t in s)
+            got = {f.label: {"write": [], "read": [], "summary": [], "bytes": 0} for f in FILTERS}
+            for rep in range(args.repeats):
+                for comp in FILTERS:
+                    d, g = base / f"{dist}-{comp.label}-{rep}", got[comp.label]
+                    t0 = time.perf_counter()
+                    for s, trajs in enumerate(shards):
+                        write_shard(d, trajs, gen_rank=s % 4, seq=s // 4, run_id="bench", compression=comp)
+                    g["write"].append(time.perf_counter() - t0)
+                    paths = list_shards(d)
+                    t0 = time.perf_counter()
+                    assert sum(len(read_shard(p)) for p in paths) == sum(len(s) for s in shards)
+                    g["read"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    for p in paths:
+                        read_shard_summary(p)
+                    g["summary"].append(time.perf_counter() - t0)
+                    g["bytes"] = sum(p.stat().st_size for p in paths)
+                    shutil.rmtree(d)
+            ms = {
+                k: {m: 1e3 * float(np.median(v[m])) / args.shards for m in ("write", "read", "summary")}
+                for k, v in got.items()
+            }
+            none = ms["none"]["write"] + ms["none"]["read"]
+            for comp in FILTERS:
+                k = comp.label
+                rows.append(
+                    {
+                        "tokens": dist,
+                        "filter": k,
+                        "shard_MB": round(got[k]["bytes"] / args.shards / 1e6, 3),
+                        "ratio": round(got["none"]["bytes"] / got[k]["bytes"], 3),
+                        "write_ms": round(ms[k]["write"], 2),
+                        "read_ms": round(ms[k]["read"], 2),
+                        "summary_ms": round(ms[k]["summary"], 3),
+                        "added_write_read": round((ms[k]["write"] + ms[k]["read"]) / none - 1, 3),
+                        "tokens_per_shard": n_tok // args.shards,
+                    }
+                )
+    finally:
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    res = {
+        "benchmark": "store_compression",
+        **_host(),
+        "shards": args.shards,
+        "per_shard": args.per_shard,
+        "max_gen": args.max_gen,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    out = Path(args.out or COMPARE_RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    head = f"{'tokens':8} {'filter':16} {'MB/shard':>9} {'ratio':>6} {'write ms':>9} {'read ms':>8}"
+    head += f" {'summary ms':>10} {'w+r vs none':>11}"
+    print(
+        f"{args.shards} shards of {args.per_shard} trajectories, median of {args.repeats} interleaved passes, per shard"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['tokens']:8} {r['filter']:16} {r['shard_MB']:9.3f} {r['ratio']:6.2f} {r['write_ms']:9.2f} "
+            f"{r['read_ms']:8.2f} {r['summary_ms']:10.3f} {100 * r['added_write_read']:+10.0f}%"
+        )
     print(f"result: {out}")
     return res
 

@@ -295,6 +295,7 @@ def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
         "trainer.versions=14",
         "trainer.max_wall_s=0",
         "trainer.checkpoint_every=3",
+        "trainer.keep_checkpoints=1",  # the tightest retention: only the checkpoint a resume takes is left
         "logging.eval_prompts=20",
         "logging.tensorboard=false",
     ]
@@ -312,6 +313,7 @@ def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
     crashed_at = Ledger(run).last_version()
     # the disk damages two shards the resume will read from: one torn, one with a flipped byte in its tokens
     ckpt = RunDir(run).latest_checkpoint()
+    assert RunDir(run).complete_checkpoints() == [ckpt]  # the older ones were deleted as the run went
     kept = {shard for v in range(ckpt) for shard, _ in Ledger(run).entries(v)}
     spare = [p for p in list_shards(run / "rollouts") if p.name not in kept]
     assert len(spare) >= 2, "the crash left fewer than two shards beyond the checkpoint"
@@ -354,6 +356,7 @@ def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
     m = pd.read_csv(run / "metrics.csv")
     assert list(m["version"]) == list(range(15))
     assert not list((run / "rollouts").glob("*.tmp"))
+    assert RunDir(run).complete_checkpoints() == [14]
 
 
 def test_error_in_one_rank_stops_every_rank_with_one_line(tmp_path):

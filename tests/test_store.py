@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
+from areal_hpc.config_checks import _CHOICES
 from areal_hpc.store import (
     CorruptShardError,
     Ledger,
@@ -22,6 +23,7 @@ from areal_hpc.store import (
     write_shard,
 )
 from areal_hpc.store import shards as shards_mod
+from areal_hpc.store.shards import COMPRESSIONS
 from areal_hpc.types import FINISH_REASONS, Trajectory
 
 TOKEN_FIELDS = ("input_ids", "behav_logprobs", "versions", "loss_mask")
@@ -140,6 +142,47 @@ def test_round_trip_every_field(tmp_path):
         assert all(f[k].compression is None for k in f)
 
 
+OLD_SHARD = Path(__file__).parent / "data" / "g002-00000005.h5"  # make_batch(7, n=4), written before compression
+
+
+def test_compressed_shards_read_back_identical_and_old_ones_still_read(tmp_path):
+    trajs = make_batch(7, n=4, max_gen=3000)
+    paths = {
+        c: write_shard(tmp_path / c, trajs, 2, 5, run_id="schema2-uncompressed", compression=c) for c in COMPRESSIONS
+    }
+    sizes = {c: p.stat().st_size for c, p in paths.items()}
+    assert sizes["lzf"] < 0.8 * sizes["none"] and sizes["gzip"] < 0.8 * sizes["none"], sizes
+    plain = read_shard(paths["none"])
+    with h5py.File(paths["none"]) as f:
+        checksum = f.attrs["checksum"]
+    for c, p in paths.items():
+        for a, b, c_ in zip(trajs, read_shard(p), plain, strict=True):
+            assert_same(a, b)
+            assert_same(b, c_)
+        s = read_shard_summary(p, verify_tokens=True)
+        np.testing.assert_array_equal(s.offsets, read_shard_summary(paths["none"]).offsets)
+        with h5py.File(p) as f:
+            # only the token columns are filtered (rank 0's summary reads never decompress); the checksums
+            # are over the data, so every filter stores the same
+            assert {k for k in f if f[k].compression} == (set() if c == "none" else set(TOKEN_FIELDS)), c
+            assert f.attrs["checksum"] == checksum
+    # a column that compresses below the file's size is no damaged header: 300k equal tokens
+    rng = np.random.default_rng(1)
+    flat = make_traj(rng, 10, 300_000, 0, input_ids=np.zeros(300_010, np.int32))
+    flat.behav_logprobs[:] = -0.5
+    p = write_shard(tmp_path / "flat", [flat], 0, 0, compression="gzip")
+    assert p.stat().st_size < flat.input_ids.nbytes
+    assert_same(flat, read_shard(p)[0])
+    # a shard written before shards could be compressed (by the code of commit 9c548aa), read by today's code
+    old = read_shard(OLD_SHARD)
+    for a, b in zip(make_batch(7, n=4), old, strict=True):
+        assert_same(a, b)
+    assert read_shard_summary(OLD_SHARD, verify_tokens=True).run_id == "schema2-uncompressed"
+    with pytest.raises(KeyError):
+        write_shard(tmp_path, trajs, 0, 9, compression="zstd")  # config_checks refuses it in one line first
+    assert set(COMPRESSIONS) == set(_CHOICES["store.compression"])
+
+
 def test_write_shard_errors_and_listing(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         write_shard(tmp_path, [], 0, 0)
@@ -175,7 +218,8 @@ def _corrupt_garbage(p: Path) -> None:
 def _flip_byte_in(dataset: str, at: int = 5):
     def corrupt(p: Path) -> None:
         with h5py.File(p) as f:
-            off = f[dataset].id.get_offset()  # contiguous layout: the data's byte position in the file
+            ds = f[dataset].id  # contiguous: the data's byte position in the file; compressed: its first chunk's
+            off = ds.get_offset() if ds.get_offset() is not None else ds.get_chunk_info(0).byte_offset
         with open(p, "r+b") as fh:
             fh.seek(off + at)
             b = fh.read(1)
@@ -239,10 +283,11 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.parametrize("compression", ["none", "lzf"])
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
-def test_corruption_detected(tmp_path, kind):
+def test_corruption_detected(tmp_path, kind, compression):
     corrupt, summary_sees_it = CORRUPTIONS[kind]
-    p = write_shard(tmp_path, make_batch(10, n=4), 0, 1)
+    p = write_shard(tmp_path, make_batch(10, n=4), 0, 1, compression=compression)
     read_shard(p)
     corrupt(p)
     readers = [read_shard, lambda q: read_shard_summary(q, verify_tokens=True)]

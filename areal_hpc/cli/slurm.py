@@ -31,6 +31,7 @@ def render_cmd(config_path: str, overrides: tuple[str, ...], check: bool) -> Non
     except (SlurmError, SizingError) as err:
         raise click.ClickException(str(err)) from None
     click.echo(script, nl=False)
+    click.echo(disk_line(cfg), err=True)  # stderr: stdout is the script
 
 
 @click.command("submit")
@@ -173,3 +174,15 @@ def prepare_cmd(run_dir: str) -> None:
         click.echo(f"[areal] {prepare_run_dir(run_dir)}")
     except (ModelFolderError, OSError, ValueError) as err:
         raise click.ClickException(str(err).splitlines()[0]) from None
+
+
+def disk_line(cfg) -> str:
+    """What the run will write (checkpoints kept, rollouts, weights), or why that cannot be said yet."""
+    from areal_hpc.disk_estimate import estimate_disk, read_model_shape
+
+    try:
+        if read_model_shape(cfg.model.path) is None:
+            return f"disk: not estimated (no config.json in model.path={cfg.model.path} yet)"
+        return estimate_disk(cfg).describe()
+    except (OSError, ValueError) as err:
+        return f"disk: not estimated ({str(err).splitlines()[0]})"

@@ -85,7 +85,20 @@ def check_signal(cfg: Config, version_s: float | None, checkpoint_bytes: float |
         )
 
 
-def check_sizing(cfg: Config, checkpoint_bytes: float | None = None) -> None:
+def model_checkpoint_bytes(cfg: Config) -> int | None:
+    """One checkpoint's bytes, from the model folder's config.json (None before the folder exists)."""
+    from areal_hpc.disk_estimate import checkpoint_bytes, read_model_shape
+
+    try:
+        shape = read_model_shape(cfg.model.path)
+    except (OSError, ValueError):
+        return None
+    return None if shape is None else checkpoint_bytes(cfg, shape)
+
+
+def check_sizing(cfg: Config) -> None:
     """Every sizing check, one SizingError line for the first that fails (render, submit and resume)."""
     check_gpus(cfg)
-    check_signal(cfg, version_seconds(cfg), checkpoint_bytes)
+    version_s = version_seconds(cfg)
+    if version_s is not None:
+        check_signal(cfg, version_s, model_checkpoint_bytes(cfg))

@@ -308,7 +308,14 @@ class Generator(RoleLoop):
             summaries.append(summary)
         self.scored = []
         with self.timeline.span("write"):
-            shard = write_shard(self.rollout_dir, trajs, gen_rank=self.rank, seq=self.seq, run_id=self.cfg.run_name)
+            shard = write_shard(
+                self.rollout_dir,
+                trajs,
+                gen_rank=self.rank,
+                seq=self.seq,
+                run_id=self.cfg.run_name,
+                compression=self.cfg.store.compression,
+            )
         self.seq += 1
         self.mail.send(0, Tag.GROUPS_DONE, {"shard": shard.name, "groups": summaries})
 

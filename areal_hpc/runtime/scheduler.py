@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 
 from areal_hpc.config import Config
@@ -62,6 +63,7 @@ class Scheduler(RoleLoop):
         self.ckpt_pending: int | None = None
         self.ckpt_acks = 0
         self.last_ckpt = -1
+        self.pruner: threading.Thread | None = None  # deleting checkpoints older than trainer.keep_checkpoints
         self.stopping = False
         self.stop_reason = ""
         self.byes = 0
@@ -212,6 +214,7 @@ class Scheduler(RoleLoop):
         log.info("checkpoint v%d complete", v)
         self.ckpt_s = max(self.ckpt_s, time.time() - self._t_ckpt)
         self._check_signal_budget()
+        self._start_prune()
 
     def _check_signal_budget(self) -> None:
         """Once per start, under Slurm: a version plus a checkpoint took longer than slurm.signal_s, so the time
@@ -225,6 +228,30 @@ class Scheduler(RoleLoop):
             f"slurm.signal_s={math.ceil(1.25 * need / 60) * 60}"
         )
         log.warning(self.report.warning)
+
+    def _start_prune(self) -> None:
+        """Older checkpoints go in a thread: deleting tens of GB can take seconds on a shared filesystem,
+        and rank 0 must keep answering meanwhile. Nothing else touches a checkpoint older than the newest."""
+        keep = self.cfg.trainer.keep_checkpoints
+        if not keep:
+            return
+        self._join_pruner()
+        self.pruner = threading.Thread(target=self._prune, args=(keep,), name="checkpoint-prune", daemon=True)
+        self.pruner.start()
+
+    def _prune(self, keep: int) -> None:
+        try:
+            gone = self.run_dir.prune_checkpoints(keep)
+        except OSError as err:  # the run goes on; the next checkpoint tries again
+            log.warning("could not delete old checkpoints (trainer.keep_checkpoints=%d): %s", keep, err)
+            return
+        if gone:
+            log.info("deleted checkpoints %s (trainer.keep_checkpoints=%d)", ", ".join(f"v{v}" for v in gone), keep)
+
+    def _join_pruner(self) -> None:
+        if self.pruner is not None:
+            self.pruner.join()
+            self.pruner = None
 
     # -- granting and batches -------------------------------------------------------------------
     def _grant(self) -> None:
@@ -304,6 +331,7 @@ class Scheduler(RoleLoop):
             self.report.open(0, resumed=False)
         self.core.version_trained(start)
         self.loop()
+        self._join_pruner()  # the final checkpoint's pruning ends before the run reports it finished
         # final evaluation at the last weights, then drain: STOP to all, keep receiving until every BYE
         self._request_eval("final")
         for r in range(1, self.layout.world_size):

@@ -103,7 +103,9 @@ def run_sync(cfg: Config) -> RunSummary:
             # rewards are scored while other episodes generate: t_reward is the tail after the last answer
             t_rew = max([t_gen] + [e.stats.reward_span[0] for e in eps if e.stats.reward_span])
             trajs = [t for e, (k, p) in zip(eps, samples) for t in to_trajectories(e, k, p.prompt_id, 0)]
-            shard = write_shard(rollout_dir, trajs, gen_rank=0, seq=step, run_id=cfg.run_name)
+            shard = write_shard(
+                rollout_dir, trajs, gen_rank=0, seq=step, run_id=cfg.run_name, compression=cfg.store.compression
+            )
 
             # train on what the store returns, the same path the asynchronous runtime takes
             batch = read_shard(shard)

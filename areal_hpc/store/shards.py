@@ -65,6 +65,36 @@ CHECKSUM_ORDER = (*TOKEN_FIELDS, *SUMMARY_ORDER)
 _DTYPES = {**TOKEN_FIELDS, "offsets": OFFSETS_DTYPE, **TRAJ_FIELDS}
 REQUIRED_ATTRS = ("schema_version", "run_id", "checksum", "summary_checksum", "n_trajectories")
 
+
+@dataclass(frozen=True)
+class Compression:
+    """An HDF5 filter on the token datasets (the per-trajectory ones are small and stay contiguous, so
+    rank 0's summary reads never decompress). h5py reads any of them, and uncompressed shards, as is."""
+
+    filter: str | None = None  # None | lzf | gzip
+    level: int | None = None  # gzip's level
+    shuffle: bool = True  # byte shuffle first: an int32 token id's high bytes are mostly zero, grouped they compress
+
+    @property
+    def label(self) -> str:
+        name = "none" if self.filter is None else self.filter + (f"-{self.level}" if self.level else "")
+        return name + ("+shuffle" if self.filter and self.shuffle else "")
+
+    def options(self, n: int) -> dict:
+        """create_dataset's keywords for a dataset of n items (an empty one is never chunked)."""
+        if self.filter is None or n == 0:
+            return {}
+        chunks = (min(n, CHUNK_ITEMS),)
+        return {"compression": self.filter, "compression_opts": self.level, "shuffle": self.shuffle, "chunks": chunks}
+
+
+# store.compression's choices; benchmarks/store_io.py --compression measured them (docs/run-dir.md)
+COMPRESSIONS = {"none": Compression(), "lzf": Compression("lzf"), "gzip": Compression("gzip", 1)}
+CHUNK_ITEMS = 1 << 18  # 1 MB of int32 per chunk: a typical shard's token columns in a few chunks
+# deflate's largest possible ratio is about 1032:1; a filtered dataset claiming more items than that
+# allows for the whole file has a damaged header (the contiguous ones are bounded by the file size)
+MAX_FILTER_RATIO = 1100
+
 _SHARD_RE = re.compile(r"^g(\d+)-(\d+)\.h5$")
 
 
@@ -194,13 +224,15 @@ def write_shard(
     gen_rank: int,
     seq: int,
     run_id: str = "",
+    compression: str | Compression = "none",
 ) -> Path:
     """Write trajectories as shard g{gen_rank:03d}-{seq:08d}.h5 atomically; returns its path.
 
     The file appears complete or not at all (tmp + fsync + os.replace). An existing shard is never
     overwritten (FileExistsError): shards are immutable once published and may already be consumed.
     gen_rank and seq name the file (and are kept as file attributes); each trajectory's own gen_rank field
-    is stored as it is.
+    is stored as it is. `compression`: a name in COMPRESSIONS (store.compression) or a Compression; the
+    checksums are over the data, so they are the same whichever filter wrote it.
     """
     if not trajectories:
         raise ValueError("write_shard: empty trajectories list")
@@ -211,11 +243,13 @@ def write_shard(
         raise FileExistsError(f"shard {final} already exists; shards are immutable")
     arrays = _pack(trajectories)
     n = len(trajectories)
+    comp = COMPRESSIONS[compression] if isinstance(compression, str) else compression
     tmp = d / f"{final.name}.{os.getpid()}{TMP_SUFFIX}"
     try:
         with h5py.File(tmp, "w", locking=False) as f:
             for name in CHECKSUM_ORDER:
-                f.create_dataset(name, data=arrays[name])  # contiguous, uncompressed
+                a = arrays[name]
+                f.create_dataset(name, data=a, **(comp.options(len(a)) if name in TOKEN_FIELDS else {}))
             f.attrs["schema_version"] = SCHEMA_VERSION
             f.attrs["run_id"] = run_id
             f.attrs["n_trajectories"] = n
@@ -268,7 +302,9 @@ def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
             n = int(attrs["n_trajectories"])
             file_size = f.id.get_filesize()
             arrays: dict[str, np.ndarray] = {}
-            for name in order:
+            # the summary's datasets first: the token datasets' length must then match offsets before any
+            # allocation (their sizes can exceed the file's when compressed)
+            for name in (*SUMMARY_ORDER, *(TOKEN_FIELDS if full else ())):
                 # Low-level API: the high-level one costs ~2x per dataset, and most datasets here are small.
                 try:
                     ds = h5d.open(f.id, name.encode())
@@ -278,8 +314,16 @@ def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
                 shape, dtype = ds.shape, ds.dtype
                 if dtype != want or len(shape) != 1:
                     raise CorruptShardError(path, f"dataset {name!r} is {dtype}{shape}, expected 1-d {want}")
-                if shape[0] * want.itemsize > file_size:  # a damaged header must not trigger a huge allocation
+                nbytes = shape[0] * want.itemsize
+                # a damaged header must not trigger a huge allocation (the filter is looked up only when needed)
+                if nbytes > file_size and (
+                    nbytes > file_size * MAX_FILTER_RATIO or not ds.get_create_plist().get_nfilters()
+                ):
                     raise CorruptShardError(path, f"dataset {name!r} claims {shape[0]} items, more than the file holds")
+                if name in TOKEN_FIELDS and len(arrays["offsets"]) and shape[0] != arrays["offsets"][-1]:
+                    raise CorruptShardError(
+                        path, f"dataset {name!r} has length {shape[0]}, offsets end at {arrays['offsets'][-1]}"
+                    )
                 arr = np.empty(shape, dtype=want)
                 if shape[0]:
                     ds.read(h5s.ALL, h5s.ALL, arr)
