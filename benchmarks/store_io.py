@@ -155,12 +155,7 @@ def main(argv=None) -> dict:
 
     res = {
         "benchmark": "store_io",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "h5py": h5py.__version__,
-        "hdf5": h5py.version.hdf5_version,
+        **_host(),
         "dir": str(base),
         "shards": args.shards,
         "per_shard": args.per_shard,
