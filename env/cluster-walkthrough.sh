@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# docs/cluster.md's "The run's life", command by command, on the local Slurm cluster with the CPU demo config
-# standing in for a GPU recipe: render, sbatch, status while pending and while running, cancel, resume with
-# more versions, export, eval. Prints each command and what it said; stops at the first that fails.
+# docs/cluster.md's commands on the local Slurm cluster, the CPU demo config standing in for a GPU recipe: the
+# prerequisite checks that need no GPU, then the run's life (render, sbatch, status while pending and while
+# running, cancel, resume with more versions, export, eval), the split sized from that run (simulate
+# --calibrate) and TensorBoard's view of it. Prints each command and what it said; stops at the first failure.
 #   bash env/cluster-walkthrough.sh [WORK_DIR]      (default: a new folder under /tmp; ~3 minutes)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,7 +16,17 @@ wait_for() {  # wait_for RUN_DIR TEXT: until status prints TEXT (3 minutes at mo
   echo "status never said '$2'"; "$AREAL" status "$1"; return 1
 }
 
-say "$AREAL" render jobs/demo.yaml run_name=guide trainer.versions=100000 logging.tensorboard=false > guide.sbatch
+# -- what the cluster must have (the GPU checks, nvidia-smi and flash_attn, need a GPU node)
+PY="$ROOT/.venv/bin/python"
+say sinfo --version
+say srun --mpi=list
+say "$PY" -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+say "$PY" --version
+say findmnt -n -o FSTYPE -T "$WORK"
+"$ROOT/.venv/bin/ds_report" >/dev/null 2>&1 && echo "(ds_report ran)"
+
+# -- the run's life
+say "$AREAL" render jobs/demo.yaml run_name=guide trainer.versions=100000 > guide.sbatch
 echo "(guide.sbatch: $(wc -l < guide.sbatch) lines)"
 # held at submission, so that an idle local cluster shows a pending job; a real queue does this by itself
 job=$(sbatch --parsable --hold guide.sbatch)
@@ -31,4 +42,7 @@ wait_for runs/guide "COMPLETED"
 say "$AREAL" status runs/guide
 say "$AREAL" export runs/guide/checkpoints/v00000040 runs/guide-hf
 say "$AREAL" eval runs/guide-hf --config runs/guide/config.yaml
+# -- the split, sized from this run; TensorBoard reads the same folder (--inspect: a summary, no server)
+say "$AREAL" simulate --calibrate runs/guide --sweep cluster.n_generators=1,2,3
+say "$ROOT/.venv/bin/tensorboard" --inspect --logdir runs/guide/tensorboard 2>/dev/null | tail -3
 echo; echo "walkthrough done in $WORK"
