@@ -146,7 +146,9 @@ def test_multi_turn_episodes_straddle_weight_loads_past_hung_rewards_and_tools(t
     assert inside > 0, "no turn ran on across a weight load"
     # the hung reward call and the looping tools were stopped and counted; the run went on
     m = pd.read_csv(tmp_path / "run" / "metrics.csv")
-    assert m["reward_timeouts"].sum() >= 1 and m["reward_errors"].sum() == 0
+    # the first call in each reward worker hangs: a training episode's (metrics.csv) or a held-out one's (summary)
+    assert m["reward_timeouts"].sum() + s["heldout_reward_timeouts"] >= 1
+    assert m["reward_errors"].sum() == 0 and s["heldout_reward_errors"] == 0
     assert m["tool_calls"].sum() > 0 and m["tool_errors"].sum() == m["tool_calls"].sum()
     assert (m["turns_mean"].dropna() > 1).all() and (m["trained_share"].dropna() < 1).all()
     assert (m["unsampled_tokens"].dropna() > 0).all()

@@ -64,6 +64,10 @@ class UserReward:
     def __call__(self, completion: str, row) -> float:
         return resolve(self.spec, "reward.fn")(completion, row)
 
+    def load(self) -> None:
+        """Import the function now (a worker's start-up), not inside the first call's time limit."""
+        resolve(self.spec, "reward.fn")
+
 
 def reward_fn_name(cfg) -> str:
     """reward.fn, or the built-in the dataset implies (code for data.kind=code, else math)."""

@@ -138,7 +138,7 @@ class RewardPool:
 
         self._gen: _WorkerGeneration | None = None
         try:
-            self._gen = _WorkerGeneration(self._ctx, self.num_workers, self.cpus)
+            self._gen = _WorkerGeneration(self._ctx, self.num_workers, self.cpus, self.scorer)
         except Exception:
             logger.warning("RewardPool: no worker processes; scoring inline", exc_info=True)
 
@@ -379,7 +379,7 @@ class RewardPool:
         why = "crash" if crashed else "hang"
         logger.warning("RewardPool: rebuilding worker pool after a %s", why)
         try:
-            self._gen = _WorkerGeneration(self._ctx, self.num_workers, self.cpus)
+            self._gen = _WorkerGeneration(self._ctx, self.num_workers, self.cpus, self.scorer)
         except Exception:
             logger.exception("RewardPool: cannot rebuild worker pool; scoring inline")
 

@@ -17,8 +17,9 @@ logger = logging.getLogger(__name__)
 _READY_COUNTER = None
 
 
-def _worker_init(ready_counter, cpus: frozenset[int] | None = None) -> None:
-    # Import + first parse compile math-verify's regexes once per worker, not per item.
+def _worker_init(ready_counter, cpus: frozenset[int] | None = None, scorer: Scorer | None = None) -> None:
+    # Import + first parse compile math-verify's regexes once per worker, not per item; and the user's
+    # reward function: importing it (and what it imports) must not eat the first call's reward.timeout_s
     global _READY_COUNTER
     _READY_COUNTER = ready_counter
     if cpus:  # off the cores the caller keeps for itself (a generator's engine)
@@ -27,7 +28,9 @@ def _worker_init(ready_counter, cpus: frozenset[int] | None = None) -> None:
         # The parent handles Ctrl-C and shuts us down; a KeyboardInterrupt here only adds noise.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _math_reward_unbounded("\\boxed{\\frac{1}{2}}", "0.5")
-    except BaseException:
+        if (load := getattr(scorer, "load", None)) is not None:
+            load()
+    except BaseException:  # a reward function that cannot load fails its calls, each counted as an error
         logger.debug("reward worker warm-up failed", exc_info=True)
     finally:
         try:
@@ -50,7 +53,7 @@ def _score_chunk(scorer: Scorer | None, pairs: list[tuple[str, object]], timeout
 class _WorkerGeneration:
     """One ProcessPoolExecutor incarnation; rebuilt whenever a worker crashes or hangs."""
 
-    def __init__(self, ctx, num_workers: int, cpus: frozenset[int] | None = None):
+    def __init__(self, ctx, num_workers: int, cpus: frozenset[int] | None = None, scorer: Scorer | None = None):
         self.created_t = time.monotonic()
         self.ready_t: float | None = None
         self.num_workers = num_workers
@@ -59,7 +62,7 @@ class _WorkerGeneration:
             max_workers=num_workers,
             mp_context=ctx,
             initializer=_worker_init,
-            initargs=(self.counter, cpus),
+            initargs=(self.counter, cpus, scorer),
         )
         # Workers are spawned on demand: one ping per worker starts them all now, in the
         # background, so their import cost overlaps with whatever the caller does next.

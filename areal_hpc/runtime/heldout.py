@@ -19,6 +19,10 @@ class _Eval:
     rewards: dict[int, float] = field(default_factory=dict)  # held-out index * k + sample -> episode reward
     newest: int = -1  # the newest version that sampled any of its tokens
     tool_users: int = 0  # episodes that called a tool
+    reward_failures: list[int] = field(default_factory=lambda: [0, 0])  # reward calls timed out, raised
+
+
+_NO_FAILURES = {"reward_timeouts": 0, "reward_errors": 0}
 
 
 class HeldoutEvals:
@@ -48,11 +52,14 @@ class HeldoutEvals:
         tag = self.asked.pop(0)
         while tag.startswith("v") and self.asked:
             # asked faster than they run: a later evaluation supersedes a periodic one
-            self.report({"tag": tag, "version": None, "version_end": None, "acc": None, "tool_share": None})
+            self.report(
+                {"tag": tag, "version": None, "version_end": None, "acc": None, "tool_share": None} | _NO_FAILURES
+            )
             tag = self.asked.pop(0)
         if not self.problems:
             nan = float("nan")
-            self.report({"tag": tag, "version": version, "version_end": version, "acc": nan, "tool_share": nan})
+            body = {"tag": tag, "version": version, "version_end": version, "acc": nan, "tool_share": nan}
+            self.report(body | _NO_FAILURES)
             return
         self.current = _Eval(tag, version, time.time())
         for i, p in enumerate(self.problems):
@@ -64,6 +71,8 @@ class HeldoutEvals:
         ev = self.current
         ev.rewards[index] = ep.reward or 0.0
         ev.tool_users += ep.stats.tool_calls > 0
+        ev.reward_failures[0] += ep.stats.reward_timeouts
+        ev.reward_failures[1] += ep.stats.reward_errors
         # a segment's versions only grow: its last token carries the newest weights it saw
         ev.newest = max([ev.newest] + [seg.versions[-1] for seg in ep.sampled if seg.versions])
         total = len(self.problems) * self.k
@@ -72,4 +81,5 @@ class HeldoutEvals:
         self.current = None
         self.span(ev.t_start, time.time())
         body = {"tag": ev.tag, "version": ev.version, "version_end": max(ev.newest, ev.version)}
-        self.report(body | {"acc": sum(ev.rewards.values()) / total, "tool_share": ev.tool_users / total})
+        failures = {"reward_timeouts": ev.reward_failures[0], "reward_errors": ev.reward_failures[1]}
+        self.report(body | {"acc": sum(ev.rewards.values()) / total, "tool_share": ev.tool_users / total} | failures)

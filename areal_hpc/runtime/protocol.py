@@ -9,10 +9,12 @@ generator -> scheduler
                "gen_tokens", "version_start", "uniform": bool}, ...]}
                                                finished, rewarded groups now in a shard file; "uniform":
                                                all n rewards equal (rank 0 may reject the group)
-  EVAL_RESULT {"tag": str, "version": v|None, "version_end": w, "acc": float|None, "tool_share": float|None}
+  EVAL_RESULT {"tag": str, "version": v|None, "version_end": w, "acc": float|None, "tool_share": float|None,
+               "reward_timeouts": n, "reward_errors": n}
                                                held-out accuracy (and the share of its episodes that called a
-                                               tool), started on weights v, its last tokens from w >= v; acc
-                                               None: superseded by a later evaluation, never run
+                                               tool, its reward calls that timed out or raised), started on
+                                               weights v, its last tokens from w >= v; acc None: superseded
+                                               by a later evaluation, never run
   WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s|None, "skipped": bool, "prefill_tokens": n}
                                                weights applied (skipped: received but replaced by a newer
                                                version first, or pruned from disk; load_s None then);
@@ -75,7 +77,7 @@ class Tag(IntEnum):
 FIELDS: dict[Tag, tuple[str, ...]] = {
     Tag.WANT: ("k",),
     Tag.GROUPS_DONE: ("shard", "groups"),
-    Tag.EVAL_RESULT: ("tag", "version", "version_end", "acc", "tool_share"),
+    Tag.EVAL_RESULT: ("tag", "version", "version_end", "acc", "tool_share", "reward_timeouts", "reward_errors"),
     Tag.WEIGHTS_OK: ("version", "checksum", "load_s", "skipped", "prefill_tokens"),
     Tag.GRANT: ("prompts",),
     Tag.NEW_VERSION: ("version",),

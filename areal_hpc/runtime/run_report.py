@@ -51,6 +51,7 @@ class RunReport:
         self.load_s: list[float] = []  # each generator's load of each version
         self.sync_bytes = 0
         self.evals: dict[str, float] = {}  # evaluation tag -> held-out accuracy
+        self.heldout_reward_failures = [0, 0]  # reward calls of held-out evaluations that timed out, raised
         self.eval_tool_share: dict[str, float] = {}  # evaluation tag -> share of its episodes that called a tool
         self.rows: dict[int, dict] = {}  # version -> metrics row being assembled
         self.row_wait: dict[int, set] = {}  # version -> parts the row still waits for
@@ -129,6 +130,9 @@ class RunReport:
         if acc is not None:  # None: superseded by a later evaluation before it started
             self.evals[tag] = acc
             self.eval_tool_share[tag] = body["tool_share"]
+            # a held-out score of 0 from a hung or failing reward function must not pass for a wrong answer
+            self.heldout_reward_failures[0] += body["reward_timeouts"]
+            self.heldout_reward_failures[1] += body["reward_errors"]
             log.info("held-out accuracy %s (weights v%s): %.3f", tag, body["version"], acc)
         if tag.startswith("v"):
             row = {}
@@ -236,6 +240,8 @@ class RunReport:
             "acc_final": self.evals.get("final"),
             "tool_share_start": self.eval_tool_share.get("start"),
             "tool_share_final": self.eval_tool_share.get("final"),
+            "heldout_reward_timeouts": self.heldout_reward_failures[0],
+            "heldout_reward_errors": self.heldout_reward_failures[1],
             "wall_s": now - self.t0,
             "t0": self.t0,  # epoch seconds of metrics.csv's wall_s = 0 (the timeline's times are epoch seconds)
             "rl_wall_s": rl,
