@@ -44,5 +44,6 @@ say "$AREAL" export runs/guide/checkpoints/v00000040 runs/guide-hf
 say "$AREAL" eval runs/guide-hf --config runs/guide/config.yaml
 # -- the split, sized from this run; TensorBoard reads the same folder (--inspect: a summary, no server)
 say "$AREAL" simulate --calibrate runs/guide --sweep cluster.n_generators=1,2,3
-say "$ROOT/.venv/bin/tensorboard" --inspect --logdir runs/guide/tensorboard 2>/dev/null | tail -3
+say "$ROOT/.venv/bin/tensorboard" --inspect --logdir runs/guide/tensorboard 2>/dev/null \
+  | grep -a -E "^scalars|^   (heldout_acc|reward_mean|staleness_max|weights_match)$"
 echo; echo "walkthrough done in $WORK"
