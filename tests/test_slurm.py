@@ -315,6 +315,8 @@ def test_status_finds_a_queued_job_that_plain_sbatch_submitted(tmp_path):
         status = _cli("status", str(tmp_path / "run"))  # no slurm/job.json yet: found in the queue
         assert f"job {job_id}: PENDING (JobHeldUser)" in status.stdout, status.stdout + status.stderr
         assert "progress: none yet" in status.stdout
+        again = _cli("render", str(DEMO), *_args(tmp_path))  # a second job would share the run's folder
+        assert again.returncode != 0 and f"job {job_id} of run dir" in again.stderr, again.stderr
     finally:
         subprocess.run(["scancel", job_id], check=True)
 

@@ -130,6 +130,12 @@ def check_render_target(cfg: Config) -> None:
             f"run dir {str(run.root)!r} already holds a run; to go on with it: areal-hpc resume {run.root} "
             "[KEY=VALUE ...]; for a new run pick another run_name=... or store.run_dir=..."
         )
+    # a script rendered earlier and still queued has written nothing yet: a second job would share the folder
+    if run.logs.is_dir() and which_slurm() and (job := queued_job(run.root)) is not None:
+        raise SlurmError(
+            f"job {job} of run dir {str(run.root)!r} is still queued; cancel it (areal-hpc cancel {run.root}) "
+            "before rendering another, or pick another run_name=... or store.run_dir=..."
+        )
 
 
 def _as_rendered(cfg: Config, run: RunDir) -> Config:
