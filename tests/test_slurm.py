@@ -273,6 +273,7 @@ def test_cancel_then_resume_with_more_versions_pending_first(tmp_path):
     before = _files(run)
     for bad, words in (
         ("rollout.eta=4", "rollout.eta cannot change when a run resumes"),
+        ("rollout.n_samples=4", "rollout.n_samples cannot change"),
         ("model.arch=qwen2", "model.arch cannot change"),
         (f"trainer.versions={stopped}", "nothing left to train"),
     ):

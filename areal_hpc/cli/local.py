@@ -62,12 +62,11 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
         saved = RunDir(resume_dir).config
         if not saved.is_file():
             raise click.ClickException(f"{resume_dir!r} is not a run dir (no {saved.name})")
-        from areal_hpc.launch.resume import fixed_key
+        from areal_hpc.launch.resume import refused_change
 
-        for ov in overrides:
-            if (why := fixed_key(ov)) is not None:
-                raise click.ClickException(why)
         cfg = load_or_fail(str(saved), (*overrides, f"store.run_dir={Path(resume_dir).resolve()}"))
+        if (why := refused_change(load_or_fail(str(saved), ()), cfg)) is not None:
+            raise click.ClickException(why)
     elif config_path is None:
         raise click.ClickException("give a config file (e.g. jobs/demo.yaml) or --resume RUN_DIR")
     else:

@@ -23,7 +23,6 @@ FIXED = {
     "cluster.n_trainers": "the trainers' checkpoint is written by (and sharded over) this many ranks",
     "trainer.engine": "the checkpoint is in this engine's format",
     "trainer.zero_stage": "the checkpoint's shards are laid out for this ZeRO stage",
-    "store.run_dir": "the run is the directory",
 }
 # the same files, moved: a resume may point at them again (the checkpoint's shapes are checked when it loads)
 MOVABLE = {"model.path", "data.path"}
@@ -34,14 +33,21 @@ class ResumeError(ValueError):
     """A resume that cannot go ahead; one line naming why. Nothing in the run directory changed."""
 
 
-def fixed_key(override: str) -> str | None:
-    """Why the override's key cannot change on resume, or None when it may."""
-    key = override.split("=", 1)[0].strip()
+def fixed_key(key: str) -> str | None:
+    """Why this config key cannot take a new value on resume, or None when it may."""
     if key in MOVABLE:
         return None
     for prefix, why in FIXED.items():
         if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
             return f"{key} cannot change when a run resumes: {why}; start a new run for that"
+    return None
+
+
+def refused_change(old: Config, new: Config) -> str | None:
+    """One line for the first changed value a resumed run cannot take (the same value given again is fine)."""
+    for key in changed_keys(old, new):
+        if (why := fixed_key(key)) is not None:
+            return why
     return None
 
 
@@ -72,11 +78,10 @@ def plan_resume(run_dir: str | Path, overrides: list[str]) -> tuple[Config, dict
     run = RunDir(Path(run_dir).resolve())
     if not run.config.is_file():
         raise ResumeError(f"{str(run.root)!r} holds no run (no config.yaml); start one with areal-hpc submit or render")
-    for ov in overrides:
-        if (why := fixed_key(ov)) is not None:
-            raise ResumeError(why)
     old = load_config(run.config)
-    new = load_config(run.config, [*overrides, f"store.run_dir={run.root}"])
+    new = load_config(run.config, [*overrides, f"store.run_dir={run.root}"])  # the folder may have moved
+    if (why := refused_change(old, new)) is not None:
+        raise ResumeError(why)
     if run.job_file.exists() or run.logs.exists():
         try:
             job = load_job(run.root)
