@@ -66,22 +66,16 @@ def version_seconds(cfg: Config) -> float | None:
     return r.wall_s / max(1, r.versions)
 
 
-def checkpoint_seconds(cfg: Config, checkpoint_bytes: float | None) -> float:
-    return 0.0 if not checkpoint_bytes else checkpoint_bytes / CHECKPOINT_WRITE_BPS
-
-
-def check_signal(cfg: Config, version_s: float | None, checkpoint_bytes: float | None = None) -> None:
+def check_signal(cfg: Config, version_s: float, checkpoint_bytes: float | None = None) -> None:
     """slurm.signal_s must cover the version in flight and the checkpoint after it: what the time limit's
     signal asks for before the job is killed. Without it everything since the last checkpoint is lost."""
-    sc = cfg.slurm
-    if not sc.requeue or version_s is None:
-        return
-    need = SIGNAL_MARGIN * (version_s + checkpoint_seconds(cfg, checkpoint_bytes))
-    if sc.signal_s < need:
+    ckpt_s = (checkpoint_bytes or 0) / CHECKPOINT_WRITE_BPS
+    need = SIGNAL_MARGIN * (version_s + ckpt_s)
+    if cfg.slurm.signal_s < need:
         raise SizingError(
-            f"slurm.signal_s={sc.signal_s} is shorter than one version plus a checkpoint (~{version_s:.0f} s + "
-            f"{checkpoint_seconds(cfg, checkpoint_bytes):.0f} s, simulated): the time limit would lose the version "
-            f"in flight; set slurm.signal_s={math.ceil(need / 60) * 60} or more"
+            f"slurm.signal_s={cfg.slurm.signal_s} is shorter than one version plus a checkpoint (~{version_s:.0f} s + "
+            f"{ckpt_s:.0f} s, simulated): the time limit would lose the version in flight; set "
+            f"slurm.signal_s={math.ceil(need / 60) * 60} or more"
         )
 
 
@@ -99,6 +93,8 @@ def model_checkpoint_bytes(cfg: Config) -> int | None:
 def check_sizing(cfg: Config) -> None:
     """Every sizing check, one SizingError line for the first that fails (render, submit and resume)."""
     check_gpus(cfg)
+    if not cfg.slurm.requeue:  # no signal asked for: nothing to simulate
+        return
     version_s = version_seconds(cfg)
     if version_s is not None:
         check_signal(cfg, version_s, model_checkpoint_bytes(cfg))
