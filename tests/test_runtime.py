@@ -236,7 +236,15 @@ def test_streaming_generation_loads_weights_mid_flight_and_evaluates_off_the_cri
             exec(compile(src, "async_runtime.ipynb", "exec"), scope)
     assert len(scope["consumed"]) == len(eaten) and scope["interrupted"] > 0
     assert {"generate", "train"} <= set(scope["util"].columns) and "group" not in scope["util"].columns
-    assert (scope["engine"]["occupancy"].between(0, 1.001)).all() and scope["engine"]["occupancy"].max() > 0.5
+    engine = scope["engine"]
+    assert engine["occupancy"].between(0, 1.001).all()
+    # the plot shows evaluation sharing the engine with training: some window's steps held more sequences than
+    # the whole evaluation (slot counts, not seconds, so a slower machine cannot fail it), and the engine was
+    # stepping, not idle, for most of that window
+    held = engine.seq_steps / engine.steps
+    busiest = held.idxmax()
+    assert held[busiest] > cfg.logging.eval_prompts, engine
+    assert engine["occupancy"][busiest] > 0.7 * held[busiest] / engine.capacity[busiest], engine
 
 
 def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):
