@@ -71,6 +71,10 @@ class RewardConfig:
     # works, else rlimits only; none = rlimits only (no network or filesystem isolation). docs/sandbox.md
     sandbox: str = "bwrap"
     code_memory_mb: int = 1024  # data.kind=code: address-space limit of the sandboxed program
+    # DAPO's soft overlong penalty: an answer within this many tokens of rollout.max_new_tokens loses reward
+    # linearly, up to overlong_penalty at the limit (0 = off); the longest model call of an episode counts
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0  # the penalty at rollout.max_new_tokens (see overlong_buffer)
 
 
 @dataclass
@@ -122,12 +126,26 @@ class WorkflowConfig:
 class PPOConfig:
     """The decoupled PPO objective (docs/algorithm.md)."""
 
-    eps_clip: float = 0.2  # the policy ratio is clipped to [1 - eps_clip, 1 + eps_clip]
-    # tokens whose behaviour importance weight (proximal / behaviour probability) exceeds this leave the loss;
-    # 0 disables the cap
+    eps_clip: float = 0.2  # the policy ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]
+    eps_clip_high: float | None = None  # the upper clip (DAPO's clip-higher: 0.28); null = eps_clip
+    dual_clip: float = 0.0  # dual-clip PPO: a token with A < 0 loses at most dual_clip x |A| (> 1, e.g. 3); 0 = off
+    # the behaviour importance weight's cap (proximal / behaviour probability); 0 = no cap
     behav_imp_weight_cap: float = 5.0
+    # a token whose behaviour weight is over the cap: drop (leaves the loss) | truncate (its weight is the cap: TIS)
+    behav_weight: str = "drop"
+    # token = per-token ratios (PPO) | sequence = the length-normalised sequence ratio, clipped per sequence (GSPO)
+    importance: str = "token"
+    # how token losses add up: token_mean (over the minibatch's tokens) | seq_mean_token_mean (per sequence, then
+    # over sequences) | seq_mean_token_sum_norm (Dr.GRPO: summed, / (sequences x rollout.max_new_tokens))
+    loss_agg: str = "token_mean"
+    kl_coef: float = 0.0  # KL penalty to the reference policy (the weights at version 0); 0 = no reference held
+    kl_estimator: str = "k3"  # k1 | k2 | k3: Schulman's estimators of KL(policy || reference)
+    entropy_coef: float = 0.0  # entropy bonus (0 = none)
     n_minibatches: int = 4  # optimizer steps per version: the batch is split into this many PPO minibatches
-    adv_norm: str = "mean_std"  # group advantage: mean (reward - group mean) | mean_std (then / group std)
+    # advantage: none (the reward) | mean (reward - mean) | mean_std (then / std); the statistics come from
+    # the prompt's group or the whole batch (adv_scope)
+    adv_norm: str = "mean_std"
+    adv_scope: str = "group"  # group (GRPO) | batch: where adv_norm's mean and std are taken
     drop_uniform_groups: bool = True  # dynamic sampling: skip groups with all-equal rewards
     # proximal logprobs: recompute (a forward pass of the current weights) | loglinear (interpolated between
     # behaviour and current logprobs, no extra pass)
@@ -142,7 +160,10 @@ class TrainerConfig:
     """Training: the engine, the optimizer, the run's length, the warm start and checkpoints."""
 
     engine: str = "torch"  # torch | deepspeed | emulated (with rollout.engine=emulated)
-    lr: float = 2e-5  # AdamW learning rate (constant)
+    lr: float = 2e-5  # AdamW learning rate (the peak, under a schedule)
+    # constant | cosine | linear: after the warm-up, decays from lr towards 0 over trainer.versions
+    lr_schedule: str = "constant"
+    warmup_versions: int = 0  # the learning rate rises linearly to lr over this many versions (0 = none)
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas, two numbers in [0, 1)
     weight_decay: float = 0.05  # AdamW weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = no clipping)

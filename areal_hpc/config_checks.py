@@ -29,7 +29,13 @@ _CHOICES = {
     "data.chat_template": CHAT_TEMPLATE_MODES,
     "rollout.engine": ("torch", "vllm", "emulated"),
     "rollout.weight_update": ("keep_kv", "recompute", "drain"),
-    "ppo.adv_norm": ("mean", "mean_std"),
+    "ppo.adv_norm": ("none", "mean", "mean_std"),
+    "ppo.adv_scope": ("group", "batch"),
+    "ppo.behav_weight": ("drop", "truncate"),
+    "ppo.importance": ("token", "sequence"),
+    "ppo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "ppo.kl_estimator": ("k1", "k2", "k3"),
+    "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "ppo.prox": ("recompute", "loglinear"),
     "trainer.engine": ("torch", "deepspeed", "emulated"),
     "emulation.preset": ("1.5B", "7B"),
@@ -75,6 +81,12 @@ _LOWER = {
     "ppo.eps_clip": (0, False),
     "ppo.behav_imp_weight_cap": (0, True),
     "ppo.n_minibatches": (1, True),
+    "ppo.dual_clip": (0, True),
+    "ppo.kl_coef": (0, True),
+    "ppo.entropy_coef": (0, True),
+    "reward.overlong_buffer": (0, True),
+    "reward.overlong_penalty": (0, True),
+    "trainer.warmup_versions": (0, True),
     "trainer.lr": (0, False),
     "trainer.weight_decay": (0, True),
     "trainer.grad_clip": (0, True),
@@ -236,6 +248,34 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.workflow.turn_discount > 1:
         raise ConfigError(f"config workflow.turn_discount={cfg.workflow.turn_discount!r} must be in [0, 1]")
+    _check_objective(cfg)
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
     return cfg
+
+
+def _check_objective(cfg: Config) -> None:
+    """The objective menu's combinations (docs/algorithm.md)."""
+    pc = cfg.ppo
+    if pc.eps_clip_high is not None and not pc.eps_clip_high >= pc.eps_clip:
+        raise ConfigError(
+            f"config ppo.eps_clip_high={pc.eps_clip_high!r} is below ppo.eps_clip={pc.eps_clip!r}; clip-higher "
+            "raises the upper clip (e.g. 0.28 with 0.2), or leave it null for eps_clip"
+        )
+    if 0 < pc.dual_clip <= 1:
+        raise ConfigError(f"config ppo.dual_clip={pc.dual_clip!r} must be 0 (off) or above 1 (e.g. 3)")
+    if pc.kl_coef and cfg.trainer.engine == "deepspeed" and cfg.trainer.zero_stage == 3:
+        # the reference would be a full, unsharded copy on every trainer: what ZeRO-3 is chosen to avoid
+        raise ConfigError(
+            "config ppo.kl_coef needs trainer.zero_stage 1 or 2 under DeepSpeed (ZeRO-3 shards no reference)"
+        )
+    if cfg.reward.overlong_buffer >= cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"config reward.overlong_buffer={cfg.reward.overlong_buffer} must be below "
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty starts that many tokens before it)"
+        )
+    if cfg.trainer.warmup_versions >= cfg.trainer.versions and cfg.trainer.warmup_versions:
+        raise ConfigError(
+            f"config trainer.warmup_versions={cfg.trainer.warmup_versions} must be below "
+            f"trainer.versions={cfg.trainer.versions}"
+        )

@@ -410,7 +410,7 @@ def test_two_trainers_match_one(tiny_model_dir, tmp_path):
 
 
 def test_loglinear_prox_treats_current_weights_as_the_proximal_policy(tiny_model_dir, monkeypatch):
-    import areal_hpc.engines.torch_train as tt
+    import areal_hpc.engines.policy_step as tt
 
     tok = load_tokenizer(tiny_model_dir)
     trajs = _trajs(tok, TorchGenerationEngine(str(tiny_model_dir), seed=7))

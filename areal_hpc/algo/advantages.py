@@ -5,28 +5,51 @@ from __future__ import annotations
 import numpy as np
 
 
+def _episodes_once(values: np.ndarray, idx: np.ndarray, sample_ids: np.ndarray | None) -> np.ndarray:
+    """The values of sequences `idx`, each episode counted once (its branches share one value)."""
+    r = values[idx]
+    return r if sample_ids is None else r[np.unique(np.asarray(sample_ids)[idx], return_index=True)[1]]
+
+
 def group_advantages(
     rewards: np.ndarray,
     group_ids: np.ndarray,
     norm: str = "mean_std",
     std_eps: float = 1e-4,
     sample_ids: np.ndarray | None = None,
+    scope: str = "group",
+    sum_across_trainers=None,
 ) -> np.ndarray:
-    """Per-sequence advantage: r - mean(group), divided by (std(group) + eps) when norm == 'mean_std'.
+    """Per-sequence advantage: r - mean, divided by (std + eps) when norm == 'mean_std'; norm == 'none': r.
 
+    scope == 'group': the mean and std of the prompt's group (GRPO); 'batch': of the whole batch, over every
+    trainer when `sum_across_trainers` (a collective summing a vector over trainers) is given.
     `sample_ids`: sequences of one group with the same sample id are branches of one episode (equal rewards):
-    the group's mean and std are taken over its episodes, each counted once, and the branches share theirs.
+    statistics are taken over episodes, each counted once, and the branches share their advantage.
     """
-    if norm not in ("mean", "mean_std"):
-        raise ValueError(f"advantage norm must be 'mean' or 'mean_std', got {norm!r}")
+    if norm not in ("none", "mean", "mean_std"):
+        raise ValueError(f"advantage norm must be 'none', 'mean' or 'mean_std', got {norm!r}")
+    if scope not in ("group", "batch"):
+        raise ValueError(f"advantage scope must be 'group' or 'batch', got {scope!r}")
     rewards = np.asarray(rewards, dtype=np.float64)
     group_ids = np.asarray(group_ids)
+    if norm == "none":
+        return rewards.astype(np.float32)
+    if scope == "batch":
+        once = np.concatenate(
+            [_episodes_once(rewards, group_ids == g, sample_ids) for g in np.unique(group_ids)] or [np.zeros(0)]
+        )
+        sums = np.array([len(once), once.sum(), (once**2).sum()], dtype=np.float64)
+        n, s1, s2 = sum_across_trainers(sums) if sum_across_trainers is not None else sums
+        mean = s1 / max(n, 1.0)
+        std = float(np.sqrt(max(s2 / max(n, 1.0) - mean**2, 0.0)))
+        adv = rewards - mean
+        return (adv / (std + std_eps) if norm == "mean_std" else adv).astype(np.float32)
     adv = np.zeros_like(rewards)
     for g in np.unique(group_ids):
         idx = group_ids == g
-        r = rewards[idx]
-        once = r if sample_ids is None else r[np.unique(np.asarray(sample_ids)[idx], return_index=True)[1]]
-        a = r - once.mean()
+        once = _episodes_once(rewards, idx, sample_ids)
+        a = rewards[idx] - once.mean()
         if norm == "mean_std":
             a = a / (once.std() + std_eps)
         adv[idx] = a
@@ -49,16 +72,42 @@ def informative_groups(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray
 
 
 def batch_advantages(
-    rewards: np.ndarray, group_ids: np.ndarray, norm: str, drop_uniform: bool, sample_ids: np.ndarray | None = None
+    rewards: np.ndarray,
+    group_ids: np.ndarray,
+    norm: str,
+    drop_uniform: bool,
+    sample_ids: np.ndarray | None = None,
+    scope: str = "group",
+    sum_across_trainers=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(advantage, keep mask) of a training batch: what both training loops apply before a PPO step.
 
     With `drop_uniform` the mask leaves out groups without a learning signal (rank 0 rejects them when
     announced, so in the asynchronous runtime this only catches what reached a batch another way).
+    With scope == 'batch' every trainer must call this (its statistics are summed over trainers).
     """
     rewards = np.asarray(rewards, dtype=np.float64)
-    if len(rewards) == 0:
+    if len(rewards) == 0 and scope == "group":
         return np.zeros(0, np.float32), np.zeros(0, bool)
-    adv = group_advantages(rewards, group_ids, norm, sample_ids=sample_ids)
+    adv = group_advantages(
+        rewards, group_ids, norm, sample_ids=sample_ids, scope=scope, sum_across_trainers=sum_across_trainers
+    )
     keep = informative_groups(rewards, group_ids) if drop_uniform else np.ones(len(rewards), bool)
     return adv, keep
+
+
+def longest_answer(loss_mask: np.ndarray) -> int:
+    """The longest run of trained tokens: an episode's longest model call (tool output and prompts are untrained)."""
+    m = np.concatenate([[0], np.asarray(loss_mask, dtype=np.int8), [0]])
+    edges = np.flatnonzero(np.diff(m))
+    return int((edges[1::2] - edges[::2]).max()) if len(edges) else 0
+
+
+def overlong_penalty(lengths: np.ndarray, max_tokens: int, buffer: int, penalty: float) -> np.ndarray:
+    """DAPO's soft overlong punishment (a reward term, <= 0): 0 up to max_tokens - buffer tokens, then falling
+    linearly to -penalty at max_tokens. buffer == 0: none."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    if buffer <= 0:
+        return np.zeros(len(lengths))
+    start = max_tokens - buffer
+    return -penalty * np.clip((lengths - start) / buffer, 0.0, 1.0)

@@ -217,6 +217,13 @@ class TrainEngine(ABC):
     def supervised_step(self, sequences: list[np.ndarray], loss_masks: list[np.ndarray], lr: float) -> float:
         """One cross-entropy step on the masked tokens at learning rate `lr` (the warm start); version unchanged."""
 
+    def set_lr(self, lr: float) -> None:  # noqa: B027  (an engine without an optimizer has nothing to set)
+        """The learning rate of the next update (trainer.lr_schedule)."""
+
+    def sum_across_trainers(self, values: np.ndarray) -> np.ndarray:
+        """Element-wise sum of `values` over every trainer (collective: all call it); one trainer: itself."""
+        return np.asarray(values, dtype=np.float64)
+
     @abstractmethod
     def weights(self) -> dict[str, torch.Tensor]:
         """Full weights for publishing to generators."""

@@ -121,6 +121,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         if self.rank == 0:
             meta = {"version": self.version, "zero_stage": self.zero_stage, "world": self.world}
             (tmp / "meta.json").write_text(json.dumps(meta))
+            if self.reference is not None:
+                self.reference.save(tmp)
             atomic_publish_dir(tmp, path)
         dist.barrier()
 
@@ -133,3 +135,4 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         np.random.set_state(rng["numpy_rng"])
         random.setstate(rng["python_rng"])
         self.version = meta["version"]
+        self._load_reference(path)

@@ -148,13 +148,15 @@ def _entropy(logsm: torch.Tensor, rows: int = 64) -> torch.Tensor:
     return torch.cat([-(r.exp() * r).sum(-1) for r in logsm.split(rows)]) if len(logsm) else logsm.new_zeros(0)
 
 
-def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float):
+def _chunk_logprobs(
+    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, entropy_grad: bool = False
+):
     logits = head(hidden).float()  # a copy only when the model computes in a lower precision
     if temperature != 1.0:
         logits.div_(temperature)  # in place: no second full-size copy
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    with torch.no_grad():  # entropy is logged, never differentiated
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # differentiated for an entropy bonus
         entropy = _entropy(logits - lse[:, None])
     return logp, entropy
 
@@ -166,6 +168,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 256,
     n_chunks: int | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per sequence: the log-probability of each token given its prefix under softmax(logits / T), and the
     entropy of that distribution; position 0 gets 0 for both.
@@ -175,6 +178,7 @@ def token_logprobs(
     Under grad each chunk is checkpointed (recomputed in backward). `n_chunks` fixes how many times `head`
     is called (chunks of equal size, some possibly empty), whatever the micro-batch's length: under ZeRO-3
     each call gathers the head's parameters, so every trainer must make the same number of calls.
+    `entropy_grad`: the entropies carry a gradient (an entropy bonus), else they are detached.
     """
     hidden, targets, _ = _hidden_rows(model, mb)
     step = chunk_tokens if n_chunks is None else max(1, -(-len(hidden) // n_chunks))
@@ -183,7 +187,7 @@ def token_logprobs(
     for a in starts:
         h, t = hidden[a : a + step], targets[a : a + step]
         if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_logprobs, h, t, head, temperature, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_logprobs, h, t, head, temperature, entropy_grad, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(h, t, head, temperature)
         logps.append(lp)
@@ -195,18 +199,43 @@ def token_logprobs(
 
 # -- a loss over tokens, its gradient taken chunk by chunk in the forward ----------------------------------
 # loss_fn(logp, index) -> summed loss of these rows; `index` says which tokens of the laid-out sequences
-# they are. It must be a sum over tokens: each chunk's part of the gradient is then its own.
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# they are. It must be a sum over tokens: each chunk's part of the gradient is then its own. With
+# `with_entropy`, loss_fn(logp, index, entropy) also gets each row's entropy, differentiable.
+LossFn = Callable[..., torch.Tensor]
+# prepass(logp, index): the log-probabilities of every row, detached, before any loss is taken: for a loss whose
+# per-token terms need a whole sequence first (GSPO's sequence ratio). Costs a second pass of the head.
+Prepass = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _grad_logits(logsm: torch.Tensor, t, g: torch.Tensor, g_ent: torch.Tensor | None, entropy: torch.Tensor):
+    """d loss / d logits of a chunk, written over `logsm` (its log-softmax), 64 rows at a time.
+
+    d logp[t] / dz = onehot(t) - p, and d H / dz = -p * (log p + H), so with g = d loss / d logp and
+    g_ent = d loss / d H: grad = g * onehot(t) - p * (g + g_ent * (log p + H)).
+    """
+    if g_ent is None:
+        p = logsm.exp_()  # in place: one chunk-sized buffer all along
+        grad_z = p.mul_(-g[:, None])
+    else:
+        for a in range(0, len(logsm), 64):  # p needs its own buffer here: 64 rows of it at a time
+            s = logsm[a : a + 64]
+            p = s.exp()
+            s.add_(entropy[a : a + 64, None]).mul_(g_ent[a : a + 64, None]).add_(g[a : a + 64, None]).mul_(p).neg_()
+        grad_z = logsm
+    grad_z.scatter_add_(1, t[:, None], g[:, None].to(grad_z.dtype))
+    return grad_z
 
 
 class _HeadLoss(torch.autograd.Function):
     """loss(log_softmax(hidden @ W.T / T)[targets]) whose backward hands over gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, index, temperature, chunk_tokens, loss_fn, record):
+    def forward(ctx, hidden, weight, targets, index, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         w = weight.detach().to(dtype)
+        if prepass is not None:
+            prepass(_HeadLoss.logprobs(hidden, w, targets, temperature, chunk_tokens, dtype), index)
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -219,17 +248,22 @@ class _HeadLoss(torch.autograd.Function):
             lse = torch.cat([torch.logsumexp(r, dim=-1) for r in logits.split(64)])  # small temporaries
             logsm = logits.sub_(lse[:, None])  # in place: the chunk's log-softmax
             logp = logsm.gather(-1, t[:, None]).squeeze(-1)
+            entropy = _entropy(logsm)
             with torch.enable_grad():
                 lp = logp.detach().requires_grad_()
-                loss = loss_fn(lp, index[a : a + chunk_tokens])
-                (g,) = torch.autograd.grad(loss, lp, allow_unused=True, materialize_grads=True)
+                if with_entropy:
+                    ent = entropy.detach().requires_grad_()
+                    loss = loss_fn(lp, index[a : a + chunk_tokens], ent)
+                    g, g_ent = torch.autograd.grad(loss, (lp, ent), allow_unused=True, materialize_grads=True)
+                else:
+                    loss = loss_fn(lp, index[a : a + chunk_tokens])
+                    (g,), g_ent = torch.autograd.grad(loss, lp, allow_unused=True, materialize_grads=True), None
             total += loss.detach().float()
-            record(logp, _entropy(logsm))
-            p = logsm.exp_()  # in place again: one chunk-sized buffer all along
-            del logsm, logits
-            # d logp / d logits = onehot(target) - softmax, then through the division by T
-            grad_z = p.mul_(-g[:, None])
-            grad_z.scatter_add_(1, t[:, None], g[:, None].to(grad_z.dtype))
+            record(logp, entropy)
+            del logits
+            # through the log-softmax (and the entropy), then through the division by T
+            grad_z = _grad_logits(logsm, t, g, g_ent, entropy)
+            del logsm
             if temperature != 1.0:
                 grad_z.div_(temperature)
             gz = grad_z.to(dtype)
@@ -238,14 +272,27 @@ class _HeadLoss(torch.autograd.Function):
                 grad_w.addmm_(gz.T, h)  # in place: no head-sized temporary
             else:
                 grad_w += (gz.T @ h).float()
-            del p, grad_z, gz
+            del grad_z, gz
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return total
 
     @staticmethod
+    def logprobs(hidden, w, targets, temperature, chunk_tokens, dtype) -> torch.Tensor:
+        """Every row's log-probability, chunk by chunk, nothing kept but the result (the prepass)."""
+        out = []
+        for a in range(0, len(hidden), chunk_tokens):
+            logits = (hidden[a : a + chunk_tokens].detach().to(dtype) @ w.T).float()
+            if temperature != 1.0:
+                logits.div_(temperature)
+            lse = torch.cat([torch.logsumexp(r, dim=-1) for r in logits.split(64)])
+            out.append(logits.gather(-1, targets[a : a + chunk_tokens, None]).squeeze(-1) - lse)
+            del logits
+        return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+    @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None
+        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None, None, None
 
 
 def chunked_loss(
@@ -256,14 +303,23 @@ def chunked_loss(
     temperature: float = 1.0,
     chunk_tokens: int = 256,
     n_chunks: int | None = None,
+    with_entropy: bool = False,
+    prepass: Prepass | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The summed loss of a micro-batch (differentiable), and per sequence the log-probabilities and entropies
-    (detached). `n_chunks` (ZeRO-3) takes the checkpointed path, where every head call is a module call."""
+    (detached). `n_chunks` (ZeRO-3) takes the checkpointed path, where every head call is a module call.
+    `with_entropy`: loss_fn also takes the entropies and may train them; `prepass`: see Prepass."""
     if n_chunks is not None:
-        logps, ents = token_logprobs(model, head, mb, temperature, chunk_tokens, n_chunks)
+        logps, ents = token_logprobs(model, head, mb, temperature, chunk_tokens, n_chunks, with_entropy)
         _, _, index = mb.predicting_rows()
         flat = torch.cat([lp[1:] for lp in logps])
-        return loss_fn(flat, index), [lp.detach() for lp in logps], ents
+        if prepass is not None:
+            prepass(flat.detach(), index)
+        if with_entropy:
+            loss = loss_fn(flat, index, torch.cat([e[1:] for e in ents]))
+        else:
+            loss = loss_fn(flat, index)
+        return loss, [lp.detach() for lp in logps], [e.detach() for e in ents]
     hidden, targets, index = _hidden_rows(model, mb)
     lps, ents = [], []
 
@@ -271,7 +327,9 @@ def chunked_loss(
         lps.append(lp)
         ents.append(ent)
 
-    loss = _HeadLoss.apply(hidden, head.weight, targets, index, temperature, chunk_tokens, loss_fn, record)
+    loss = _HeadLoss.apply(
+        hidden, head.weight, targets, index, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass
+    )
     flat_lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
     flat_ent = torch.cat(ents) if ents else flat_lp
     return loss, mb.per_sequence(flat_lp), mb.per_sequence(flat_ent)

@@ -16,29 +16,14 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
 from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
-from areal_hpc.algo.ppo import decoupled_ppo_loss, loglinear_prox_logp
+from areal_hpc.algo.ppo import Objective, sequence_weights
 from areal_hpc.engines import forward
 from areal_hpc.engines.base import TrainEngine
+from areal_hpc.engines.policy_step import PPO_STATS, PolicyStep, merge_stats
+from areal_hpc.engines.reference import ReferencePolicy
 from areal_hpc.model import load_causal_lm, load_tokenizer, no_hf_progress_bars
 from areal_hpc.types import Trajectory
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
-
-# per-token stats -> the token count each is a mean over: kept loss tokens, or loss tokens before the cap
-_PPO_STATS = {
-    "clip_frac": "loss_tokens",
-    "ratio_mean": "loss_tokens",
-    "behav_w_mean": "loss_tokens",
-    "capped_frac": "in_tokens",
-    "entropy": "in_tokens",
-}
-
-
-def _merge(parts: list[dict]) -> dict:
-    """Stats of several pieces (chunks, micro-batches) as one: each mean weighted by its own token count."""
-    out = {w: sum(p[w] for p in parts) for w in ("loss_tokens", "in_tokens")}
-    for k, w in _PPO_STATS.items():
-        out[k] = sum(p.get(k, 0.0) * p[w] for p in parts) / max(out[w], 1.0)  # the loss has no entropy
-    return out
 
 
 class TorchTrainEngine(TrainEngine):
@@ -56,6 +41,10 @@ class TorchTrainEngine(TrainEngine):
     learning rates round away in bf16. `bf16` computes the forward and backward in bf16 (autocast) on
     top of them. Micro-batches are packed without padding (`packing`), log-probabilities are computed
     `logprob_chunk_tokens` at a time, and `gradient_checkpointing` recomputes each layer in backward.
+
+    `objective` is the policy loss (algo.ppo.Objective; by default decoupled PPO from `eps_clip` and
+    `behav_imp_weight_cap`), `loss_agg` how its tokens add up (algo.ppo.sequence_weights, with `loss_norm_tokens`
+    for Dr.GRPO's constant). With a KL coefficient the engine holds a ReferencePolicy, else none.
     """
 
     lockstep = False  # collective_weights and collective_checkpoint keep TrainEngine's False
@@ -82,6 +71,9 @@ class TorchTrainEngine(TrainEngine):
         packing: bool = True,
         logprob_chunk_tokens: int = 256,
         gradient_checkpointing: bool = False,
+        objective: Objective | None = None,
+        loss_agg: str = "token_mean",
+        loss_norm_tokens: int = 1,
     ):
         torch.manual_seed(seed)
         self.model_path = str(model_path)
@@ -109,8 +101,10 @@ class TorchTrainEngine(TrainEngine):
         self.grad_clip = grad_clip
         self.max_tokens_per_mb = max_tokens_per_mb
         self.n_minibatches = n_minibatches
-        self.eps_clip = eps_clip
-        self.cap = behav_imp_weight_cap or None
+        self.objective = objective or Objective(eps_clip=eps_clip, behav_cap=behav_imp_weight_cap or None)
+        self.loss_agg, self.loss_norm_tokens = loss_agg, loss_norm_tokens
+        self.reference: ReferencePolicy | None = None  # built at the first update when there is a KL term
+        self.bf16 = bf16
         self.prox = prox
         self.decoupled = decoupled
         self.temperature = temperature
@@ -138,13 +132,22 @@ class TorchTrainEngine(TrainEngine):
                 self._fwd, head, mb, self.temperature, self.logprob_chunk_tokens, self.fixed_chunks
             )[0]
 
-    def _loss(self, seqs: list[np.ndarray], loss_fn: forward.LossFn):
-        """A summed per-token loss over these sequences; also their logprobs and entropies (detached)."""
+    def _loss(self, seqs: list[np.ndarray], loss_fn: forward.LossFn, step: PolicyStep | None = None):
+        """A summed per-token loss over these sequences; also their logprobs and entropies (detached).
+        `step`: a policy loss that may train the entropy and need a prepass."""
         with self._autocast():
             head = self.model.get_output_embeddings()
             mb = self._micro_batch(seqs)
             return forward.chunked_loss(
-                self._fwd, head, mb, loss_fn, self.temperature, self.logprob_chunk_tokens, self.fixed_chunks
+                self._fwd,
+                head,
+                mb,
+                loss_fn,
+                self.temperature,
+                self.logprob_chunk_tokens,
+                self.fixed_chunks,
+                with_entropy=step is not None and step.with_entropy,
+                prepass=step.prepass if step is not None else None,
             )
 
     @torch.no_grad()
@@ -171,12 +174,19 @@ class TorchTrainEngine(TrainEngine):
         return out  # type: ignore[return-value]
 
     # -- distributed helpers ---------------------------------------------------------------------
-    def _allreduce_sum(self, value: float) -> float:
+    def _allreduce_sum(self, values: list[float]) -> list[float]:
         if self.world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)  # NCCL groups take device tensors
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL groups take device tensors
         dist.all_reduce(t, group=self.pg)
-        return float(t)
+        return t.tolist()
+
+    def sum_across_trainers(self, values: np.ndarray) -> np.ndarray:
+        return np.asarray(self._allreduce_sum(np.asarray(values, dtype=np.float64).tolist()))
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
 
     def _allreduce_max(self, value: int) -> int:
         if self.world == 1:
@@ -237,6 +247,7 @@ class TorchTrainEngine(TrainEngine):
             totals["prox_t_end"] = time.time()
         else:
             prox_all = [None] * len(seqs)
+        ref_all = self._reference_logprobs(seqs) if self.objective.kl_coef else [None] * len(seqs)
 
         lengths = [len(s) for s in seqs]
         if minibatches is None:
@@ -246,10 +257,12 @@ class TorchTrainEngine(TrainEngine):
                 minibatches = [[] for _ in range(self.n_minibatches)]
         micro_stats: list[dict] = []
         for mb_idx in minibatches:
-            local_tokens = float(sum(int(trajectories[i].loss_mask.sum()) for i in mb_idx))
-            total_tokens = self._allreduce_sum(local_tokens)
+            loss_tokens = [int(trajectories[i].loss_mask.sum()) for i in mb_idx]
+            total_tokens, total_seqs = self._allreduce_sum([sum(loss_tokens), sum(n > 0 for n in loss_tokens)])
             if total_tokens == 0:
                 continue  # nothing to learn from on any rank; all ranks skip together
+            weights = sequence_weights(loss_tokens, self.loss_agg, total_tokens, total_seqs, self.loss_norm_tokens)
+            seq_weight = dict(zip(mb_idx, weights))
             micros: list = pack_microbatches([lengths[i] for i in mb_idx], self.max_tokens_per_mb)
             if self.lockstep:
                 micros += [None] * (self._allreduce_max(len(micros)) - len(micros))
@@ -259,7 +272,7 @@ class TorchTrainEngine(TrainEngine):
                     self._backward(self._zero_loss(), last)
                     continue
                 idx = [mb_idx[j] for j in micro]
-                loss, stats = self._ppo_micro(trajectories, advantages, prox_all, idx, total_tokens)
+                loss, stats = self._ppo_micro(trajectories, advantages, prox_all, ref_all, idx, seq_weight)
                 self._backward(loss, last)
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
                 micro_stats.append(stats)
@@ -268,56 +281,47 @@ class TorchTrainEngine(TrainEngine):
         if "loss" in totals:
             totals["loss"] /= len(minibatches)  # mean minibatch loss
         if micro_stats:
-            totals.update({k: v for k, v in _merge(micro_stats).items() if k in _PPO_STATS})
+            totals.update({k: v for k, v in merge_stats(micro_stats).items() if k in PPO_STATS})
         totals["fwd_positions"], totals["fwd_padding"] = self.positions, self.padding
         return totals
 
-    def _ppo_micro(self, trajectories, advantages, prox_all, idx, total_tokens):
-        """Decoupled-PPO loss of one micro-batch (a sum over its tokens / the global token count) and its stats."""
-        recompute = prox_all[idx[0]] is not None  # else the loglinear proximal logprobs
-        cat = {k: [] for k in ("prox", "behav", "adv", "mask", "versions")}
-        for i in idx:
-            t = trajectories[i]
-            cat["behav"].append(torch.as_tensor(t.behav_logprobs, dtype=torch.float32))
-            cat["adv"].append(torch.full((len(t.input_ids),), float(advantages[i])))
-            cat["mask"].append(torch.as_tensor(t.loss_mask, dtype=torch.float32))
-            cat["versions"].append(torch.as_tensor(t.versions))
-            if recompute:
-                cat["prox"].append(prox_all[i].float().cpu())
-        cat = {k: torch.cat(v).to(self.device) for k, v in cat.items() if v}
-        parts: list[dict] = []
+    def _ppo_micro(self, trajectories, advantages, prox_all, ref_all, idx, seq_weight):
+        """The policy loss of one micro-batch (a sum over its tokens, weighted to the minibatch's aggregate)."""
+        step = PolicyStep(
+            self.objective,
+            self.decoupled,
+            trajectories,
+            advantages,
+            idx,
+            prox_all,
+            ref_all,
+            seq_weight,
+            self.version,
+            self.device,
+        )
+        loss, _, entropies = self._loss([trajectories[i].input_ids for i in idx], step.loss_fn, step)
+        return loss, step.stats(entropies)
 
-        def loss_fn(lp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-            behav = cat["behav"][index]
-            if recompute:
-                prox = cat["prox"][index]
-            elif not self.decoupled:  # plain PPO: the ratio to the behaviour policy, no behaviour weight (w = 1)
-                prox = behav
-            else:  # the weights being trained become version+1; pi_prox is the current version
-                prox = loglinear_prox_logp(lp, behav, cat["versions"][index], self.version + 1)
-            loss, stats = decoupled_ppo_loss(
-                lp,
-                prox,
-                behav,
-                cat["adv"][index],
-                cat["mask"][index],
-                eps_clip=self.eps_clip,
-                behav_imp_weight_cap=self.cap,
-                total_loss_tokens=total_tokens,
-            )
-            parts.append(stats)
-            return loss
-
-        loss, _, entropies = self._loss([trajectories[i].input_ids for i in idx], loss_fn)
-        entropy = float((torch.cat(entropies) * cat["mask"]).sum()) / max(float(cat["mask"].sum()), 1.0)
-        return loss, {**_merge(parts), "entropy": entropy}
+    def _reference_logprobs(self, seqs: list[np.ndarray]) -> list:
+        """Each sequence's logprobs under the reference policy (made from these weights the first time)."""
+        if self.reference is None:
+            dtype = "bfloat16" if self.bf16 else "float32"
+            self.reference = ReferencePolicy(self.model_path, self.weights(), dtype, self.device, self.packing)
+        groups = pack_microbatches([len(s) for s in seqs], self.max_tokens_per_mb) if seqs else []
+        mbs = [self._micro_batch([seqs[i] for i in g]) for g in groups]
+        out: list = [None] * len(seqs)
+        for i, lp in zip(
+            [i for g in groups for i in g], self.reference.logprobs(mbs, self.temperature, self.logprob_chunk_tokens)
+        ):
+            out[i] = torch.as_tensor(lp)
+        return out
 
     def supervised_step(self, sequences: list[np.ndarray], loss_masks: list[np.ndarray], lr: float) -> float:
         """Cross-entropy on the masked tokens (the warm start); does not change the policy version."""
         for g in self.optimizer.param_groups:
             saved_lr, g["lr"] = g["lr"], lr
         mask = torch.cat([torch.as_tensor(m, dtype=torch.float32, device=self.device) for m in loss_masks])
-        total = max(self._allreduce_sum(float(mask.sum())), 1.0)
+        total = max(self._allreduce_sum([float(mask.sum())])[0], 1.0)
         loss = self._loss(sequences, lambda lp, index: -(lp * mask[index]).sum() / total)[0]
         self._backward(loss, True)
         self._optimizer_step()
@@ -357,6 +361,8 @@ class TorchTrainEngine(TrainEngine):
             )
             (tmp / "trainer_state.pt").write_bytes(state.getbuffer())
             (tmp / "meta.json").write_text(json.dumps({"version": self.version}))
+            if self.reference is not None:
+                self.reference.save(tmp)
             atomic_publish_dir(tmp, Path(path))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half checkpoint behind
@@ -371,3 +377,10 @@ class TorchTrainEngine(TrainEngine):
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])
         self.version = json.loads((path / "meta.json").read_text())["version"]
+        self._load_reference(path)
+
+    def _load_reference(self, path: Path) -> None:
+        if self.objective.kl_coef:  # built from these weights, then given the checkpoint's reference
+            dtype = "bfloat16" if self.bf16 else "float32"
+            self.reference = ReferencePolicy(self.model_path, self.weights(), dtype, self.device, self.packing)
+            self.reference.load(path)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from areal_hpc.algo.ppo import Objective
 from areal_hpc.config import Config
 from areal_hpc.data import MathDataset, arithmetic_completion
 from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_engine, make_train_engine
@@ -43,6 +44,22 @@ def build_generation_engine(cfg: Config, model_dir: Path, seed: int) -> Generati
     )
 
 
+def objective(cfg: Config) -> Objective:
+    """The policy objective the ppo section names."""
+    pc = cfg.ppo
+    return Objective(
+        eps_clip=pc.eps_clip,
+        eps_clip_high=pc.eps_clip_high,
+        dual_clip=pc.dual_clip,
+        behav_cap=pc.behav_imp_weight_cap or None,
+        behav_weight=pc.behav_weight,
+        importance=pc.importance,
+        kl_coef=pc.kl_coef,
+        kl_estimator=pc.kl_estimator,
+        entropy_coef=pc.entropy_coef,
+    )
+
+
 def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> TrainEngine:
     rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
     if tc.engine == "emulated":
@@ -57,8 +74,9 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> Trai
         grad_clip=tc.grad_clip,
         max_tokens_per_mb=tc.max_tokens_per_mb,
         n_minibatches=pc.n_minibatches,
-        eps_clip=pc.eps_clip,
-        behav_imp_weight_cap=pc.behav_imp_weight_cap or None,
+        objective=objective(cfg),
+        loss_agg=pc.loss_agg,
+        loss_norm_tokens=rc.max_new_tokens,
         prox=pc.prox,
         decoupled=pc.decoupled,
         temperature=rc.temperature,

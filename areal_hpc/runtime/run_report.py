@@ -20,6 +20,7 @@ log = logging.getLogger("areal_hpc.scheduler")
 
 # stats a trainer reports per token of loss, averaged over trainers weighted by their loss tokens
 _PER_LOSS_TOKEN = ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac", "entropy")
+_OBJECTIVE_TERMS = ("kl", "entropy_bonus", "seq_ratio_mean", "truncated_frac")  # where the objective has them
 
 
 class RunReport:
@@ -178,6 +179,13 @@ class RunReport:
         }
         for k in _PER_LOSS_TOKEN:
             row[k] = sum(x.get(k, 0.0) * x.get("loss_tokens", 0) for x in s) / w
+        for k in _OBJECTIVE_TERMS:  # only the terms this objective has
+            if any(k in x for x in s):
+                row[k] = sum(x.get(k, 0.0) * x.get("loss_tokens", 0) for x in s) / w
+        if "lr" in s[0]:
+            row["lr"] = s[0]["lr"]
+        if any("overlong_penalty" in x for x in s):
+            row["overlong_penalty"] = sum(x.get("overlong_penalty", 0.0) * x["samples"] for x in s) / max(n, 1)
         self.got(v, "train", row | episode_metrics(s, n))
 
     def flush_rows(self, force: bool = False) -> None:

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from areal_hpc.algo.advantages import batch_advantages
 from areal_hpc.config import Config
 from areal_hpc.data import check_fits_context, load_run_dataset
 from areal_hpc.evaluation import heldout_accuracy
@@ -22,6 +21,7 @@ from areal_hpc.reward import reward_pool_for
 from areal_hpc.rollout import episode_metrics, episode_stats
 from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.runtime.build import build_generation_engine, build_train_engine, warm_start
+from areal_hpc.runtime.train_step import train_version
 from areal_hpc.store import Ledger, read_shard, write_shard
 from areal_hpc.types import SampleId
 from areal_hpc.utils import seed_everything
@@ -56,7 +56,7 @@ def run_sync(cfg: Config) -> RunSummary:
     dataset = load_run_dataset(cfg, tokenizer)
     check_fits_context(dataset, cfg, model_dir)
 
-    rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
+    rc, tc = cfg.rollout, cfg.trainer
     workflow, settings = load_workflow(rc.workflow), runner_settings(cfg, tokenizer, model_dir)
     gen = build_generation_engine(cfg, model_dir, seed=tc.seed)
     trainer = build_train_engine(cfg, model_dir)
@@ -111,13 +111,10 @@ def run_sync(cfg: Config) -> RunSummary:
             batch = read_shard(shard)
             t_train = time.time()  # t_store covers the shard write and its read-back
             r = np.array([t.reward for t in batch])
-            gids = np.array([t.group_id for t in batch])
-            sids = np.array([t.sample_idx for t in batch])  # an episode's branches share its advantage
-            adv, keep = batch_advantages(r, gids, pc.adv_norm, pc.drop_uniform_groups, sids)
             # the ledger names the version whose training step consumed the batch (the policy
             # version being improved), so on-policy data has staleness 0
             consumed_by = trainer.version
-            stats = trainer.ppo_update([t for t, k in zip(batch, keep) if k], adv[keep])
+            stats, keep = train_version(trainer, batch, cfg)
             ledger.record(consumed_by, [(shard.name, i) for i in range(len(batch))])
             t_sync = time.time()
             gen.update_weights(trainer.weights(), trainer.version)

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_hpc.algo.advantages import batch_advantages
 from areal_hpc.config import Config
 from areal_hpc.data import load_run_dataset
 from areal_hpc.model import DTYPES, load_tokenizer
@@ -20,6 +19,7 @@ from areal_hpc.runtime.build import build_train_engine, warm_start
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
 from areal_hpc.runtime.role_loop import Handler, RoleLoop
+from areal_hpc.runtime.train_step import train_version
 from areal_hpc.runtime.weight_sync import WeightSender
 from areal_hpc.store import read_shard
 from areal_hpc.types import Trajectory
@@ -159,14 +159,8 @@ class Trainer(RoleLoop):
                     trajs += [cache[shard][i] for i in indices]
                     mb_of += [j] * len(indices)
         with self.timeline.span("train"):
-            pc = self.cfg.ppo
-            r = np.array([t.reward for t in trajs], dtype=np.float64)
+            stats, keep = train_version(self.engine, trajs, self.cfg, mb_of, len(share))
             gids = np.array([t.group_id for t in trajs], dtype=np.int64)
-            sids = np.array([t.sample_idx for t in trajs], dtype=np.int64)  # an episode's branches share its advantage
-            adv, keep = batch_advantages(r, gids, pc.adv_norm, pc.drop_uniform_groups, sids)
-            kept = np.flatnonzero(keep)
-            minibatches = [[k for k, i in enumerate(kept) if mb_of[i] == j] for j in range(len(share))]
-            stats = self.engine.ppo_update([trajs[i] for i in kept], adv[kept], minibatches)
         if "prox_t_start" in stats:  # the proximal recompute, inside the train span
             self.timeline.add("prox", stats.pop("prox_t_start"), stats.pop("prox_t_end"))
         stats.update(share_stats(trajs, version))

@@ -1,0 +1,125 @@
+"""One micro-batch's policy loss: its per-token inputs laid out, and the loss function the chunked forward calls."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from areal_hpc.algo.ppo import Objective, loglinear_prox_logp, policy_loss, segment_mean
+from areal_hpc.types import Trajectory
+
+# per-token stats -> the token count each is a mean over: kept loss tokens, or loss tokens before the cap
+PPO_STATS = {
+    "clip_frac": "loss_tokens",
+    "ratio_mean": "loss_tokens",
+    "behav_w_mean": "loss_tokens",
+    "seq_ratio_mean": "loss_tokens",
+    "capped_frac": "in_tokens",
+    "truncated_frac": "in_tokens",
+    "kl": "in_tokens",
+    "entropy_bonus": "in_tokens",
+    "entropy": "in_tokens",
+}
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """Stats of several pieces (chunks, micro-batches) as one: each mean weighted by its own token count."""
+    out = {w: sum(p[w] for p in parts) for w in ("loss_tokens", "in_tokens")}
+    for k, w in PPO_STATS.items():
+        if any(k in p for p in parts):
+            out[k] = sum(p.get(k, 0.0) * p[w] for p in parts) / max(out[w], 1.0)
+    return out
+
+
+class PolicyStep:
+    """The loss of the sequences `idx` of a minibatch: what `forward.chunked_loss` needs, and their stats.
+
+    `prox_all` / `ref_all` hold each trajectory's recomputed proximal / reference logprobs (None: loglinear or
+    plain PPO; no KL). `seq_weight[i]` is trajectory i's per-token aggregation weight. `version` is the policy
+    version being trained (its proximal policy, for loglinear). With importance=sequence the forward runs a
+    prepass (`prepass`) that fills in each sequence's mean log-ratios before any loss is taken.
+    """
+
+    def __init__(
+        self,
+        obj: Objective,
+        decoupled: bool,
+        trajectories: list[Trajectory],
+        advantages: np.ndarray,
+        idx: list[int],
+        prox_all: list,
+        ref_all: list,
+        seq_weight: dict[int, float],
+        version: int,
+        device: torch.device,
+    ):
+        self.obj, self.decoupled, self.version = obj, decoupled, version
+        self.recompute = prox_all[idx[0]] is not None
+        cols: dict[str, list] = {k: [] for k in ("prox", "ref", "behav", "adv", "mask", "versions", "weight", "seq")}
+        for j, i in enumerate(idx):
+            t = trajectories[i]
+            n = len(t.input_ids)
+            cols["behav"].append(torch.as_tensor(t.behav_logprobs, dtype=torch.float32))
+            cols["adv"].append(torch.full((n,), float(advantages[i])))
+            cols["mask"].append(torch.as_tensor(t.loss_mask, dtype=torch.float32))
+            cols["versions"].append(torch.as_tensor(t.versions))
+            cols["weight"].append(torch.full((n,), float(seq_weight[i])))
+            cols["seq"].append(torch.full((n,), j, dtype=torch.long))
+            if self.recompute:
+                cols["prox"].append(torch.as_tensor(prox_all[i], dtype=torch.float32))
+            if ref_all[i] is not None:
+                cols["ref"].append(torch.as_tensor(ref_all[i], dtype=torch.float32))
+        self.cat = {k: torch.cat(v).to(device) for k, v in cols.items() if v}
+        self.n_seqs = len(idx)
+        self.seq_log_ratio = self.seq_log_behav_w = None  # per token of the laid-out sequences, from the prepass
+        self.parts: list[dict] = []
+
+    @property
+    def with_entropy(self) -> bool:
+        return self.obj.entropy_coef != 0
+
+    @property
+    def prepass(self):
+        return self._prepass if self.obj.importance == "sequence" else None
+
+    def _prox(self, lp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        behav = self.cat["behav"][index]
+        if self.recompute:
+            return self.cat["prox"][index]
+        if not self.decoupled:  # plain PPO: the ratio to the behaviour policy, no behaviour weight (w = 1)
+            return behav
+        # the weights being trained become version+1; pi_prox is the current version
+        return loglinear_prox_logp(lp, behav, self.cat["versions"][index], self.version + 1)
+
+    def _prepass(self, lp: torch.Tensor, index: torch.Tensor) -> None:
+        """Each sequence's mean log(pi / pi_prox) and log(pi_prox / pi_behav) over its loss tokens."""
+        mask, seq = self.cat["mask"][index], self.cat["seq"][index]
+        prox = self._prox(lp, index)
+        n = len(self.cat["mask"])
+        self.seq_log_ratio, self.seq_log_behav_w = torch.zeros(n, device=lp.device), torch.zeros(n, device=lp.device)
+        self.seq_log_ratio[index] = segment_mean(lp - prox, mask, seq, self.n_seqs)
+        self.seq_log_behav_w[index] = segment_mean(prox - self.cat["behav"][index], mask, seq, self.n_seqs)
+
+    def loss_fn(self, lp: torch.Tensor, index: torch.Tensor, entropy: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.cat
+        loss, stats = policy_loss(
+            self.obj,
+            lp,
+            self._prox(lp, index),
+            c["behav"][index],
+            c["adv"][index],
+            c["mask"][index],
+            c["weight"][index],
+            ref_logp=c["ref"][index] if "ref" in c else None,
+            entropy=entropy,
+            seq_log_ratio=None if self.seq_log_ratio is None else self.seq_log_ratio[index],
+            seq_log_behav_w=None if self.seq_log_behav_w is None else self.seq_log_behav_w[index],
+        )
+        self.parts.append(stats)
+        return loss
+
+    def stats(self, entropies: list[torch.Tensor]) -> dict:
+        """The micro-batch's stats, its mean entropy over the loss tokens included."""
+        mask = self.cat["mask"]
+        entropy = float((torch.cat(entropies).to(mask.device) * mask).sum()) / max(float(mask.sum()), 1.0)
+        return {**merge_stats(self.parts), "entropy": entropy}
