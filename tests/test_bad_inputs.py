@@ -54,6 +54,22 @@ def test_every_bad_config_value_is_one_line_naming_the_key(key, value):
     assert "\n" not in msg and key.split(".")[-1] in msg, msg
 
 
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["ppo.eps_clip_high=0.1"], "eps_clip_high"),  # below eps_clip (0.2)
+        (["ppo.dual_clip=0.5"], "dual_clip"),
+        (["ppo.kl_coef=0.1", "trainer.engine=deepspeed", "trainer.zero_stage=3"], "kl_coef"),
+        (["reward.overlong_buffer=8", "rollout.max_new_tokens=8"], "overlong_buffer"),
+        (["trainer.warmup_versions=50", "trainer.versions=50"], "warmup_versions"),
+    ],
+)
+def test_objective_combinations_that_cannot_work_are_one_line(overrides, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(DEMO, [*overrides, "model.path=/nonexistent"])
+    assert "\n" not in str(err.value) and named in str(err.value), err.value
+
+
 def test_the_sweep_covers_every_key():
     assert len(WRONG_TYPE) == len(list(_leaves(Config))) > 90
     print(f"\n[bad inputs] config: {len(WRONG_TYPE)} wrong-type and {len(OUT_OF_RANGE)} out-of-range cases")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -20,9 +21,21 @@ def batch(ppo_batch):
     return ppo_batch
 
 
+# each stage also takes one loss aggregation and objective: ZeRO-2 holds a KL reference (saved in its
+# checkpoint, so the resume below covers it), ZeRO-3 takes GSPO's sequence ratio on its checkpointed head path
+OBJECTIVES = {
+    1: ("token_mean", {}),
+    2: ("seq_mean_token_mean", {"kl_coef": 0.1}),
+    3: ("seq_mean_token_sum_norm", {"importance": "sequence", "eps_clip": 0.05, "entropy_coef": 0.01}),
+}
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_model_dir, batch, tmp_path):
+    from areal_hpc.algo.ppo import Objective
     from areal_hpc.engines.torch_train import TorchTrainEngine
+
+    agg, objective = OBJECTIVES[stage]
 
     trajs, adv = batch
     with open(tmp_path / "batch.pkl", "wb") as f:
@@ -39,6 +52,8 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
         str(tiny_model_dir),
         str(tmp_path),
         str(stage),
+        agg,
+        json.dumps(objective),
     ]
     r = subprocess.run(
         cmd, env={**rank_env(local_mpirun=True), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
@@ -47,7 +62,16 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
     got = torch.load(tmp_path / "ds.pt", weights_only=False)
 
     ref = TorchTrainEngine(
-        str(tiny_model_dir), lr=0.1, optimizer="sgd", weight_decay=0.0, grad_clip=0.0, n_minibatches=2, seed=0
+        str(tiny_model_dir),
+        lr=0.1,
+        optimizer="sgd",
+        weight_decay=0.0,
+        grad_clip=0.0,
+        n_minibatches=2,
+        seed=0,
+        loss_agg=agg,
+        loss_norm_tokens=6,
+        objective=Objective(**objective),
     )
     start = {k: v.clone() for k, v in ref.weights().items()}
     ref.ppo_update(trajs, adv)  # one trainer, the whole batch, the same minibatch split

@@ -143,3 +143,100 @@ def test_every_objective_equals_the_direct_computation_in_loss_and_gradients(tin
         assert stats["entropy_bonus"] > 0
     if obj.importance == "sequence":
         assert "seq_ratio_mean" in stats
+
+
+def _held_parameters(engine) -> int:
+    """Parameters of every module an engine holds (its reference's too), each tensor counted once."""
+    seen = {}
+    for v in vars(engine).values():
+        for m in [v] + ([v.model] if hasattr(v, "model") and isinstance(v.model, torch.nn.Module) else []):
+            if isinstance(m, torch.nn.Module):
+                seen.update({id(p): p.numel() for p in m.parameters()})
+    return sum(seen.values())
+
+
+def test_no_kl_holds_no_reference_and_a_kl_keeps_the_starting_policy_across_a_resume(
+    tiny_model_dir, ppo_batch, tmp_path
+):
+    trajs, adv = ppo_batch
+    plain = TorchTrainEngine(str(tiny_model_dir), lr=1e-2, n_minibatches=1)
+    plain.ppo_update(trajs, adv)
+    n_params = sum(p.numel() for p in plain.model.parameters())
+    assert plain.reference is None and _held_parameters(plain) == n_params  # no second copy of the weights
+    kl = TorchTrainEngine(str(tiny_model_dir), lr=1e-2, n_minibatches=1, objective=Objective(kl_coef=0.5))
+    start = {k: v.clone() for k, v in kl.weights().items()}
+    first = kl.ppo_update(trajs, adv)
+    assert _held_parameters(kl) == 2 * n_params  # the reference: one more copy, nothing else
+    assert first["kl"] == 0  # the first version's policy is the reference
+    kl.save_checkpoint(tmp_path / "ckpt")
+    second = kl.ppo_update(trajs, adv)
+    assert second["kl"] > 0
+    for k, v in kl.reference.model.state_dict().items():  # the reference stayed the starting weights
+        torch.testing.assert_close(v, start[k], rtol=0, atol=0)
+    resumed = TorchTrainEngine(str(tiny_model_dir), lr=1e-2, n_minibatches=1, objective=Objective(kl_coef=0.5))
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    again = resumed.ppo_update(trajs, adv)
+    assert again["kl"] == pytest.approx(second["kl"], rel=1e-5)
+    for k, v in resumed.weights().items():
+        torch.testing.assert_close(v, kl.weights()[k], rtol=1e-5, atol=1e-7)
+    with pytest.raises(FileNotFoundError, match="ppo.kl_coef=0"):
+        plain.save_checkpoint(tmp_path / "plain")
+        resumed.load_checkpoint(tmp_path / "plain")
+
+
+def test_the_schedule_gives_the_documented_rate_and_a_resume_stays_on_its_curve(tiny_model_dir, ppo_batch, tmp_path):
+    from areal_hpc.algo.schedule import lr_at
+    from areal_hpc.config import load_config
+    from areal_hpc.runtime.train_step import train_version
+
+    # warm-up to the peak, then the decay's documented points (10 versions, 2 of warm-up: p = (v - 2) / 8)
+    assert [lr_at(v, 1.0, "cosine", 2, 10) for v in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert lr_at(6, 1.0, "cosine", 2, 10) == pytest.approx(0.5)  # p = 1/2
+    assert lr_at(9, 1.0, "linear", 2, 10) == pytest.approx(1 / 8)  # the last update: p = 7/8, never 0
+    assert lr_at(9, 1.0, "constant", 2, 10) == 1.0
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "trainer.lr=0.01",
+            "trainer.lr_schedule=cosine",
+            "trainer.warmup_versions=2",
+            "trainer.versions=6",
+            "ppo.n_minibatches=1",
+            "ppo.drop_uniform_groups=false",
+        ],
+    )
+    trajs, _ = ppo_batch
+    a = TorchTrainEngine(str(tiny_model_dir), lr=99.0, n_minibatches=1)  # the schedule overrides the engine's
+    rates = []
+    for v in range(6):
+        if v == 3:
+            a.save_checkpoint(tmp_path / "v3")
+        rates.append(train_version(a, trajs, cfg)[0]["lr"])
+        assert a.optimizer.param_groups[0]["lr"] == rates[-1]
+    assert rates == pytest.approx([lr_at(v, 0.01, "cosine", 2, 6) for v in range(6)])
+    b = TorchTrainEngine(str(tiny_model_dir), lr=99.0, n_minibatches=1)
+    b.load_checkpoint(tmp_path / "v3")
+    assert [train_version(b, trajs, cfg)[0]["lr"] for _ in range(3)] == rates[3:]
+    for k, v in b.weights().items():
+        torch.testing.assert_close(v, a.weights()[k], rtol=1e-5, atol=1e-7)
+
+
+def test_advantages_without_normalisation_or_over_the_batch_and_the_overlong_penalty():
+    from areal_hpc.algo.advantages import batch_advantages, longest_answer, overlong_penalty
+
+    r = np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    g = np.repeat([0, 1], 4)
+    none, _ = batch_advantages(r, g, "none", False)
+    assert none.tolist() == r.tolist()
+    batch, _ = batch_advantages(r, g, "mean_std", False, scope="batch")
+    np.testing.assert_allclose(batch, (r - 0.5) / (0.5 + 1e-4), rtol=1e-6)
+    group, _ = batch_advantages(r, g, "mean", False)
+    np.testing.assert_allclose(group, r - np.repeat([0.25, 0.75], 4))
+    # over two trainers: each holds one group, the statistics are the batch's (the sum stands in for the collective)
+    other = np.array([4.0, r[4:].sum(), (r[4:] ** 2).sum()])
+    half, _ = batch_advantages(r[:4], g[:4], "mean", False, scope="batch", sum_across_trainers=lambda x: x + other)
+    np.testing.assert_allclose(half, r[:4] - 0.5)
+    # DAPO's soft penalty: none up to 12 of 16 tokens, then linear to -penalty at 16
+    np.testing.assert_allclose(overlong_penalty(np.array([5, 12, 14, 16]), 16, 4, 0.5), [0, 0, -0.25, -0.5])
+    assert longest_answer(np.array([0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0])) == 4

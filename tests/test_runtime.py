@@ -100,6 +100,7 @@ def test_published_weights_are_cast_at_the_sender_and_a_layout_mismatch_is_one_l
 
 
 def test_two_trainers_under_mpirun_match_one(tiny_model_dir, ppo_batch, tmp_path):
+    from areal_hpc.algo.ppo import LOSS_AGGS
     from areal_hpc.engines.torch_train import TorchTrainEngine
 
     trajs, adv = ppo_batch
@@ -107,15 +108,20 @@ def test_two_trainers_under_mpirun_match_one(tiny_model_dir, ppo_batch, tmp_path
         pickle.dump((trajs, adv), f)
     r = _mpirun(2, str(ROOT / "tests" / "mpi" / "trainer_dp.py"), str(tiny_model_dir), str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
-    single = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, n_minibatches=2)
-    single.optimizer = torch.optim.SGD(single.model.parameters(), lr=0.1)
-    start = {k: v.clone() for k, v in single.weights().items()}
-    single.ppo_update(trajs, adv)  # its own split of the whole batch into 2 minibatches, as the scheduler makes
-    w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    for k, v in single.weights().items():
-        torch.testing.assert_close(w0[k], w1[k], rtol=0, atol=0)
-        torch.testing.assert_close(w0[k], v, rtol=1e-4, atol=1e-6)
-    assert any(not torch.equal(start[k], v) for k, v in single.weights().items())
+    updates = []
+    for agg in LOSS_AGGS:  # one trainer, one micro-batch per minibatch: the same update as two trainers
+        single = TorchTrainEngine(str(tiny_model_dir), lr=1e-3, n_minibatches=2, loss_agg=agg, loss_norm_tokens=6)
+        single.optimizer = torch.optim.SGD(single.model.parameters(), lr=0.1)
+        start = {k: v.clone() for k, v in single.weights().items()}
+        single.ppo_update(trajs, adv)  # its own split of the whole batch into 2 minibatches, as the scheduler makes
+        w0, w1 = torch.load(tmp_path / f"rank0-{agg}.pt"), torch.load(tmp_path / f"rank1-{agg}.pt")
+        for k, v in single.weights().items():
+            torch.testing.assert_close(w0[k], w1[k], rtol=0, atol=0)
+            torch.testing.assert_close(w0[k], v, rtol=1e-4, atol=1e-6, msg=f"{agg} {k}")
+        updates.append(torch.cat([(v - start[k]).reshape(-1) for k, v in single.weights().items()]))
+        assert float(updates[-1].norm()) > 0
+    # the three aggregations are three different updates
+    assert all(not torch.allclose(a, b, rtol=1e-3, atol=0) for i, a in enumerate(updates) for b in updates[i + 1 :])
 
 
 @pytest.mark.slow

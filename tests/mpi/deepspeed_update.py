@@ -1,5 +1,7 @@
-"""Under mpirun -n 2: DeepSpeed ZeRO trainers take a PPO step on one batch; then checkpoint, step, restore, step."""
+"""Under mpirun -n 2: DeepSpeed ZeRO trainers take a PPO step on one batch; then checkpoint, step, restore, step.
+argv: model folder, output folder, ZeRO stage, loss aggregation, the objective (JSON: algo.ppo.Objective's fields)."""
 
+import json
 import pickle
 import sys
 
@@ -7,12 +9,13 @@ import torch
 from mpi4py import MPI
 
 from areal_hpc.algo.packing import balance_across_ranks
+from areal_hpc.algo.ppo import Objective
 from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
 from areal_hpc.runtime.torch_groups import init_trainer_group
 from areal_hpc.runtime.worker import exit_rank
 
 
-def main(model_dir: str, out: str, stage: int) -> None:
+def main(model_dir: str, out: str, stage: int, agg: str, objective: dict) -> None:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     torch.set_num_threads(1)
@@ -37,6 +40,9 @@ def main(model_dir: str, out: str, stage: int) -> None:
             grad_clip=0.0,
             n_minibatches=2,
             seed=0,
+            loss_agg=agg,
+            loss_norm_tokens=6,
+            objective=Objective(**objective),
             # stages 2 and 3 also recompute activations, pack into smaller micro-batches and take
             # log-probabilities 7 positions at a time: the same update either way
             gradient_checkpointing=stage > 1,
@@ -65,5 +71,5 @@ def main(model_dir: str, out: str, stage: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
     exit_rank()

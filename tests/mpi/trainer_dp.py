@@ -1,4 +1,5 @@
-"""Under mpirun -n 2: two trainers on the runtime's own trainer group split one batch by tokens and update."""
+"""Under mpirun -n 2: two trainers on the runtime's own trainer group split one batch by tokens and update (each
+loss aggregation)."""
 
 import pickle
 import sys
@@ -7,6 +8,7 @@ import torch
 from mpi4py import MPI
 
 from areal_hpc.algo.packing import balance_across_ranks
+from areal_hpc.algo.ppo import LOSS_AGGS as AGGS
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.runtime.torch_groups import init_trainer_group
 from areal_hpc.runtime.worker import exit_rank
@@ -25,10 +27,13 @@ def main(model_dir: str, out: str) -> None:
         part = [mb[j] for j in balance_across_ranks([lengths[i] for i in mb], comm.Get_size())[comm.Get_rank()]]
         minibatches.append(list(range(len(mine), len(mine) + len(part))))
         mine += part
-    eng = TorchTrainEngine(model_dir, lr=1e-3, n_minibatches=2)
-    eng.optimizer = torch.optim.SGD(eng.model.parameters(), lr=0.1)  # linear in the gradient (see test_engines)
-    eng.ppo_update([trajs[i] for i in mine], adv[mine], minibatches)
-    torch.save(eng.weights(), f"{out}/rank{comm.Get_rank()}.pt")
+    for agg in AGGS:  # each aggregation over several micro-batches per trainer (a 40-token budget)
+        eng = TorchTrainEngine(
+            model_dir, lr=1e-3, n_minibatches=2, loss_agg=agg, loss_norm_tokens=6, max_tokens_per_mb=40
+        )
+        eng.optimizer = torch.optim.SGD(eng.model.parameters(), lr=0.1)  # linear in the gradient (see test_engines)
+        eng.ppo_update([trajs[i] for i in mine], adv[mine], minibatches)
+        torch.save(eng.weights(), f"{out}/rank{comm.Get_rank()}-{agg}.pt")
     torch.distributed.destroy_process_group()
 
 
