@@ -254,6 +254,8 @@ def test_streaming_generation_loads_weights_mid_flight_and_evaluates_off_the_cri
 
 
 def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):
+    from areal_hpc.algo.schedule import lr_at
+
     cfg = _cfg(
         tmp_path,
         "rollout.eta=0",
@@ -267,9 +269,32 @@ def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):
         "trainer.versions=6",
         "trainer.max_wall_s=0",
         "logging.eval_prompts=20",
+        # the objective menu through the whole runtime: batch-scope advantages are a collective of the two
+        # trainers, the KL reference is held by each
+        "ppo.kl_coef=0.05",
+        "ppo.entropy_coef=0.001",
+        "ppo.importance=sequence",
+        "ppo.behav_weight=truncate",
+        "ppo.adv_scope=batch",
+        "ppo.loss_agg=seq_mean_token_mean",
+        "reward.overlong_buffer=2",
+        "trainer.lr_schedule=cosine",
+        "trainer.warmup_versions=2",
+        "logging.tensorboard=true",
     )
     s = launch(cfg, progress=False)
     run = tmp_path / "run"
+    m = pd.read_csv(run / "metrics.csv")
+    trained = m[m.version > 0]
+    terms = ["kl", "entropy_bonus", "seq_ratio_mean", "truncated_frac", "lr", "overlong_penalty"]
+    assert trained[terms].notna().all().all(), trained[terms]
+    assert trained["kl"].gt(0).all()  # the policy moves from the reference with every minibatch step
+    assert trained["entropy_bonus"].gt(0).all() and (trained["truncated_frac"] == 0).all()  # on-policy: w = 1
+    assert trained["lr"].tolist() == pytest.approx([lr_at(v, cfg.trainer.lr, "cosine", 2, 6) for v in range(6)])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set(EventAccumulator(str(run / "tensorboard")).Reload().Tags()["scalars"])
+    assert set(terms) <= tags, tags
     eaten = _audit(run, eta=0)
     # keep_kv at eta=0: every group of a version is consumed before the next weights arrive
     assert (eaten["staleness"] == 0).all() and (eaten["version_start"] == eaten["version_end"]).all()
@@ -277,7 +302,6 @@ def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):
     tl = load_timeline(run)
     trains = tl[(tl.role == "trainer") & (tl.event == "train")]
     assert len(trains) >= 6 and "prox" not in set(tl.event)  # ppo.decoupled=false: no proximal recompute
-    m = pd.read_csv(run / "metrics.csv")
     assert (m["weights_match"] == 1).all()
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v00000005", "v00000006"]
     assert s["dropped_stale"] == 0
