@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from areal_hpc.config_checks import ConfigError, slurm_time_minutes, validate  # noqa: F401  (re-exported)
+from areal_hpc.config_files import map_deprecated_keys, read_config_file
 from areal_hpc.plugins import absolute_spec
 
 
@@ -343,45 +343,13 @@ def _one_line(err: OmegaConfBaseException, overrides: list[str] | None = None) -
     return f"config {key}: {msg}" if key else f"config: {msg}"
 
 
-def _map_interrupt(merged: DictConfig, layers: list) -> None:
-    """rollout.interrupt (before rollout.weight_update existed) becomes the mode it meant, with one line saying so."""
-    old = merged.rollout.interrupt
-    if old is None:
-        return
-    mode = "recompute" if old else "drain"
-    asked = [v for v in (OmegaConf.select(x, "rollout.weight_update") for x in layers) if v is not None]
-    if asked and asked[-1] != mode:
-        raise ConfigError(
-            f"config rollout.interrupt={str(old).lower()} (deprecated, = rollout.weight_update={mode}) contradicts "
-            f"rollout.weight_update={asked[-1]}; keep only rollout.weight_update"
-        )
-    merged.rollout.weight_update, merged.rollout.interrupt = mode, None
-    print(
-        f"areal-hpc: config rollout.interrupt={str(old).lower()} is deprecated; it means rollout.weight_update={mode}",
-        file=sys.stderr,
-    )
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- dotted `key=value` overrides, type-checked and validated."""
     try:
         schema = OmegaConf.structured(Config)
         layers = [schema]
         if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"config file {str(p)!r} does not exist")
-            try:
-                loaded = OmegaConf.load(p)
-            except yaml.YAMLError as err:
-                mark = getattr(err, "problem_mark", None)
-                where = f" line {mark.line + 1}" if mark else ""
-                raise ConfigError(
-                    f"config file {str(p)!r}{where} is not valid YAML ({getattr(err, 'problem', err)})"
-                ) from None
-            if not isinstance(loaded, DictConfig):
-                raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections (model:, rollout:, ...)")
-            layers.append(loaded)
+            layers += read_config_file(path)
         for ov in overrides or []:
             if "=" not in ov:
                 raise ConfigError(f"override {ov!r} must look like key=value (e.g. rollout.eta=2)")
@@ -391,7 +359,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raise ConfigError(f"override {ov!r} has a value that is not valid YAML") from None
         merged = OmegaConf.merge(*layers)
         OmegaConf.resolve(merged)
-        _map_interrupt(merged, layers[1:])
+        map_deprecated_keys(merged, layers[1:])
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise ConfigError(f"config {missing[0]} is required but not set")

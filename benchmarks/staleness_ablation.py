@@ -1,6 +1,7 @@
 """The paper's staleness ablation in shape, on the CPU demo task: held-out accuracy against eta for the
-decoupled objective and plain PPO, the three weight-update modes at eta 4, and the proximal recompute
-against the log-linear approximation, with several seeds per point and the same number of versions.
+decoupled objective and plain PPO, the three weight-update modes at eta 4, the proximal recompute
+against the log-linear approximation, and the objective menu at eta 4 (DAPO, Dr.GRPO, GSPO, TIS, KL, entropy:
+`eta4_<name>`), with several seeds per point and the same number of versions.
 
 Each point runs `jobs/demo.yaml` (2 generators + 1 trainer, a tiny Llama learning addition) for
 --versions versions with no wall-time cap, evaluating every --eval-every versions; a seed sets both the
@@ -47,7 +48,31 @@ def grid() -> dict[str, list[str]]:
         points[f"eta4_{mode}"] = ["rollout.eta=4", f"rollout.weight_update={mode}"]
     for eta in (4, 8):
         points[f"eta{eta}_loglinear"] = [f"rollout.eta={eta}", "ppo.prox=loglinear"]
+    for name, overrides in OBJECTIVES.items():
+        points[f"eta4_{name}"] = ["rollout.eta=4", *overrides]
     return points
+
+
+# the objective menu (docs/algorithm.md) at eta 4, each with the settings its paper reports where the demo allows
+OBJECTIVES = {
+    # DAPO: clip-higher 0.28, the soft overlong penalty over the last quarter of the answer budget (8 tokens
+    # here), token-level loss and dynamic sampling (both already the demo's)
+    "dapo": ["ppo.eps_clip_high=0.28", "reward.overlong_buffer=2", "reward.overlong_penalty=1.0"],
+    # Dr.GRPO: no std normalisation, token sums over a constant (sequences x rollout.max_new_tokens)
+    "drgrpo": ["ppo.adv_norm=mean", "ppo.loss_agg=seq_mean_token_sum_norm"],
+    # GSPO: sequence ratios clipped to [1 - 3e-4, 1 + 4e-4], sequence-mean loss
+    "gspo": [
+        "ppo.importance=sequence",
+        "ppo.eps_clip=3e-4",
+        "ppo.eps_clip_high=4e-4",
+        "ppo.loss_agg=seq_mean_token_mean",
+    ],
+    # truncated importance sampling: the behaviour weight clamped at 2 instead of dropping the token
+    "tis": ["ppo.behav_weight=truncate", "ppo.behav_imp_weight_cap=2"],
+    # GRPO's KL to the reference (k3, beta 0.04)
+    "kl": ["ppo.kl_coef=0.04", "ppo.kl_estimator=k3"],
+    "entropy": ["ppo.entropy_coef=0.001"],
+}
 
 
 # settings every point can run under: the demo's own; one where the policy moves far between versions

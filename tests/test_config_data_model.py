@@ -196,3 +196,21 @@ def test_a_model_folder_built_by_two_jobs_at_once_is_published_once(tmp_path):
     again = build_tiny_model(tmp_path / "model", seed=1, if_absent=True)  # lost the race
     assert again == first and (weights.stat().st_ino, weights.read_bytes()) == stamp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # its temp folder is gone
+
+
+def test_a_recipe_varies_its_base_and_a_base_loop_is_one_line(tmp_path):
+    root = Path(__file__).resolve().parents[1] / "jobs"
+    base = load_config(root / "math_1p5b_gpu.yaml", ["model.path=/m", "data.path=/d.jsonl"])
+    dapo = load_config(root / "math_1p5b_gpu_dapo.yaml", ["model.path=/m", "data.path=/d.jsonl"])
+    gspo = load_config(root / "math_1p5b_gpu_gspo.yaml", ["model.path=/m", "data.path=/d.jsonl"])
+    assert (dapo.ppo.eps_clip_high, dapo.reward.overlong_buffer, dapo.rollout.max_new_tokens) == (0.28, 4096, 20480)
+    assert (gspo.ppo.importance, gspo.ppo.eps_clip, gspo.ppo.loss_agg) == ("sequence", 3e-4, "seq_mean_token_mean")
+    for variant in (dapo, gspo):  # everything else is the base's
+        assert variant.slurm == base.slurm and variant.cluster == base.cluster and variant.trainer.lr == base.trainer.lr
+    (tmp_path / "a.yaml").write_text("base: b.yaml\nrollout:\n  eta: 1\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="base: files form a loop"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(ConfigError, match="missing.yaml' does not exist"):
+        load_config(tmp_path / "c.yaml")
