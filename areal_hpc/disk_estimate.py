@@ -62,14 +62,16 @@ def checkpoint_bytes(cfg, shape: ModelShape) -> int:
     torch engine: the fp32 master weights (model.safetensors, a tied head's tensor written twice) and
     AdamW's two fp32 moments. DeepSpeed ZeRO keeps a flat fp32 copy of the weights in its optimizer state
     besides the moments, and saves the module too, in its compute dtype (bf16 with trainer.bf16); under
-    ZeRO-3 the module's parameters are partitioned and the module file holds none."""
+    ZeRO-3 the module's parameters are partitioned and the module file holds none. With ppo.kl_coef the
+    reference policy is saved beside them (reference.safetensors, in the trainer's compute dtype)."""
     tc = cfg.trainer
     if tc.engine == "emulated":
         return 0
+    reference = (shape.params + shape.tied) * (2 if tc.bf16 else 4) if cfg.ppo.kl_coef else 0
     if tc.engine == "deepspeed":
         module = 0 if tc.zero_stage == 3 else (2 if tc.bf16 else 4)
-        return shape.params * (module + 4 + ADAM_BYTES)
-    return (shape.params + shape.tied) * 4 + shape.params * ADAM_BYTES
+        return shape.params * (module + 4 + ADAM_BYTES) + reference
+    return (shape.params + shape.tied) * 4 + shape.params * ADAM_BYTES + reference
 
 
 def _size(n: float) -> str:

@@ -302,6 +302,7 @@ def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):
     tl = load_timeline(run)
     trains = tl[(tl.role == "trainer") & (tl.event == "train")]
     assert len(trains) >= 6 and "prox" not in set(tl.event)  # ppo.decoupled=false: no proximal recompute
+    assert "ref" in set(tl.event)  # the KL's reference forward: a span of its own
     assert (m["weights_match"] == 1).all()
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v00000005", "v00000006"]
     assert s["dropped_stale"] == 0

@@ -247,7 +247,11 @@ class TorchTrainEngine(TrainEngine):
             totals["prox_t_end"] = time.time()
         else:
             prox_all = [None] * len(seqs)
-        ref_all = self._reference_logprobs(seqs) if self.objective.kl_coef else [None] * len(seqs)
+        ref_all = [None] * len(seqs)
+        if self.objective.kl_coef:
+            totals["ref_t_start"] = time.time()  # the reference forward: a span of its own on the timeline
+            ref_all = self._reference_logprobs(seqs)
+            totals["ref_t_end"] = time.time()
 
         lengths = [len(s) for s in seqs]
         if minibatches is None:

@@ -161,8 +161,9 @@ class Trainer(RoleLoop):
         with self.timeline.span("train"):
             stats, keep = train_version(self.engine, trajs, self.cfg, mb_of, len(share))
             gids = np.array([t.group_id for t in trajs], dtype=np.int64)
-        if "prox_t_start" in stats:  # the proximal recompute, inside the train span
-            self.timeline.add("prox", stats.pop("prox_t_start"), stats.pop("prox_t_end"))
+        for span in ("prox", "ref"):  # the proximal recompute and the reference forward, inside the train span
+            if f"{span}_t_start" in stats:
+                self.timeline.add(span, stats.pop(f"{span}_t_start"), stats.pop(f"{span}_t_end"))
         stats.update(share_stats(trajs, version))
         stats["groups_kept"] = int(len(set(gids[keep].tolist()))) if trajs else 0
         stats["loss_tokens"] = int(sum(int(t.loss_mask.sum()) for t, k in zip(trajs, keep) if k))
