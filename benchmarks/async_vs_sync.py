@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -74,6 +75,45 @@ def weight_sync_figures(out_root: Path) -> dict:
     return json.loads(out.read_text())
 
 
+# a single-threaded torch job pinned to one core: argv core, matmuls; prints its seconds
+_SPIN = (
+    "import os, sys, time, torch; os.sched_setaffinity(0, {int(sys.argv[1])}); torch.set_num_threads(1); "
+    "a, b = torch.randn(256, 256), torch.randn(256, 2048); t = time.perf_counter(); "
+    "[a @ b for _ in range(int(sys.argv[2]))]; print(time.perf_counter() - t)"
+)
+
+
+def host_parallelism(matmuls: int = 600) -> dict:
+    """Two single-threaded torch jobs pinned to two cores, each alone and then both at once: the share of its
+    solo speed each keeps when the other runs (1.0 = the cores share nothing: cache, memory bandwidth, a
+    physical core under two virtual ones)."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        return {}
+
+    def start(core: int):
+        return subprocess.Popen(
+            [sys.executable, "-c", _SPIN, str(core), str(matmuls)], stdout=subprocess.PIPE, text=True
+        )
+
+    alone = [float(start(c).communicate()[0]) for c in cores]
+    procs = [start(c) for c in cores]
+    together = [float(p.communicate()[0]) for p in procs]
+    return {
+        "alone_s": alone,
+        "together_s": together,
+        "parallel_efficiency": statistics.fmean(a / t for a, t in zip(alone, together, strict=True)),
+    }
+
+
+def async_ceiling(sync_runs: list[dict], efficiency: float) -> float:
+    """The most async can gain over these synchronous runs here: a version can take no less than its busier
+    role's share of the synchronous version (generation or training), slowed as two busy cores slow each other."""
+    g = statistics.fmean(r["generator_busy"] for r in sync_runs)
+    t = statistics.fmean(r["trainer_busy"] for r in sync_runs)
+    return efficiency / max(g, t)
+
+
 def summarise(runs: list[dict]) -> dict:
     """Mean of each figure over the repeats, and the relative spread of the throughput."""
     out = {k: statistics.fmean(r[k] for r in runs) for k in KEYS}
@@ -105,6 +145,7 @@ def main() -> None:
             runs[name].append(run_variant(name, args, rep))
     table = {n: summarise(r) for n, r in runs.items()}
     sync = weight_sync_figures(args.out)
+    host = host_parallelism()
 
     print(f"\n{'variant':<18}" + "".join(f"{k:>28}" for k in KEYS) + f"{'spread':>10}")
     for name, r in table.items():
@@ -115,6 +156,12 @@ def main() -> None:
             if (name := f"eta4_{mode}") in table:
                 ratios[mode] = table[name]["consumed_tokens_per_s"] / table["eta0"]["consumed_tokens_per_s"]
                 print(f"async (eta=4, {mode:<9}) / sync (eta=0): {ratios[mode]:.2f}x")
+        if host:
+            host["async_ceiling"] = async_ceiling(runs["eta0"], host["parallel_efficiency"])
+            print(
+                f"this host: two pinned torch jobs each keep {host['parallel_efficiency']:.0%} of their solo speed; "
+                f"with eta=0's busy shares, async/sync can reach at most {host['async_ceiling']:.2f}x here"
+            )
     print(
         f"weight sync, {sync['bytes'] / 1e6:.0f} MB to 2 generators: bucketed {sync['bucketed_gbps']:.2f} GB/s "
         f"({sync['buckets']} buckets), raw single buffer {sync['raw_gbps']:.2f} GB/s, "
@@ -133,6 +180,7 @@ def main() -> None:
         "table": table,
         "async_over_sync": ratios,
         "weight_sync": sync,
+        "host_parallelism": host,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"async_vs_sync_{args.engine}.json"
