@@ -132,9 +132,9 @@ class TorchTrainEngine(TrainEngine):
                 self._fwd, head, mb, self.temperature, self.logprob_chunk_tokens, self.fixed_chunks
             )[0]
 
-    def _loss(self, seqs: list[np.ndarray], loss_fn: forward.LossFn, step: PolicyStep | None = None):
+    def _loss(self, seqs: list[np.ndarray], loss_fn: forward.LossFn, with_entropy: bool = False, prepass=None):
         """A summed per-token loss over these sequences; also their logprobs and entropies (detached).
-        `step`: a policy loss that may train the entropy and need a prepass."""
+        `with_entropy` and `prepass`: as forward.chunked_loss takes them."""
         with self._autocast():
             head = self.model.get_output_embeddings()
             mb = self._micro_batch(seqs)
@@ -146,8 +146,8 @@ class TorchTrainEngine(TrainEngine):
                 self.temperature,
                 self.logprob_chunk_tokens,
                 self.fixed_chunks,
-                with_entropy=step is not None and step.with_entropy,
-                prepass=step.prepass if step is not None else None,
+                with_entropy=with_entropy,
+                prepass=prepass,
             )
 
     @torch.no_grad()
@@ -232,7 +232,8 @@ class TorchTrainEngine(TrainEngine):
     def ppo_update(
         self, trajectories: list[Trajectory], advantages: np.ndarray, minibatches: list[list[int]] | None = None
     ) -> dict[str, float]:
-        """One policy version: recompute pi_prox once, then one decoupled-PPO step per minibatch.
+        """One policy version: recompute pi_prox (and, with a KL, the reference's logprobs) once, then one step
+        of the objective per minibatch.
 
         `minibatches` (indices into `trajectories`, the same count on every rank) is how the batch was
         split before it was shared out; by default this rank's share is split n_minibatches ways.
@@ -303,7 +304,8 @@ class TorchTrainEngine(TrainEngine):
             self.version,
             self.device,
         )
-        loss, _, entropies = self._loss([trajectories[i].input_ids for i in idx], step.loss_fn, step)
+        seqs = [trajectories[i].input_ids for i in idx]
+        loss, _, entropies = self._loss(seqs, step.loss_fn, step.with_entropy, step.prepass)
         return loss, step.stats(entropies)
 
     def _reference_logprobs(self, seqs: list[np.ndarray]) -> list:
