@@ -2,11 +2,11 @@
 term, an entropy bonus and GSPO's sequence ratios, against the plain decoupled objective, side by side.
 
 The model is Qwen2-shaped with Qwen's real vocabulary (151,936), built locally with random weights (as
-benchmarks/train_memory.py builds it). Each case is one `TorchTrainEngine.ppo_update` (the proximal recompute,
-the reference forward where there is a KL, and the optimizer steps) over the same batch of long-tailed answers,
-in a child process of its own so its peak resident memory (ru_maxrss) is its own. Cases run round-robin,
-`--rounds` times, so a slow moment of the shared machine falls on every case alike; each case's ratio to
-`plain` is taken within its round.
+benchmarks/train_memory.py builds it). A case is one `TorchTrainEngine.ppo_update` (the proximal recompute,
+the reference forward where there is a KL, and the optimizer steps) over the same batch of long-tailed
+answers. Timing: one engine takes every objective in turn, `--rounds` times round-robin, so a slow moment
+of the shared machine falls on every case alike, and each case's ratio to `plain` is taken within a round.
+Memory: each case once more in a child process of its own, whose peak resident memory (ru_maxrss) is its own.
 
 - `plain`: decoupled PPO (today's default objective);
 - `kl`: + ppo.kl_coef (k3): a frozen reference copy of the weights and one more no-grad forward per version;
@@ -19,7 +19,7 @@ sequence prepass repeats only the output layer: the script also prints that shar
 share of a version's FLOPs at the 1.5B and 7B shapes (2 V H per token against ~6 N per token for forward and
 backward, plus the forward of the proximal recompute).
 
-    .venv/bin/python benchmarks/objective_cost.py                      # CPU, about 5 minutes
+    .venv/bin/python benchmarks/objective_cost.py                      # CPU, about 8 minutes
 """
 
 from __future__ import annotations
@@ -72,36 +72,52 @@ def batch(vocab: int, budget: int, seed: int = 0):
     return trajs, rng.standard_normal(len(trajs)).astype(np.float32)
 
 
-def child(case: dict) -> dict:
+def _engine(case: dict, objective: dict):
     from areal_hpc.algo.ppo import Objective
     from areal_hpc.engines.torch_train import TorchTrainEngine
 
     torch.set_num_threads(case["threads"])
-    engine = TorchTrainEngine(
+    return TorchTrainEngine(
         case["model"],
-        objective=Objective(behav_cap=5.0, **case["objective"]),
-        loss_agg="seq_mean_token_mean" if case["objective"].get("importance") == "sequence" else "token_mean",
+        objective=Objective(behav_cap=5.0, **objective),
+        loss_agg="seq_mean_token_mean" if objective.get("importance") == "sequence" else "token_mean",
         max_tokens_per_mb=case["mb_tokens"],
         logprob_chunk_tokens=case["chunk"],
         n_minibatches=2,
         lr=1e-6,
     )
-    small, small_adv = batch(engine.model.config.vocab_size, 512, seed=1)
-    engine.ppo_update(small, small_adv)  # warm-up: allocator pools; the reference is built here
-    trajs, adv = batch(engine.model.config.vocab_size, case["tokens"])
-    seconds = []
-    for _ in range(case["repeats"]):
-        t0 = time.perf_counter()
-        engine.ppo_update(trajs, adv)
-        seconds.append(time.perf_counter() - t0)
-    tokens = int(sum(len(t.input_ids) for t in trajs))
-    return {
-        "seconds": statistics.fmean(seconds),
-        "tokens": tokens,
-        "tokens_per_s": tokens / statistics.fmean(seconds),
-        "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "params": sum(p.numel() for p in engine.model.parameters()),
-    }
+
+
+def _use(engine, objective: dict) -> None:
+    """Switch a built engine to another objective (the reference is built on the first update with a KL)."""
+    from areal_hpc.algo.ppo import Objective
+
+    engine.objective = Objective(behav_cap=5.0, **objective)
+    engine.loss_agg = "seq_mean_token_mean" if objective.get("importance") == "sequence" else "token_mean"
+
+
+def child(case: dict) -> dict:
+    """Timing (`case["timing"]`): every objective in turn on one engine, round-robin, each version timed.
+    Memory: one objective's warm-up and one version in a process of its own; its peak resident memory."""
+    if case["timing"]:
+        engine = _engine(case, {})
+        trajs, adv = batch(engine.model.config.vocab_size, case["tokens"])
+        for objective in CASES.values():  # warm-up: allocator pools, the reference
+            _use(engine, objective)
+            engine.ppo_update(*batch(engine.model.config.vocab_size, 512, seed=1))
+        seconds: dict[str, list[float]] = {name: [] for name in CASES}
+        for _ in range(case["rounds"]):
+            for name, objective in CASES.items():
+                _use(engine, objective)
+                t0 = time.perf_counter()
+                engine.ppo_update(trajs, adv)
+                seconds[name].append(time.perf_counter() - t0)
+        tokens = int(sum(len(t.input_ids) for t in trajs))
+        return {"tokens": tokens, "seconds": seconds, "params": sum(p.numel() for p in engine.model.parameters())}
+    engine = _engine(case, case["objective"])
+    engine.ppo_update(*batch(engine.model.config.vocab_size, 512, seed=1))
+    engine.ppo_update(*batch(engine.model.config.vocab_size, case["tokens"]))
+    return {"peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def run_case(case: dict) -> dict:
@@ -110,8 +126,8 @@ def run_case(case: dict) -> dict:
     )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
-        raise SystemExit(f"case {case['name']} failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return {**case, **json.loads(lines[-1])}
+        raise SystemExit(f"objective cost failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return json.loads(lines[-1])
 
 
 def prepass_share(hidden: int, params: float, vocab: int = QWEN_VOCAB) -> float:
@@ -125,11 +141,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=8192, help="tokens of the batch (long-tailed answers)")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens of the batch (long-tailed answers)")
     ap.add_argument("--mb-tokens", type=int, default=4096, help="trainer.max_tokens_per_mb")
     ap.add_argument("--chunk", type=int, default=256, help="trainer.logprob_chunk_tokens")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2, help="timed versions per case and round")
+    ap.add_argument("--rounds", type=int, default=3, help="timed versions of each objective, round-robin")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "objective_cost.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -139,32 +154,25 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_model(Path(tmp) / "model", args))
-        runs = []
-        for rnd in range(args.rounds):
-            for name, objective in CASES.items():
-                case = dict(name=name, objective=objective, model=model, round=rnd, threads=args.threads)
-                case |= dict(tokens=args.tokens, mb_tokens=args.mb_tokens, chunk=args.chunk, repeats=args.repeats)
-                runs.append(run_case(case))
-                r = runs[-1]
-                print(
-                    f"[objective cost] round {rnd} {name:<9} {r['tokens_per_s']:8.0f} tok/s"
-                    f"  peak {r['peak_gib']:.2f} GiB",
-                    flush=True,
-                )
-    plain = {r["round"]: r for r in runs if r["name"] == "plain"}
-    params = runs[0]["params"]
+        base = dict(model=model, threads=args.threads, tokens=args.tokens, mb_tokens=args.mb_tokens, chunk=args.chunk)
+        print(f"[objective cost] timing {len(CASES)} objectives x {args.rounds} rounds on one engine ...", flush=True)
+        timing = run_case({**base, "timing": True, "rounds": args.rounds})
+        peaks = {}
+        for name, objective in CASES.items():
+            peaks[name] = run_case({**base, "timing": False, "objective": objective})["peak_gib"]
+            print(f"[objective cost] {name:<9} peak {peaks[name]:.2f} GiB", flush=True)
+    secs, tokens, params = timing["seconds"], timing["tokens"], timing["params"]
     rows = []
     for name in CASES:
-        mine = [r for r in runs if r["name"] == name]
-        speed = [r["tokens_per_s"] / plain[r["round"]]["tokens_per_s"] for r in mine]
+        speed = [p / s for p, s in zip(secs["plain"], secs[name], strict=True)]  # within each round
         rows.append(
             {
                 "case": name,
-                "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in mine),
+                "tokens_per_s": tokens / statistics.fmean(secs[name]),
                 "vs_plain": statistics.fmean(speed),
                 "vs_plain_spread": [min(speed), max(speed)],
-                "peak_gib": statistics.fmean(r["peak_gib"] for r in mine),
-                "peak_vs_plain_gib": statistics.fmean(r["peak_gib"] - plain[r["round"]]["peak_gib"] for r in mine),
+                "peak_gib": peaks[name],
+                "peak_vs_plain_gib": peaks[name] - peaks["plain"],
             }
         )
     head_share = QWEN_VOCAB * args.hidden / params
@@ -187,7 +195,7 @@ def main() -> None:
         "time": time.strftime("%Y-%m-%d %H:%M"),
         "args": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
         "rows": rows,
-        "runs": runs,
+        "seconds": secs,
         "output_layer_share": head_share,
         "prepass_flop_share": shares,
     }
