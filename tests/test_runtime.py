@@ -246,7 +246,7 @@ def test_streaming_generation_loads_weights_mid_flight_and_evaluates_off_the_cri
     assert engine["occupancy"].between(0, 1.001).all()
     # the plot shows evaluation sharing the engine with training: some window's steps held more sequences than
     # the whole evaluation. Slot counts, not seconds: a window's busy share depends on where its flush fell and
-    # on the machine's speed (CI read 0.497 against a bar of 0.5, then 0.47 of a window cut short)
+    # on the machine's speed (CI read 0.497 against a bar of 0.5; a loaded run here, 0.47 of a window cut short)
     held = engine.seq_steps / engine.steps
     assert held.max() > cfg.logging.eval_prompts, engine
 
