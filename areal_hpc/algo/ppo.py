@@ -124,9 +124,8 @@ def policy_loss(
         kl = torch.where(mask > 0, kl_estimate(logp, ref_logp.detach(), obj.kl_estimator), zero)
         per_token = per_token + obj.kl_coef * kl * weight * mask
         stats_in["kl"] = kl
-    if entropy is not None:
-        if obj.entropy_coef:
-            per_token = per_token - obj.entropy_coef * entropy * weight * mask
+    if entropy is not None:  # given (with its gradient) only when there is an entropy bonus
+        per_token = per_token - obj.entropy_coef * entropy * weight * mask
         stats_in["entropy_bonus"] = obj.entropy_coef * entropy
     loss = per_token.sum()
 
