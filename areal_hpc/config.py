@@ -187,6 +187,9 @@ class TrainerConfig:
     packing: bool = True  # padding-free micro-batches (false: right-padded, the old path, for comparison)
     logprob_chunk_tokens: int = 256  # positions whose full-vocabulary logits exist at once
     gradient_checkpointing: bool = False  # recompute each layer's activations in backward
+    lora_rank: int = 0  # LoRA: train and publish a rank-r adapter on a frozen base (0 = train every weight)
+    lora_alpha: float = 32.0  # LoRA: the adapter's update B A is scaled by lora_alpha / lora_rank
+    lora_targets: list[str] = field(default_factory=list)  # LoRA: layers by name (q_proj, ...); [] = all linear
 
 
 @dataclass

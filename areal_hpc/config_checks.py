@@ -47,6 +47,8 @@ _CHOICES = {
 }
 # key -> (lower bound, inclusive?) for numbers
 _LOWER = {
+    "trainer.lora_rank": (0, True),
+    "trainer.lora_alpha": (0, False),
     "model.hidden_size": (1, True),
     "model.intermediate_size": (1, True),
     "model.num_layers": (1, True),
@@ -264,11 +266,16 @@ def _check_objective(cfg: Config) -> None:
         )
     if 0 < pc.dual_clip <= 1:
         raise ConfigError(f"config ppo.dual_clip={pc.dual_clip!r} must be 0 (off) or above 1 (e.g. 3)")
-    if pc.kl_coef and cfg.trainer.engine == "deepspeed" and cfg.trainer.zero_stage == 3:
+    tc = cfg.trainer
+    if pc.kl_coef and tc.engine == "deepspeed" and tc.zero_stage == 3 and not tc.lora_rank:
         # the reference would be a full, unsharded copy on every trainer: what ZeRO-3 is chosen to avoid
+        # (with LoRA the reference is the base with the adapter off: no copy)
         raise ConfigError(
-            "config ppo.kl_coef needs trainer.zero_stage 1 or 2 under DeepSpeed (ZeRO-3 shards no reference)"
+            "config ppo.kl_coef needs trainer.zero_stage 1 or 2 under DeepSpeed (ZeRO-3 shards no reference), "
+            "or LoRA (trainer.lora_rank)"
         )
+    if tc.lora_rank and "emulated" in (tc.engine, cfg.rollout.engine):
+        raise ConfigError("config trainer.lora_rank needs real engines (trainer.engine torch or deepspeed)")
     if cfg.reward.overlong_buffer >= cfg.rollout.max_new_tokens:
         raise ConfigError(
             f"config reward.overlong_buffer={cfg.reward.overlong_buffer} must be below "

@@ -149,6 +149,18 @@ class RunDir:
         return self.weights / _versioned(version)
 
     @property
+    def lora_contract(self) -> Path:
+        """With LoRA: what generators need to apply the published adapters (base folder and its checksum,
+        rank, alpha, layers), written by trainer 0 before it announces any weights."""
+        return self.weights / "lora.json"
+
+    @property
+    def base_model(self) -> Path:
+        """With LoRA and a warm start: the warm-started model (a Hugging Face folder) the adapter trains on.
+        Absent otherwise: the adapter applies to model.path."""
+        return self.root / "base_model"
+
+    @property
     def quarantine(self) -> Path:
         """Shards a resume found corrupt (torn, flipped bytes), moved out of the store; their groups regenerate."""
         return self.root / "quarantine"

@@ -198,6 +198,8 @@ class TrainEngine(ABC):
     """True: every trainer must call weights() together (ZeRO-3 gathers the full tensors)."""
     collective_checkpoint: bool = False
     """True: every trainer writes its part of a checkpoint, so all call save_checkpoint."""
+    lora = None
+    """The adapter trained on a frozen base (engines.lora.LoraSpec), or None: every weight is trained."""
 
     @abstractmethod
     def compute_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
@@ -226,7 +228,11 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def weights(self) -> dict[str, torch.Tensor]:
-        """Full weights for publishing to generators."""
+        """What is published to generators: full weights, or with LoRA the adapter alone."""
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """With LoRA, the frozen base in Hugging Face names (collective like weights())."""
+        raise NotImplementedError(f"{type(self).__name__} trains no adapter")
 
     @abstractmethod
     def export_hf(self, path: Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -12,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from areal_hpc.engines import forward
+from areal_hpc.engines import lora as lora_lib
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.model import load_tokenizer, no_hf_progress_bars
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
@@ -87,15 +90,31 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         return float(gnorm) if gnorm is not None else float("nan")
 
     # -- weights and checkpoints --------------------------------------------------------------------
+    def _gathered(self, params: list) -> contextlib.AbstractContextManager:
+        """Under ZeRO-3 full tensors exist only inside a gather, which every trainer joins (collective)."""
+        if self.zero_stage == 3:
+            return self._deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        return contextlib.nullcontext()
+
+    def _copied(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in state.items()} if self.zero_stage == 3 else state
+
     def weights(self) -> dict[str, torch.Tensor]:
-        if self.zero_stage == 3:  # collective: full tensors exist only inside the gather
-            with self._deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
-                return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        adapter = list(lora_lib.adapter_params(self.model).values()) if self.lora is not None else None
+        with self._gathered(adapter or list(self.model.parameters())):
+            return self._copied(super().weights())
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        with self._gathered(list(self.model.parameters())):
+            return self._copied(super().base_weights())
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        with self._gathered(list(self.model.parameters())):
+            return self._copied(super().full_weights())
 
     def export_hf(self, path: Path) -> Path:
         """Collective under ZeRO-3 (the weights are gathered); trainer 0 writes the folder, atomically."""
-        sd = {k: v.cpu() for k, v in self.weights().items()}
+        sd = {k: v.cpu() for k, v in self.full_weights().items()}
         path = Path(path)
         if self.rank == 0:
             tmp = new_tmp_dir_beside(path)
@@ -114,12 +133,16 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        self.ds.save_checkpoint(str(tmp), tag="ds")
+        # with LoRA the frozen base stays out of the shards (it is the run's base model folder)
+        self.ds.save_checkpoint(str(tmp), tag="ds", exclude_frozen_parameters=self.lora is not None)
+        adapter = self.weights() if self.lora is not None else None  # collective under ZeRO-3
+        if adapter is not None and self.rank == 0:  # the adapter alone, for export and eval
+            save_file({k: v.cpu().contiguous() for k, v in adapter.items()}, str(tmp / lora_lib.ADAPTER_FILE))
         rng = {"torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "python_rng": random.getstate()}
         torch.save(rng, tmp / f"rng_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            meta = {"version": self.version, "zero_stage": self.zero_stage, "world": self.world}
+            meta = {"version": self.version, "zero_stage": self.zero_stage, "world": self.world} | self._lora_meta()
             (tmp / "meta.json").write_text(json.dumps(meta))
             if self.reference is not None:
                 self.reference.save(tmp)
@@ -129,7 +152,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
     def load_checkpoint(self, path: Path) -> None:
         path = Path(path)
         meta = json.loads((path / "meta.json").read_text())
-        self.ds.load_checkpoint(str(path), tag="ds")
+        lora_lib.check_checkpoint(path, self.lora)
+        self.ds.load_checkpoint(str(path), tag="ds", load_module_strict=self.lora is None)
         rng = torch.load(path / f"rng_rank{self.rank}.pt", weights_only=False)
         torch.set_rng_state(rng["torch_rng"])
         np.random.set_state(rng["numpy_rng"])

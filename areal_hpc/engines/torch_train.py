@@ -18,6 +18,7 @@ from safetensors.torch import save as save_safetensors
 from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
 from areal_hpc.algo.ppo import Objective, sequence_weights
 from areal_hpc.engines import forward
+from areal_hpc.engines import lora as lora_lib
 from areal_hpc.engines.base import TrainEngine
 from areal_hpc.engines.policy_step import PPO_STATS, PolicyStep, merge_stats
 from areal_hpc.engines.reference import ReferencePolicy
@@ -45,6 +46,10 @@ class TorchTrainEngine(TrainEngine):
     `objective` is the policy loss (algo.ppo.Objective; by default decoupled PPO from `eps_clip` and
     `behav_imp_weight_cap`), `loss_agg` how its tokens add up (algo.ppo.sequence_weights, with `loss_norm_tokens`
     for Dr.GRPO's constant). With a KL coefficient the engine holds a ReferencePolicy, else none.
+
+    With `lora` (engines/lora.py) every linear layer but the output one carries a PEFT adapter, only the
+    adapter is trained and published (`weights()`), checkpoints hold the adapter and its optimizer state,
+    and the KL term's reference is the model with the adapter switched off.
     """
 
     lockstep = False  # collective_weights and collective_checkpoint keep TrainEngine's False
@@ -74,6 +79,7 @@ class TorchTrainEngine(TrainEngine):
         objective: Objective | None = None,
         loss_agg: str = "token_mean",
         loss_norm_tokens: int = 1,
+        lora: lora_lib.LoraSpec | None = None,
     ):
         torch.manual_seed(seed)
         self.model_path = str(model_path)
@@ -81,6 +87,9 @@ class TorchTrainEngine(TrainEngine):
         self.model = load_causal_lm(model_path, "float32").to(self.device)
         if self.model.get_output_embeddings().bias is not None:
             raise ValueError(f"model {model_path}: an output layer with a bias is not supported (Llama, Qwen2: none)")
+        self.lora = lora
+        if lora is not None:
+            lora_lib.attach(self.model, lora)
         if packing:
             forward.use_packed_attention(self.model, self.device, half=bf16)
         if gradient_checkpointing:
@@ -92,12 +101,11 @@ class TorchTrainEngine(TrainEngine):
         self.fixed_chunks: int | None = None  # set under ZeRO-3: the same number of head calls on every rank
         self.positions = self.padding = 0  # token positions computed, and how many were padding (per step)
         self.pad_token_id = self.model.config.pad_token_id or 0
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter alone
         if optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+            self.optimizer = torch.optim.SGD(trained, lr=lr, weight_decay=weight_decay)
         else:
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay
-            )
+            self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         self.grad_clip = grad_clip
         self.max_tokens_per_mb = max_tokens_per_mb
         self.n_minibatches = n_minibatches
@@ -309,7 +317,11 @@ class TorchTrainEngine(TrainEngine):
         return loss, step.stats(entropies)
 
     def _reference_logprobs(self, seqs: list[np.ndarray]) -> list:
-        """Each sequence's logprobs under the reference policy (made from these weights the first time)."""
+        """Each sequence's logprobs under the reference policy (made from these weights the first time;
+        with LoRA, the base model: the adapter switched off)."""
+        if self.lora is not None:
+            with lora_lib.adapters_off(self.model):
+                return [torch.as_tensor(lp) for lp in self.compute_logprobs(seqs)]
         if self.reference is None:
             dtype = "bfloat16" if self.bf16 else "float32"
             self.reference = ReferencePolicy(self.model_path, self.weights(), dtype, self.device, self.packing)
@@ -337,24 +349,38 @@ class TorchTrainEngine(TrainEngine):
 
     # -- weights and checkpoints -----------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
+        """What trainer 0 publishes: every weight, or with LoRA the adapter alone."""
+        if self.lora is not None:
+            return {k: v.detach() for k, v in lora_lib.adapter_params(self.model).items()}
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """With LoRA: the frozen base under Hugging Face names (what generators must hold too)."""
+        return lora_lib.base_state(self.model)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The policy as one plain model: with LoRA, the adapter merged into the base."""
+        if self.lora is not None:
+            return lora_lib.merged_state(self.model, self.lora.scale)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def export_hf(self, path: Path) -> Path:
-        """Atomic HF export: save into a temp folder beside `path`, then rename."""
+        """Atomic HF export (with LoRA: merged): save into a temp folder beside `path`, then rename."""
         tmp = new_tmp_dir_beside(Path(path))
         with no_hf_progress_bars():
-            self.model.save_pretrained(tmp, safe_serialization=True)
+            self.model.save_pretrained(tmp, state_dict=self.full_weights(), safe_serialization=True)
         load_tokenizer(self.model_path).save_pretrained(tmp)
         return atomic_publish_dir(tmp, Path(path))
 
     def save_checkpoint(self, path: Path) -> None:
-        """Model (safetensors), optimizer, RNG and version; written to a temp dir and renamed."""
+        """Model (safetensors; with LoRA the adapter alone), optimizer, RNG and version; written to a temp dir
+        and renamed."""
         tmp = new_tmp_dir_beside(Path(path))
         try:
-            sd = {k: v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()}
+            sd = {k: v.detach().cpu().contiguous().clone() for k, v in self.weights().items()}
             # serialised in memory, then written as plain files: a full disk then fails with OSError ENOSPC,
             # where torch.save writing to disk itself says only "unexpected pos"
-            (tmp / "model.safetensors").write_bytes(save_safetensors(sd))  # clones: tied weights saved twice
+            (tmp / self._weights_file).write_bytes(save_safetensors(sd))  # clones: tied weights saved twice
             state = io.BytesIO()
             torch.save(
                 {
@@ -366,7 +392,7 @@ class TorchTrainEngine(TrainEngine):
                 state,
             )
             (tmp / "trainer_state.pt").write_bytes(state.getbuffer())
-            (tmp / "meta.json").write_text(json.dumps({"version": self.version}))
+            (tmp / "meta.json").write_text(json.dumps({"version": self.version} | self._lora_meta()))
             if self.reference is not None:
                 self.reference.save(tmp)
             atomic_publish_dir(tmp, Path(path))
@@ -374,9 +400,24 @@ class TorchTrainEngine(TrainEngine):
             shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half checkpoint behind
             raise
 
+    @property
+    def _weights_file(self) -> str:
+        return lora_lib.ADAPTER_FILE if self.lora is not None else "model.safetensors"
+
+    def _lora_meta(self) -> dict:
+        return lora_lib.checkpoint_meta(self.lora)
+
+    def _load_weights(self, path: Path) -> None:
+        lora_lib.check_checkpoint(path, self.lora)
+        sd = load_file(str(path / self._weights_file), device=str(self.device))
+        if self.lora is None:
+            self.model.load_state_dict(sd, strict=True)
+        else:
+            lora_lib.load_adapter(self.model, sd)
+
     def load_checkpoint(self, path: Path) -> None:
         path = Path(path)
-        self.model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(self.device)), strict=True)
+        self._load_weights(path)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
@@ -386,7 +427,9 @@ class TorchTrainEngine(TrainEngine):
         self._load_reference(path)
 
     def _load_reference(self, path: Path) -> None:
-        if self.objective.kl_coef:  # built from these weights, then given the checkpoint's reference
+        if (
+            self.objective.kl_coef and self.lora is None
+        ):  # built from these weights, then given the checkpoint's reference
             dtype = "bfloat16" if self.bf16 else "float32"
             self.reference = ReferencePolicy(self.model_path, self.weights(), dtype, self.device, self.packing)
             self.reference.load(path)

@@ -49,8 +49,8 @@ def mpirun_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
 def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     """A new run dir (refusing one that holds a run) or an existing one with a checkpoint to resume."""
     from areal_hpc.config import save_config
-    from areal_hpc.data import check_prompts_fit
     from areal_hpc.model import ensure_model
+    from areal_hpc.runtime.build import check_model_fits
     from areal_hpc.runtime.resume import CheckpointError, check_resumable
     from areal_hpc.workflow import check_user_code
 
@@ -64,7 +64,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
             run.create(cfg, hint="resume it with --resume or pick another run_name=...")
     except (RunDirError, CheckpointError) as err:
         raise RunFailed(str(err)) from None
-    check_prompts_fit(cfg, ensure_model(cfg.model))  # built once here, never by several ranks at once
+    check_model_fits(cfg, ensure_model(cfg.model))  # built once here, never by several ranks at once
     run.before_start()
     return run
 

@@ -246,14 +246,14 @@ def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
 def prepare_run_dir(run_dir: Path) -> str:
     """Run by the batch script before srun: model folder ready, no stale stop request; says fresh or resume."""
     from areal_hpc.config import load_config
-    from areal_hpc.data import check_prompts_fit
     from areal_hpc.model import ensure_model
+    from areal_hpc.runtime.build import check_model_fits
     from areal_hpc.workflow import check_user_code
 
     run = RunDir(run_dir)
     cfg = load_config(run.config)
     check_user_code(cfg)  # the user's reward.fn and rollout.workflow import here as they will on every node
-    check_prompts_fit(cfg, ensure_model(cfg.model))  # one line in the job's log before srun starts any rank
+    check_model_fits(cfg, ensure_model(cfg.model))  # one line in the job's log before srun starts any rank
     run.before_start()
     if os.environ.get("SLURM_JOB_ID"):
         info = {"job_id": os.environ["SLURM_JOB_ID"], "submitted_by": "sbatch"}

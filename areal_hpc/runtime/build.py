@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 from tqdm import tqdm
 
 from areal_hpc.algo.ppo import Objective
 from areal_hpc.config import Config
-from areal_hpc.data import MathDataset, arithmetic_completion
+from areal_hpc.data import MathDataset, arithmetic_completion, check_prompts_fit
 from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_engine, make_train_engine
+from areal_hpc.engines.lora import LoraSpec, adapter_params, model_skeleton, target_modules
+from areal_hpc.model import DTYPES
+from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.weight_sync import cast_floating, weights_checksum
+from areal_hpc.utils import atomic_write_text
 
 
 def _emulation_kwargs(cfg: Config) -> dict:
@@ -60,13 +67,69 @@ def objective(cfg: Config) -> Objective:
     )
 
 
-def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> TrainEngine:
+def lora_spec(cfg: Config) -> LoraSpec | None:
+    """The adapter trainer.lora_* asks for; None trains every weight."""
+    tc = cfg.trainer
+    return LoraSpec(tc.lora_rank, tc.lora_alpha, tuple(tc.lora_targets)) if tc.lora_rank else None
+
+
+def check_model_fits(cfg: Config, model_dir: Path) -> None:
+    """The start-up check the launchers run once, before any rank starts work: the prompts fit the model's
+    context, and trainer.lora_targets name layers the model has (one line each)."""
+    check_prompts_fit(cfg, model_dir)
+    if cfg.trainer.lora_rank:
+        try:
+            target_modules(model_skeleton(model_dir), cfg.trainer.lora_targets)
+        except ValueError as err:
+            raise ValueError(f"{err} (model {model_dir})") from None
+
+
+def adapter_base(cfg: Config, run_dir: RunDir, model_dir: Path) -> Path:
+    """The model a LoRA adapter trains on: the warm-started one when the run warm-starts, else model.path."""
+    return run_dir.base_model if cfg.trainer.warm_start_steps else Path(model_dir)
+
+
+def adapt_after_warm_start(cfg: Config, run_dir: RunDir, warm: TrainEngine, writer: bool) -> TrainEngine:
+    """LoRA after a full-weight warm start: the warm-started model is written as the base folder (by one
+    trainer, `writer`, atomically), and every trainer builds its adapter engine on it."""
+    if writer:
+        warm.export_hf(run_dir.base_model)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # the folder is complete before anyone reads it
+    del warm
+    return build_train_engine(cfg, run_dir.base_model)
+
+
+def write_lora_contract(cfg: Config, run_dir: RunDir, engine: TrainEngine, base_dir: Path, writer: bool) -> None:
+    """What generators need to apply the adapters trainer 0 (`writer`) publishes (RunDir.lora_contract),
+    atomically, before any weights are announced. The base checksum is of the weights as generators hold
+    them. Every trainer calls it when gathering the weights is collective (ZeRO-3)."""
+    if not (writer or engine.collective_weights):
+        return
+    spec = engine.lora
+    base = engine.base_weights()
+    if not writer:
+        return
+    crc = weights_checksum(cast_floating(base, DTYPES[cfg.model.dtype]))
+    body = {
+        "base_dir": str(Path(base_dir).resolve()),
+        "base_checksum": crc,
+        "rank": spec.rank,
+        "alpha": spec.alpha,
+        "layers": sorted(k.removesuffix(".lora_A.weight") for k in adapter_params(engine.model) if "lora_A" in k),
+    }
+    atomic_write_text(run_dir.lora_contract, json.dumps(body, indent=1))
+
+
+def build_train_engine(cfg: Config, model_dir: Path, process_group=None, full: bool = False) -> TrainEngine:
+    """The trainer of `cfg`; `full`: a plain torch trainer of every weight (LoRA's warm start, before the adapter)."""
     rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
     if tc.engine == "emulated":
         return make_train_engine("emulated", **(_emulation_kwargs(cfg) | dict(model_path=str(model_dir))))
-    extra = {"zero_stage": tc.zero_stage} if tc.engine == "deepspeed" else {}
+    engine = "torch" if full else tc.engine
+    extra = {"zero_stage": tc.zero_stage} if engine == "deepspeed" else {}
     return make_train_engine(
-        tc.engine,
+        engine,
         model_path=str(model_dir),
         lr=tc.lr,
         betas=tc.betas,
@@ -87,6 +150,7 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None) -> Trai
         packing=tc.packing,
         logprob_chunk_tokens=tc.logprob_chunk_tokens,
         gradient_checkpointing=tc.gradient_checkpointing,
+        lora=None if full else lora_spec(cfg),
         **extra,
     )
 

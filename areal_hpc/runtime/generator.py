@@ -14,7 +14,8 @@ from areal_hpc.data import Problem, load_run_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import reward_pool_for
 from areal_hpc.rollout import group_summary
-from areal_hpc.runtime.build import build_generation_engine
+from areal_hpc.runtime.adapters import AdapterLoader
+from areal_hpc.runtime.build import build_generation_engine, lora_spec
 from areal_hpc.runtime.heldout import HeldoutEvals
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
@@ -86,9 +87,10 @@ class Generator(RoleLoop):
         dataset = load_run_dataset(cfg, self.tokenizer)
         self.train, self.heldout = dataset.train, dataset.heldout[: cfg.logging.eval_prompts]
         sc = cfg.sync
-        self.receiver = WeightReceiver(
-            sc.method, sync_group, self.run_dir, self.engine.state_dict(), sc.bucket_mb, cfg.cluster.device
-        )
+        spec = lora_spec(cfg)  # with LoRA an adapter arrives each version, merged here into the base weights
+        self.adapters = AdapterLoader(spec, self.run_dir, model_dir, cfg.model.dtype) if spec else None
+        template = self.adapters.template() if self.adapters else self.engine.state_dict()
+        self.receiver = WeightReceiver(sc.method, sync_group, self.run_dir, template, sc.bucket_mb, cfg.cluster.device)
         if sync_group is not None:  # paired with trainer 0's layout check and measurement at start-up
             sync_group.check_layout(self.receiver.plan.layout, cfg.cluster.device)
             sync_group.raw_bandwidth(self.receiver.plan.nbytes, cfg.cluster.device)
@@ -174,13 +176,17 @@ class Generator(RoleLoop):
         t0 = time.time()
         with self.timeline.span("load"):
             self.engine.pause()
+            published = sd  # the adapter, with LoRA: its checksum is compared with trainer 0's
+            if self.adapters is not None:
+                sd = self.adapters.merged(self.engine, published)
             self.engine.update_weights(sd, version, keep_kv=mode == "keep_kv")
             self.engine.resume()
         load_s = time.time() - t0
         # resumed as prompt + partial: their next tokens carry the new version
         self.engine.add([self.requests[o.request_id].resumed(o) for o in partials] + self.held)
         self.held = []
-        crc = weights_checksum(self.engine.state_dict()) if self.cfg.sync.checksum else None
+        held = published if self.adapters is not None else self.engine.state_dict()
+        crc = weights_checksum(held) if self.cfg.sync.checksum else None
         self.have_weights = True
         self._weights_ok(version, crc, load_s)
 

@@ -15,7 +15,13 @@ from areal_hpc.config import Config
 from areal_hpc.data import load_run_dataset
 from areal_hpc.model import DTYPES, load_tokenizer
 from areal_hpc.rollout import episode_stats
-from areal_hpc.runtime.build import build_train_engine, warm_start
+from areal_hpc.runtime.build import (
+    adapt_after_warm_start,
+    adapter_base,
+    build_train_engine,
+    warm_start,
+    write_lora_contract,
+)
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
 from areal_hpc.runtime.role_loop import Handler, RoleLoop
@@ -58,7 +64,12 @@ class Trainer(RoleLoop):
 
     def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
         super().__init__(cfg, run_dir, comm, layout, resume)
-        self.engine = build_train_engine(cfg, model_dir)  # the default torch group = the trainers
+        tc = cfg.trainer
+        # LoRA with a warm start: every weight is warm-started first, then the adapter trains on the result
+        self.adapt_later = bool(tc.lora_rank and tc.warm_start_steps and not resume)
+        self.base_dir = adapter_base(cfg, self.run_dir, model_dir) if tc.lora_rank else model_dir
+        # the default torch group = the trainers
+        self.engine = build_train_engine(cfg, model_dir if self.adapt_later else self.base_dir, full=self.adapt_later)
         self.model_dir = model_dir
         self.sync_group = sync_group
         sc = cfg.sync
@@ -93,6 +104,11 @@ class Trainer(RoleLoop):
             with self.timeline.span("train"):
                 tok = load_tokenizer(self.model_dir)
                 warm_start(self.engine, tok, load_run_dataset(self.cfg, tok), self.cfg, progress=False)
+            if self.adapt_later:
+                with self.timeline.span("checkpoint"):
+                    self.engine = adapt_after_warm_start(self.cfg, self.run_dir, self.engine, self.index == 0)
+        if self.engine.lora is not None:  # before any weights are announced: generators read it at their first load
+            write_lora_contract(self.cfg, self.run_dir, self.engine, self.base_dir, self.index == 0)
         body = {"version": self.engine.version, "raw_gbps": None}
         # gathered once per publish (collective under ZeRO-3: every trainer calls weights() once here)
         state = self.engine.weights() if (self.sender is not None or self.engine.collective_weights) else None
