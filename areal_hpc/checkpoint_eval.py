@@ -52,10 +52,22 @@ def run_model_folder(run: RunDir) -> Path:
     return Path(load_config(run.config).model.path).resolve()
 
 
+def adapter_base_folder(run: RunDir) -> Path:
+    """The model a LoRA run's adapters apply to: its warm-started base if it wrote one, else model.path."""
+    return run.base_model if run.base_model.is_dir() else run_model_folder(run)
+
+
+def is_lora_checkpoint(path: Path) -> bool:
+    from areal_hpc.engines.lora import ADAPTER_FILE
+
+    return (Path(path) / ADAPTER_FILE).is_file()
+
+
 def resolve(
     path: str, config_path: str | None = None, overrides: list[str] | None = None, data: str | None = None
 ) -> EvalTarget:
-    """An HF folder (config.json + weights + tokenizer) or a torch trainer's checkpoint in RUN_DIR/checkpoints/vN.
+    """An HF folder (config.json + weights + tokenizer), a torch trainer's checkpoint in RUN_DIR/checkpoints/vN, or
+    a LoRA checkpoint of either trainer (its adapter merged into the base, in a temporary folder).
 
     The model comes from `path` (a checkpoint: its run's model folder) and a `data` file fills data.path, so
     a recipe whose model.path and data.path are left to the user (jobs/math_1p5b_gpu.yaml) serves as --config.
@@ -68,15 +80,18 @@ def resolve(
     run, version = found if found else (None, None)
     if config_path is None and run is not None:
         config_path = str(run.config)
+    # a LoRA checkpoint: its adapter merged into the base it trained on, whose config and tokenizer it takes
+    lora = run is not None and is_lora_checkpoint(p)
+    model_dir = p if run is None else adapter_base_folder(run) if lora else run_model_folder(run)
     # the user's overrides come last: model.path=... still points a checkpoint at a model folder that moved
-    model_ov = [f"model.path={run_model_folder(run) if run is not None else p}", "model.build_tiny=false"]
+    model_ov = [f"model.path={model_dir}", "model.build_tiny=false"]
     data_ov = [f"data.path={Path(data).resolve()}"] if data not in (None, HELDOUT) else []
     cfg = load_config(config_path, model_ov + data_ov + list(overrides or []))
     if run is None:
         from areal_hpc.model import check_model_folder
 
         return EvalTarget(check_model_folder(p), cfg, None, None)
-    if not (p / "model.safetensors").is_file():
+    if not lora and not (p / "model.safetensors").is_file():
         raise EvalError(
             f"checkpoint {str(p)!r} has no model.safetensors (a DeepSpeed checkpoint?); "
             f"export it first (areal-hpc export {path} OUT_DIR) and evaluate OUT_DIR"
@@ -89,7 +104,14 @@ def resolve(
     for f in base.iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json")):
             os.symlink(f, folder / f.name)
-    os.symlink(p / "model.safetensors", folder / "model.safetensors")
+    if lora:
+        from safetensors.torch import save_file
+
+        from areal_hpc.engines.lora import read_merged
+
+        save_file(read_merged(p, base), str(folder / "model.safetensors"))
+    else:
+        os.symlink(p / "model.safetensors", folder / "model.safetensors")
     return EvalTarget(folder, cfg, run, version)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from areal_hpc.checkpoint_eval import run_model_folder, run_of_checkpoint
+from areal_hpc.checkpoint_eval import adapter_base_folder, is_lora_checkpoint, run_model_folder, run_of_checkpoint
 from areal_hpc.rundir import RunDir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,6 +39,12 @@ class Exported:
     files: list[str]
 
     def summary(self) -> str:
+        if "adapter_model.safetensors" in self.files:
+            return (
+                f"wrote {self.out} ({_size(self.bytes)}): adapter_model.safetensors with {self.n_params / 1e6:.3f}M "
+                f"parameters in {self.dtype} from version {self.version} ({self.kind}) and adapter_config.json; "
+                f"it applies to {self.base}"
+            )
         others = ", ".join(f for f in self.files if f != "model.safetensors")
         return (
             f"wrote {self.out} ({_size(self.bytes)}): model.safetensors with {self.n_params / 1e6:.2f}M parameters "
@@ -61,8 +67,10 @@ def _check_checkpoint(ckpt: Path) -> tuple[RunDir, int, dict]:
         meta = json.loads((ckpt / "meta.json").read_text())
     except (OSError, ValueError):
         raise ExportError(f"checkpoint {str(ckpt)!r} is incomplete: no readable meta.json") from None
+    if "lora" in meta and not is_lora_checkpoint(ckpt):
+        raise ExportError(f"checkpoint {str(ckpt)!r} is incomplete: no adapter.safetensors")
     if "zero_stage" not in meta:
-        if not (ckpt / "model.safetensors").is_file():
+        if "lora" not in meta and not (ckpt / "model.safetensors").is_file():
             raise ExportError(f"checkpoint {str(ckpt)!r} is incomplete: no model.safetensors")
         return run, version, meta
     shards = ckpt / "ds"
@@ -77,9 +85,14 @@ def _check_checkpoint(ckpt: Path) -> tuple[RunDir, int, dict]:
     return run, version, meta
 
 
-def _read_weights(ckpt: Path, meta: dict) -> dict[str, torch.Tensor]:
-    """The trainer's fp32 weights, on CPU: its safetensors file, or the ZeRO shards consolidated by DeepSpeed."""
-    if "zero_stage" not in meta:
+def _read_weights(ckpt: Path, meta: dict, base: Path) -> dict[str, torch.Tensor]:
+    """The trainer's fp32 weights, on CPU: its safetensors file, the ZeRO shards consolidated by DeepSpeed, or
+    a LoRA checkpoint's adapter merged into `base`."""
+    if "lora" in meta:
+        from areal_hpc.engines.lora import read_merged
+
+        read = partial(read_merged, ckpt, base)
+    elif "zero_stage" not in meta:
         from safetensors.torch import load_file
 
         read = partial(load_file, str(ckpt / "model.safetensors"))
@@ -126,18 +139,50 @@ def _open_as_umask_allows(folder: Path) -> None:
         f.chmod(0o666 & ~mask)
 
 
+def _export_adapter(ckpt: Path, out: Path, base: Path, version: int, kind: str) -> Exported:
+    """The adapter alone, as PEFT writes one (PeftModel.from_pretrained(the base model, out) loads it)."""
+    from areal_hpc.engines.lora import write_peft_adapter
+    from areal_hpc.utils import new_tmp_dir_beside, publish_dir_if_absent
+
+    tmp = new_tmp_dir_beside(out)
+    try:
+        write_peft_adapter(ckpt, base, tmp)
+        _open_as_umask_allows(tmp)
+        files = sorted(p.name for p in tmp.iterdir())
+        size = sum((tmp / f).stat().st_size for f in files)
+        if not publish_dir_if_absent(tmp, out):
+            raise ExportError(f"OUT_DIR {str(out)!r} was written by someone else during the export; nothing written")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    n = sum(int(torch.tensor(s).prod()) for s in _adapter_shapes(out))
+    return Exported(out, kind, version, base, n, "float32", size, files)
+
+
+def _adapter_shapes(folder: Path) -> list:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+        return [f.get_slice(k).get_shape() for k in f.keys()]
+
+
 def _folder_dtype(config: dict) -> str:
     return config.get("dtype") or config.get("torch_dtype") or "float32"  # transformers 5 / 4 name it so
 
 
 def export_checkpoint(
-    checkpoint: str | Path, out_dir: str | Path, dtype: str = "auto", progress: Callable[[str], None] = print
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    dtype: str = "auto",
+    progress: Callable[[str], None] = print,
+    adapter_only: bool = False,
 ) -> Exported:
     """Write RUN_DIR/checkpoints/vN as a Hugging Face folder in `out_dir` (new or empty), atomically.
 
-    Weights: the checkpoint's, cast to `dtype` ("auto": the run's model folder's dtype). Everything else
-    (config.json, tokenizer files, generation_config.json, chat template) is copied from the run's model
-    folder, so the export loads and prompts exactly as the run's model did.
+    Weights: the checkpoint's, cast to `dtype` ("auto": the run's model folder's dtype); a LoRA checkpoint's
+    adapter merged into the model it trained on. Everything else (config.json, tokenizer files,
+    generation_config.json, chat template) is copied from that model folder, so the export loads and prompts
+    exactly as the run's model did. `adapter_only`: a LoRA checkpoint's adapter in PEFT's format instead.
     """
     from safetensors.torch import save_file
 
@@ -147,7 +192,10 @@ def export_checkpoint(
     run, version, meta = _check_checkpoint(ckpt)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"OUT_DIR {str(out)!r} exists and is not empty; give a new or empty folder")
-    base = run_model_folder(run)
+    lora = "lora" in meta
+    if adapter_only and not lora:
+        raise ExportError(f"--adapter: checkpoint {str(ckpt)!r} holds full weights, no LoRA adapter")
+    base = adapter_base_folder(run) if lora else run_model_folder(run)
     if not (base / "config.json").is_file() or not any((base / f).is_file() for f in _TOKENIZER_FILES):
         raise ExportError(
             f"checkpoint {str(ckpt)!r}: its run's model folder {str(base)!r} (model.path in {run.config}) is gone "
@@ -161,8 +209,12 @@ def export_checkpoint(
     kind = "a torch trainer's checkpoint"
     if sharded:
         kind = f"DeepSpeed ZeRO-{meta['zero_stage']} shards of {meta['world']} trainers"
-    progress(f"reading {ckpt}: {kind}" + (", consolidated on CPU" if sharded else ""))
-    weights = _read_weights(ckpt, meta)
+    if lora:
+        kind = f"a rank-{meta['lora']['rank']} LoRA adapter" + ("" if adapter_only else " merged into the base")
+    if adapter_only:
+        return _export_adapter(ckpt, out, base, version, kind)
+    progress(f"reading {ckpt}: {kind}" + (", consolidated on CPU" if sharded and not lora else ""))
+    weights = _read_weights(ckpt, meta, base)
     n_params = _check_fits(weights, base, ckpt)
     tmp = new_tmp_dir_beside(out)
     try:

@@ -21,12 +21,13 @@ def batch(ppo_batch):
     return ppo_batch
 
 
-# each stage also takes one loss aggregation and objective: ZeRO-2 holds a KL reference (saved in its
-# checkpoint, so the resume below covers it), ZeRO-3 takes GSPO's sequence ratio on its checkpointed head path
+# each stage also takes one loss aggregation and objective: ZeRO-1 holds a KL reference (saved in its
+# checkpoint, so the resume below covers it); ZeRO-2 and ZeRO-3 train a LoRA adapter (ZeRO-2's KL reference is
+# the base with the adapter off), ZeRO-3 takes GSPO's sequence ratio on its checkpointed head path
 OBJECTIVES = {
-    1: ("token_mean", {}),
-    2: ("seq_mean_token_mean", {"kl_coef": 0.1}),
-    3: ("seq_mean_token_sum_norm", {"importance": "sequence", "eps_clip": 0.05, "entropy_coef": 0.01}),
+    1: ("token_mean", {"kl_coef": 0.1}, None),
+    2: ("seq_mean_token_mean", {"kl_coef": 0.1}, [4, 8.0]),
+    3: ("seq_mean_token_sum_norm", {"importance": "sequence", "eps_clip": 0.05, "entropy_coef": 0.01}, [2, 4.0]),
 }
 
 
@@ -35,7 +36,9 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
     from areal_hpc.algo.ppo import Objective
     from areal_hpc.engines.torch_train import TorchTrainEngine
 
-    agg, objective = OBJECTIVES[stage]
+    from areal_hpc.engines.lora import LoraSpec
+
+    agg, objective, lora = OBJECTIVES[stage]
 
     trajs, adv = batch
     with open(tmp_path / "batch.pkl", "wb") as f:
@@ -54,6 +57,7 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
         str(stage),
         agg,
         json.dumps(objective),
+        json.dumps(lora),
     ]
     r = subprocess.run(
         cmd, env={**rank_env(local_mpirun=True), "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600
@@ -72,6 +76,7 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
         loss_agg=agg,
         loss_norm_tokens=6,
         objective=Objective(**objective),
+        lora=LoraSpec(*lora) if lora else None,
     )
     start = {k: v.clone() for k, v in ref.weights().items()}
     ref.ppo_update(trajs, adv)  # one trainer, the whole batch, the same minibatch split
@@ -82,9 +87,16 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
     assert got["version"] == 2
     for k, v in got["continued"].items():
         torch.testing.assert_close(got["restored"][k], v, rtol=1e-5, atol=1e-6, msg=f"ZeRO-{stage} resume {k}")
-    # the Hugging Face export holds the trained weights (gathered under ZeRO-3)
+    # the Hugging Face export holds the trained weights (gathered under ZeRO-3; with LoRA merged into the base)
     from areal_hpc.model import load_causal_lm
 
     exported = load_causal_lm(tmp_path / "export").state_dict()
-    for k, v in got["sgd_step"].items():
+    for k, v in got["merged"].items():
         torch.testing.assert_close(exported[k], v, rtol=0, atol=0, msg=f"ZeRO-{stage} export {k}")
+    for k, v in ref.full_weights().items():
+        torch.testing.assert_close(got["merged"][k], v, rtol=1e-4, atol=1e-5, msg=f"ZeRO-{stage} merged {k}")
+    if lora:  # the adapter alone was trained and checkpointed: the frozen base stays out of the shards
+        assert set(got["sgd_step"]) == {k for k in got["sgd_step"] if ".lora_" in k}
+        ckpt_bytes = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*") if f.is_file())
+        base_bytes = sum(v.numel() * 4 for v in exported.values())
+        assert ckpt_bytes < 0.5 * base_bytes, (ckpt_bytes, base_bytes)

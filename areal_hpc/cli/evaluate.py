@@ -71,12 +71,15 @@ def _eval_job(target, model_path, data, config_path, json_path, submit, override
     show_default=True,
     help="Weights' dtype; auto: the run's model folder's (the trainer's own are float32).",
 )
-def export_cmd(checkpoint, out_dir, dtype):
-    """Write RUN_DIR/checkpoints/vN (torch, or DeepSpeed ZeRO shards) as a Hugging Face folder OUT_DIR, on CPU."""
+@click.option("--adapter", is_flag=True, help="A LoRA checkpoint: write the adapter alone, in PEFT's format.")
+def export_cmd(checkpoint, out_dir, dtype, adapter):
+    """Write RUN_DIR/checkpoints/vN (torch, DeepSpeed ZeRO shards, or a LoRA adapter merged into its base) as a
+    Hugging Face folder OUT_DIR, on CPU."""
     from areal_hpc.export import ExportError, export_checkpoint
 
     try:
-        done = export_checkpoint(checkpoint, out_dir, dtype, progress=lambda line: click.echo(line, err=True))
+        echo = lambda line: click.echo(line, err=True)  # noqa: E731
+        done = export_checkpoint(checkpoint, out_dir, dtype, progress=echo, adapter_only=adapter)
     except (ConfigError, ExportError, OSError, ValueError) as err:  # ValueError: a model folder transformers refuses
         raise click.ClickException(str(err).splitlines()[0]) from None
     click.echo(done.summary())

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+
+from areal_hpc.model import load_causal_lm
 
 # PEFT names the one adapter it holds; the published names leave it out (PEFT's own saved format does too)
 _ADAPTER = "default"
@@ -181,8 +185,6 @@ def spec_of(meta: dict) -> LoraSpec | None:
 
 def check_checkpoint(path: Path, spec: LoraSpec | None) -> None:
     """ValueError (one line) when a checkpoint's adapter, or its lack of one, is not what this run trains."""
-    import json
-
     found = spec_of(json.loads((Path(path) / "meta.json").read_text()))
     if found != spec:
         what = lambda s: f"a rank-{s.rank} adapter (alpha {s.alpha})" if s else "full weights"  # noqa: E731
@@ -196,3 +198,27 @@ def check_checkpoint(path: Path, spec: LoraSpec | None) -> None:
 def load_adapter(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     for name, p in adapter_params(model).items():
         p.copy_(state[name])
+
+
+def read_merged(checkpoint: Path, base_dir: Path) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's policy as plain fp32 weights: the base folder's weights with its adapter merged."""
+    spec = spec_of(json.loads((Path(checkpoint) / "meta.json").read_text()))
+    adapter = load_file(str(Path(checkpoint) / ADAPTER_FILE))
+    base = {k: v.detach() for k, v in load_causal_lm(base_dir, "float32").state_dict().items()}
+    return base | merge(base, adapter, spec.scale)
+
+
+def write_peft_adapter(checkpoint: Path, base_dir: Path, out: Path) -> None:
+    """The checkpoint's adapter in PEFT's own format (adapter_config.json + adapter_model.safetensors), for
+    `PeftModel.from_pretrained(base model, out)`."""
+    from peft import LoraConfig
+
+    spec = spec_of(json.loads((Path(checkpoint) / "meta.json").read_text()))
+    adapter = load_file(str(Path(checkpoint) / ADAPTER_FILE))
+    layers = sorted({k.rsplit(".lora_", 1)[0] for k in adapter})
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=layers, lora_dropout=0.0, bias="none")
+    config.base_model_name_or_path = str(base_dir)
+    config.save_pretrained(str(out))
+    save_file(
+        {f"base_model.model.{k}": v.contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors")
+    )

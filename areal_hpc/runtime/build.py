@@ -77,6 +77,11 @@ def check_model_fits(cfg: Config, model_dir: Path) -> None:
     """The start-up check the launchers run once, before any rank starts work: the prompts fit the model's
     context, and trainer.lora_targets name layers the model has (one line each)."""
     check_prompts_fit(cfg, model_dir)
+    check_lora_targets(cfg, model_dir)
+
+
+def check_lora_targets(cfg: Config, model_dir: Path) -> None:
+    """trainer.lora_targets name linear layers the model has: one line if not."""
     if cfg.trainer.lora_rank:
         try:
             target_modules(model_skeleton(model_dir), cfg.trainer.lora_targets)

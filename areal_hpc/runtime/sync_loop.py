@@ -20,7 +20,17 @@ from areal_hpc.model import ensure_model, load_tokenizer
 from areal_hpc.reward import reward_pool_for
 from areal_hpc.rollout import episode_metrics, episode_stats
 from areal_hpc.rundir import RunDir, RunDirError
-from areal_hpc.runtime.build import build_generation_engine, build_train_engine, warm_start
+from areal_hpc.runtime.adapters import AdapterLoader
+from areal_hpc.runtime.build import (
+    adapt_after_warm_start,
+    adapter_base,
+    build_generation_engine,
+    build_train_engine,
+    check_lora_targets,
+    lora_spec,
+    warm_start,
+    write_lora_contract,
+)
 from areal_hpc.runtime.train_step import train_version
 from areal_hpc.store import Ledger, read_shard, write_shard
 from areal_hpc.types import SampleId
@@ -55,11 +65,20 @@ def run_sync(cfg: Config) -> RunSummary:
     tokenizer = load_tokenizer(model_dir)
     dataset = load_run_dataset(cfg, tokenizer)
     check_fits_context(dataset, cfg, model_dir)
+    check_lora_targets(cfg, model_dir)
 
     rc, tc = cfg.rollout, cfg.trainer
     workflow, settings = load_workflow(rc.workflow), runner_settings(cfg, tokenizer, model_dir)
     gen = build_generation_engine(cfg, model_dir, seed=tc.seed)
-    trainer = build_train_engine(cfg, model_dir)
+    spec = lora_spec(cfg)  # LoRA: the adapter is merged into the engine's base weights at each load
+    adapt_later = bool(spec and tc.warm_start_steps)  # every weight is warm-started, then the adapter trains
+    trainer = build_train_engine(cfg, model_dir, full=adapt_later)
+    adapters = AdapterLoader(spec, run_dir, model_dir, cfg.model.dtype) if spec else None
+
+    def publish() -> None:
+        sd = trainer.weights()
+        gen.update_weights(adapters.merged(gen, sd) if adapters else sd, trainer.version)
+
     metrics = MetricsLogger(run_dir, cfg.logging.tensorboard)
     ledger = Ledger(run_dir)
     rollout_dir = run_dir.rollouts
@@ -75,7 +94,12 @@ def run_sync(cfg: Config) -> RunSummary:
         acc_warm = acc_before
         if tc.warm_start_steps:
             warm_start(trainer, tokenizer, dataset, cfg, progress)
-            gen.update_weights(trainer.weights(), trainer.version)
+            if adapt_later:
+                trainer = adapt_after_warm_start(cfg, run_dir, trainer, writer=True)
+        if spec:
+            write_lora_contract(cfg, run_dir, trainer, adapter_base(cfg, run_dir, model_dir), writer=True)
+        if tc.warm_start_steps:
+            publish()
             acc_warm = evaluate()
         metrics.log(0, {"heldout_acc": acc_warm, "reward_mean": math.nan, "wall_s": time.time() - t0})
 
@@ -117,7 +141,7 @@ def run_sync(cfg: Config) -> RunSummary:
             stats, keep = train_version(trainer, batch, cfg)
             ledger.record(consumed_by, [(shard.name, i) for i in range(len(batch))])
             t_sync = time.time()
-            gen.update_weights(trainer.weights(), trainer.version)
+            publish()
             t_end = time.time()
 
             row = {

@@ -1,5 +1,6 @@
 """Under mpirun -n 2: DeepSpeed ZeRO trainers take a PPO step on one batch; then checkpoint, step, restore, step.
-argv: model folder, output folder, ZeRO stage, loss aggregation, the objective (JSON: algo.ppo.Objective's fields)."""
+argv: model folder, output folder, ZeRO stage, loss aggregation, the objective (JSON: algo.ppo.Objective's fields),
+the LoRA adapter (JSON: [rank, alpha] or null)."""
 
 import json
 import pickle
@@ -11,11 +12,12 @@ from mpi4py import MPI
 from areal_hpc.algo.packing import balance_across_ranks
 from areal_hpc.algo.ppo import Objective
 from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
+from areal_hpc.engines.lora import LoraSpec
 from areal_hpc.runtime.torch_groups import init_trainer_group
 from areal_hpc.runtime.worker import exit_rank
 
 
-def main(model_dir: str, out: str, stage: int, agg: str, objective: dict) -> None:
+def main(model_dir: str, out: str, stage: int, agg: str, objective: dict, lora: list | None) -> None:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     torch.set_num_threads(1)
@@ -48,11 +50,13 @@ def main(model_dir: str, out: str, stage: int, agg: str, objective: dict) -> Non
             gradient_checkpointing=stage > 1,
             max_tokens_per_mb=128 if stage > 1 else 4096,
             logprob_chunk_tokens=7 if stage > 1 else 1024,
+            lora=LoraSpec(*lora) if lora else None,
         )
 
     a = engine("sgd")
     a.ppo_update(share, share_adv, minibatches)
     w1 = a.weights()  # collective under ZeRO-3
+    merged = a.full_weights()  # with LoRA: the adapter merged into the base
     a.export_hf(f"{out}/export")  # collective too; trainer 0 writes a Hugging Face folder
     # checkpoint round trip with Adam (its moments must come back too)
     b = engine("adamw")
@@ -65,11 +69,12 @@ def main(model_dir: str, out: str, stage: int, agg: str, objective: dict) -> Non
     c.ppo_update(share, share_adv, minibatches)
     w_restored = c.weights()
     if rank == 0:
-        torch.save({"sgd_step": w1, "continued": w_cont, "restored": w_restored, "version": c.version}, f"{out}/ds.pt")
+        got = {"sgd_step": w1, "merged": merged, "continued": w_cont, "restored": w_restored, "version": c.version}
+        torch.save(got, f"{out}/ds.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]), json.loads(sys.argv[6]))
     exit_rank()
