@@ -89,6 +89,15 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         gnorm = self.ds.get_global_grad_norm()
         return float(gnorm) if gnorm is not None else float("nan")
 
+    def _head_path(self) -> dict:
+        if self.zero_stage != 3 or self.lora is None:
+            return super()._head_path()
+        # LoRA under ZeRO-3: the frozen head needs no gradient, so it is gathered once per micro-batch and the loss
+        # takes the fused path (its gradient made in the forward). A checkpointed head call would find the frozen
+        # weight released again when it is recomputed in backward.
+        head = self.model.get_output_embeddings()
+        return {"n_chunks": None, "head_weight": lambda: self._gathered([head.weight])}
+
     # -- weights and checkpoints --------------------------------------------------------------------
     def _gathered(self, params: list) -> contextlib.AbstractContextManager:
         """Under ZeRO-3 full tensors exist only inside a gather, which every trainer joins (collective)."""

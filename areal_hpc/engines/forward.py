@@ -13,6 +13,7 @@ which the PPO and cross-entropy losses are. Without a loss (`token_logprobs`), c
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -237,7 +238,8 @@ class _HeadLoss(torch.autograd.Function):
         if prepass is not None:
             prepass(_HeadLoss.logprobs(hidden, w, targets, temperature, chunk_tokens, dtype), index)
         grad_h = torch.empty_like(hidden)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # a frozen head (LoRA) takes no gradient: no head-sized buffer, no second matmul per chunk
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for a in range(0, len(hidden), chunk_tokens):
             h = hidden[a : a + chunk_tokens].detach().to(dtype)
@@ -268,12 +270,14 @@ class _HeadLoss(torch.autograd.Function):
                 grad_z.div_(temperature)
             gz = grad_z.to(dtype)
             grad_h[a : a + chunk_tokens] = (gz @ w).to(hidden.dtype)
-            if gz.dtype == grad_w.dtype:
+            if grad_w is None:
+                pass
+            elif gz.dtype == grad_w.dtype:
                 grad_w.addmm_(gz.T, h)  # in place: no head-sized temporary
             else:
                 grad_w += (gz.T @ h).float()
             del grad_z, gz
-        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return total
 
     @staticmethod
@@ -292,7 +296,18 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None, None, None
+        return (
+            grad_h * grad_out,
+            None if grad_w is None else grad_w * grad_out,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def chunked_loss(
@@ -305,10 +320,12 @@ def chunked_loss(
     n_chunks: int | None = None,
     with_entropy: bool = False,
     prepass: Prepass | None = None,
+    head_weight: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The summed loss of a micro-batch (differentiable), and per sequence the log-probabilities and entropies
     (detached). `n_chunks` (ZeRO-3) takes the checkpointed path, where every head call is a module call.
-    `with_entropy`: loss_fn also takes the entropies and may train them; `prepass`: see Prepass."""
+    `with_entropy`: loss_fn also takes the entropies and may train them; `prepass`: see Prepass.
+    `head_weight`: a context in which head.weight is whole, entered after the body's forward (ZeRO-3, frozen head)."""
     if n_chunks is not None:
         logps, ents = token_logprobs(model, head, mb, temperature, chunk_tokens, n_chunks, with_entropy)
         _, _, index = mb.predicting_rows()
@@ -327,9 +344,10 @@ def chunked_loss(
         lps.append(lp)
         ents.append(ent)
 
-    loss = _HeadLoss.apply(
-        hidden, head.weight, targets, index, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass
-    )
+    with head_weight():
+        loss = _HeadLoss.apply(
+            hidden, head.weight, targets, index, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass
+        )
     flat_lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
     flat_ent = torch.cat(ents) if ents else flat_lp
     return loss, mb.per_sequence(flat_lp), mb.per_sequence(flat_ent)

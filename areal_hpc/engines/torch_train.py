@@ -140,6 +140,10 @@ class TorchTrainEngine(TrainEngine):
                 self._fwd, head, mb, self.temperature, self.logprob_chunk_tokens, self.fixed_chunks
             )[0]
 
+    def _head_path(self) -> dict:
+        """How chunked_loss reaches the output layer (n_chunks, head_weight): fused, or ZeRO-3's checkpointed calls."""
+        return {"n_chunks": self.fixed_chunks}
+
     def _loss(self, seqs: list[np.ndarray], loss_fn: forward.LossFn, with_entropy: bool = False, prepass=None):
         """A summed per-token loss over these sequences; also their logprobs and entropies (detached).
         `with_entropy` and `prepass`: as forward.chunked_loss takes them."""
@@ -153,9 +157,9 @@ class TorchTrainEngine(TrainEngine):
                 loss_fn,
                 self.temperature,
                 self.logprob_chunk_tokens,
-                self.fixed_chunks,
                 with_entropy=with_entropy,
                 prepass=prepass,
+                **self._head_path(),
             )
 
     @torch.no_grad()
