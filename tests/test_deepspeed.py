@@ -34,9 +34,8 @@ OBJECTIVES = {
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_model_dir, batch, tmp_path):
     from areal_hpc.algo.ppo import Objective
-    from areal_hpc.engines.torch_train import TorchTrainEngine
-
     from areal_hpc.engines.lora import LoraSpec
+    from areal_hpc.engines.torch_train import TorchTrainEngine
 
     agg, objective, lora = OBJECTIVES[stage]
 

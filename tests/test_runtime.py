@@ -493,20 +493,26 @@ def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_generator_and_deepspeed_zero2_trainers_learn(tmp_path):
-    # the production engines on CPU: vLLM's CPU build generates, two DeepSpeed ZeRO-2 trainers train
-    cfg = _cfg(
-        tmp_path,
-        "rollout.engine=vllm",
-        "trainer.engine=deepspeed",
-        "trainer.zero_stage=2",
-        "cluster.n_trainers=2",
-        "cluster.n_generators=1",
-        "rollout.eta=2",
-        "trainer.versions=300",
-        "trainer.max_wall_s=300",
-        "trainer.checkpoint_every=100",
-        "logging.eval_every=100",
+def test_lora_demo_learns_on_vllm_and_deepspeed_zero2_publishing_only_the_adapter(tmp_path):
+    # the LoRA demo on the production engines: vLLM's CPU build merges each adapter into its base, two
+    # DeepSpeed ZeRO-2 trainers train the adapter alone on the warm-started base
+    cfg = load_config(
+        ROOT / "jobs" / "demo_lora.yaml",
+        [
+            f"store.run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "rollout.engine=vllm",
+            "trainer.engine=deepspeed",
+            "trainer.zero_stage=2",
+            "cluster.n_trainers=2",
+            "cluster.n_generators=1",
+            "trainer.versions=300",
+            "trainer.max_wall_s=300",
+            "trainer.checkpoint_every=100",
+            "logging.eval_every=100",
+        ],
     )
     s = launch(cfg, progress=False)
     assert s["acc_init"] < 0.05
@@ -515,10 +521,60 @@ def test_vllm_generator_and_deepspeed_zero2_trainers_learn(tmp_path):
     eaten = _audit(run, eta=2)
     assert eaten["staleness"].max() >= 1
     assert len(eaten) == s["versions"] * cfg.rollout.batch_prompts * cfg.rollout.n_samples
-    assert (pd.read_csv(run / "metrics.csv")["weights_match"] == 1).all()
     (gen_log,) = (run / "logs").glob("rank*-generator.log")
     assert "vllm" in gen_log.read_text()  # the generator really ran vLLM
     assert len(list((run / "logs").glob("rank*-trainer.log"))) == 2
+
+    # only the adapter travels, and the generator holds exactly what trainer 0 sent, every version
+    from areal_hpc.engines.lora import adapter_shapes, spec_of
+
+    meta = json.loads((run / "checkpoints" / f"v{s['versions']:08d}" / "meta.json").read_text())
+    shapes = adapter_shapes(run / "base_model", spec_of(meta))
+    m = pd.read_csv(run / "metrics.csv")
+    assert (m["weights_match"] == 1).all() and (m["checksum_gen0"] == m["checksum_trainer"]).all()
+    assert (m["sync_bytes"].dropna() == 4 * sum(a * b for a, b in shapes.values())).all()  # fp32: model.dtype
+    full = sum(t.numel() * 4 for t in load_file(str(run / "base_model" / "model.safetensors")).values())
+    assert m["sync_bytes"].max() < 0.1 * full
+
+    # export (merged, and the adapter alone) and eval: the LoRA checkpoint evaluates as its merged folder does,
+    # and a probe prompt's logprobs moved away from the base's
+    from click.testing import CliRunner
+    from peft import PeftModel
+
+    from areal_hpc.cli import main
+    from areal_hpc.model import load_causal_lm, load_tokenizer
+
+    ckpt = str(run / "checkpoints" / f"v{s['versions']:08d}")
+    for args in ([ckpt, str(tmp_path / "merged")], [ckpt, str(tmp_path / "adapter"), "--adapter"]):
+        res = CliRunner().invoke(main, ["export", *args])
+        assert res.exit_code == 0, res.output
+    accs = []
+    for target in (ckpt, str(tmp_path / "merged")):
+        out = tmp_path / "eval.json"
+        args = [
+            target,
+            "--temperature",
+            "0",
+            "--engine",
+            "torch",
+            "--json",
+            str(out),
+            "--config",
+            str(run / "config.yaml"),
+        ]
+        res = CliRunner().invoke(main, ["eval", *args])
+        assert res.exit_code == 0, res.output
+        accs.append(json.loads(out.read_text())["avg_at_k"])
+    assert accs[0] == accs[1] >= s["acc_start"] + 0.2
+    tok = load_tokenizer(run / "base_model")
+    probe = torch.tensor([tok.encode("13+9=")])
+    merged = load_causal_lm(tmp_path / "merged").eval()
+    peft = PeftModel.from_pretrained(load_causal_lm(run / "base_model"), str(tmp_path / "adapter")).eval()
+    base = load_causal_lm(run / "base_model").eval()
+    with torch.no_grad():
+        lp = [torch.log_softmax(mod(probe).logits[0, -1], -1) for mod in (merged, peft, base)]
+    torch.testing.assert_close(lp[0], lp[1], rtol=0, atol=1e-4)  # PEFT's own loader agrees with the merged export
+    assert (lp[0] - lp[2]).abs().max() > 0.1
 
 
 def test_an_engine_that_is_not_installed_is_refused_in_one_line(tmp_path, monkeypatch):

@@ -205,7 +205,12 @@ def read_merged(checkpoint: Path, base_dir: Path) -> dict[str, torch.Tensor]:
     spec = spec_of(json.loads((Path(checkpoint) / "meta.json").read_text()))
     adapter = load_file(str(Path(checkpoint) / ADAPTER_FILE))
     base = {k: v.detach() for k, v in load_causal_lm(base_dir, "float32").state_dict().items()}
-    return base | merge(base, adapter, spec.scale)
+    merged, seen = base | merge(base, adapter, spec.scale), set()
+    for k, v in merged.items():  # tied weights share storage, which safetensors refuses to write: one copy each
+        ptr = v.untyped_storage().data_ptr()
+        merged[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return merged
 
 
 def write_peft_adapter(checkpoint: Path, base_dir: Path, out: Path) -> None:
