@@ -26,6 +26,11 @@ class ModelShape:
 
     params: int
     tied: int = 0  # parameters of the input embedding that the output head reuses (0: untied)
+    adapter_per_rank: int = 0  # LoRA on every linear layer but the head: parameters per unit of rank (0: unknown)
+
+    def adapter(self, rank: int) -> int:
+        """A rank-`rank` adapter's parameters (an upper bound when trainer.lora_targets picks fewer layers)."""
+        return rank * self.adapter_per_rank
 
 
 def model_shape(config: dict) -> ModelShape:
@@ -47,7 +52,9 @@ def model_shape(config: dict) -> ModelShape:
     per_layer = attn + 3 * h * inter + 2 * h  # + input and post-attention RMSNorm
     embed = vocab * h
     tied = bool(config.get("tie_word_embeddings", False))
-    return ModelShape(embed + layers * per_layer + h + (0 if tied else embed), embed if tied else 0)
+    q, k = heads * head_dim, kv * head_dim  # LoRA: r x (in + out) for q, k, v, o, gate, up, down
+    per_rank = layers * ((h + q) * 2 + (h + k) * 2 + (h + inter) * 3)
+    return ModelShape(embed + layers * per_layer + h + (0 if tied else embed), embed if tied else 0, per_rank)
 
 
 def read_model_shape(model_dir: str | Path) -> ModelShape | None:
@@ -63,10 +70,17 @@ def checkpoint_bytes(cfg, shape: ModelShape) -> int:
     AdamW's two fp32 moments. DeepSpeed ZeRO keeps a flat fp32 copy of the weights in its optimizer state
     besides the moments, and saves the module too, in its compute dtype (bf16 with trainer.bf16); under
     ZeRO-3 the module's parameters are partitioned and the module file holds none. With ppo.kl_coef the
-    reference policy is saved beside them (reference.safetensors, in the trainer's compute dtype)."""
+    reference policy is saved beside them (reference.safetensors, in the trainer's compute dtype). With LoRA
+    the same holds for the adapter alone (the base is the model folder, or RUN_DIR/base_model once), plus
+    adapter.safetensors (fp32), and there is no reference file."""
     tc = cfg.trainer
     if tc.engine == "emulated":
         return 0
+    if tc.lora_rank:
+        n = shape.adapter(tc.lora_rank)
+        if tc.engine == "deepspeed":
+            return n * ((2 if tc.bf16 else 4) + 4 + ADAM_BYTES) + n * 4
+        return n * (4 + ADAM_BYTES)
     reference = (shape.params + shape.tied) * (2 if tc.bf16 else 4) if cfg.ppo.kl_coef else 0
     if tc.engine == "deepspeed":
         module = 0 if tc.zero_stage == 3 else (2 if tc.bf16 else 4)
@@ -159,7 +173,8 @@ def estimate_disk(
     groups = groups_per_version if groups_per_version is not None else rc.batch_prompts
     per_traj = (prompt + answer) * TOKEN_BYTES / compression_ratio + TRAJ_BYTES
     disk = sc.method == "disk"
-    weights = (shape.params + shape.tied) * DTYPE_BYTES[cfg.model.dtype] if disk else 0  # clones untie the head
+    sent = shape.adapter(tc.lora_rank) if tc.lora_rank else shape.params + shape.tied  # clones untie the head
+    weights = sent * DTYPE_BYTES[cfg.model.dtype] if disk else 0
     return DiskEstimate(
         params=shape.params,
         checkpoint_bytes=checkpoint_bytes(cfg, shape),

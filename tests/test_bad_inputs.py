@@ -62,12 +62,23 @@ def test_every_bad_config_value_is_one_line_naming_the_key(key, value):
         (["ppo.kl_coef=0.1", "trainer.engine=deepspeed", "trainer.zero_stage=3"], "kl_coef"),
         (["reward.overlong_buffer=8", "rollout.max_new_tokens=8"], "overlong_buffer"),
         (["trainer.warmup_versions=50", "trainer.versions=50"], "warmup_versions"),
+        (["trainer.lora_rank=8", "trainer.engine=emulated", "rollout.engine=emulated"], "lora_rank"),
     ],
 )
 def test_objective_combinations_that_cannot_work_are_one_line(overrides, named):
     with pytest.raises(ConfigError) as err:
         load_config(DEMO, [*overrides, "model.path=/nonexistent"])
     assert "\n" not in str(err.value) and named in str(err.value), err.value
+
+
+def test_lora_settings_that_cannot_work_are_one_line_before_any_rank_starts(tiny_model_dir, tmp_path):
+    # rank and alpha are in the sweeps above; layers that the model lacks need the model folder
+    base = [f"model.path={tiny_model_dir}", "model.build_tiny=false", f"store.run_dir={tmp_path / 'r'}"]
+    line = _refused(["run", str(DEMO), *base, "trainer.lora_rank=4", "trainer.lora_targets=[q_proj,qkv]"], tmp_path)
+    assert "lora_targets" in line and "qkv" in line and "down_proj" in line, line  # names what the model has
+    assert not (tmp_path / "r" / "ledger").exists()
+    # LoRA with a KL under ZeRO-3 is allowed: the reference is the base with the adapter off, no copy
+    load_config(DEMO, ["trainer.lora_rank=4", "ppo.kl_coef=0.1", "trainer.engine=deepspeed", "trainer.zero_stage=3"])
 
 
 def test_the_sweep_covers_every_key():

@@ -207,6 +207,10 @@ def test_a_recipe_varies_its_base_and_a_base_loop_is_one_line(tmp_path):
     assert (gspo.ppo.importance, gspo.ppo.eps_clip, gspo.ppo.loss_agg) == ("sequence", 3e-4, "seq_mean_token_mean")
     for variant in (dapo, gspo):  # everything else is the base's
         assert variant.slurm == base.slurm and variant.cluster == base.cluster and variant.trainer.lr == base.trainer.lr
+    lora = load_config(root / "math_1p5b_gpu_lora.yaml", ["model.path=/m", "data.path=/d.jsonl"])
+    assert (lora.trainer.lora_rank, lora.trainer.lr, lora.ppo) == (32, 10 * base.trainer.lr, base.ppo)
+    demo_lora = load_config(root / "demo_lora.yaml")
+    assert demo_lora.trainer.lora_rank == 8 and demo_lora.rollout == load_config(root / "demo.yaml").rollout
     (tmp_path / "a.yaml").write_text("base: b.yaml\nrollout:\n  eta: 1\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
     with pytest.raises(ConfigError, match="base: files form a loop"):

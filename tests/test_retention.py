@@ -156,6 +156,12 @@ def test_qwen2p5_1p5b_shape_and_the_recipe_estimate():
     assert est.checkpoint_bytes == 14 * shape.params
     # 512 groups x 16 answers x (1024 + 16384) tokens x 13 bytes + 104 bytes per answer
     assert est.rollout_bytes_per_version == 512 * 16 * ((1024 + 16384) * 13 + 104)
+    # the LoRA recipe: rank 32 x 28 layers x (q 1536+1536, k and v 1536+256, o 1536+1536, gate and up 1536+8960,
+    # down 8960+1536); its checkpoint is the adapter's bf16 module, fp32 copy, moments and adapter.safetensors
+    lora = load_config(ROOT / "jobs" / "math_1p5b_gpu_lora.yaml", ["model.path=/absent", "data.path=/absent.jsonl"])
+    n = 32 * 28 * 41216
+    assert shape.adapter(32) == n == 36_929_536
+    assert estimate_disk(lora, shape).checkpoint_bytes == 18 * n
     with pytest.raises(ValueError, match="config.json"):
         estimate_disk(cfg)  # no model folder here, and no count given
     with pytest.raises(ValueError, match="num_hidden_layers"):
