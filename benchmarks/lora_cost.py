@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -168,8 +167,8 @@ def decode_speed(kind: str, model_dir: str, rounds: int, n_req: int, new_tokens:
     speeds: dict[str, list[float]] = {"full": [], "lora": []}
     load_s: dict[str, list[float]] = {"full": [], "lora": []}
     generate(eng, reqs())  # warm-up
-    for _ in range(rounds):
-        for name in speeds:
+    for k in range(rounds):
+        for name in ("full", "lora") if k % 2 == 0 else ("lora", "full"):  # neither always goes first
             t0 = time.perf_counter()
             eng.update_weights(full if name == "full" else merger.merged(adapter), eng.version + 1)
             load_s[name].append(time.perf_counter() - t0)
@@ -208,11 +207,15 @@ def trainer_child(case: dict) -> dict:
                 e.ppo_update(trajs, adv)
                 secs[name].append(time.perf_counter() - t0)
         return {"seconds": secs}
+    # a spawned child's ru_maxrss starts at its parent's peak (Linux keeps the high-water mark across exec):
+    # reset it, then read this process's own
+    Path("/proc/self/clear_refs").write_text("5")
     e = engine(case["rank"])
     e.ppo_update(*batch(151936, 512, seed=1))
     e.ppo_update(*batch(151936, case["tokens"]))
     trained = sum(p.numel() for p in e.model.parameters() if p.requires_grad)
-    return {"peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "trained_params": trained}
+    hwm = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmHWM"))
+    return {"peak_gib": int(hwm.split()[1]) / 2**20, "trained_params": trained}
 
 
 def run_child(case: dict) -> dict:
@@ -246,6 +249,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens of the trainer's batch")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--runs", nargs="*", default=[], help="NAME=RUN_DIR: compare their learning curves")
+    ap.add_argument(
+        "--parts", default="sync,decode,memory,trainer", help="which measurements (sizes are always printed)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lora_cost.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--sync-child", help=argparse.SUPPRESS)
@@ -288,10 +294,13 @@ def main() -> None:
         "computed": sizes,
         "demo_bytes": demo_bytes,
     }
+    parts = set(args.parts.split(","))
+    if args.out.exists():  # a run of some parts keeps the others' figures
+        result = json.loads(args.out.read_text()) | result
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_model(Path(tmp) / "model", argparse.Namespace(hidden=512, layers=4, heads=8)))
         result["bench_bytes"] = plan_bytes(model, torch.float32)
-        for name, m in (("demo", demo_dir), ("bench", model)):
+        for name, m in (("demo", demo_dir), ("bench", model)) if "sync" in parts else ():
             result[f"sync_{name}"] = sync_times(m, repeats=5)
             snd, gen = result[f"sync_{name}"]["sender"], result[f"sync_{name}"]["generator"]
             print(
@@ -303,8 +312,8 @@ def main() -> None:
                 ),
                 flush=True,
             )
-        for kind in ("torch", "vllm"):
-            result[f"decode_{kind}"] = d = decode_speed(kind, model, args.rounds, n_req=16, new_tokens=64)
+        for kind in ("torch", "vllm") if "decode" in parts else ():
+            result[f"decode_{kind}"] = d = decode_speed(kind, model, 2 * args.rounds, n_req=16, new_tokens=64)
             print(
                 f"[decode {kind}] tokens/s full {d['tokens_per_s']['full']:.0f}, merged r32 adapter "
                 f"{d['tokens_per_s']['lora']:.0f}: {d['lora_vs_full']:.3f} "
@@ -314,26 +323,31 @@ def main() -> None:
             )
         ranks = {"full": 0, "r8": 8, "r32": 32}
         base = dict(model=model, threads=args.threads, tokens=args.tokens)
-        timing = run_child({**base, "timing": True, "ranks": ranks, "rounds": args.rounds})["seconds"]
-        mem = {name: run_child({**base, "timing": False, "rank": r}) for name, r in ranks.items()}
-    rows = []
-    for name in ranks:
-        speed = [f / s for f, s in zip(timing["full"], timing[name], strict=True)]
-        rows.append(
-            {
-                "case": name,
-                "seconds": statistics.fmean(timing[name]),
-                "speed_vs_full": statistics.fmean(speed),
-                "peak_gib": mem[name]["peak_gib"],
-                "trained_params": mem[name]["trained_params"],
-            }
-        )
-        r = rows[-1]
-        print(
-            f"[trainer] {name:<5} {r['seconds']:.2f} s/version ({r['speed_vs_full']:.2f}x full's speed), "
-            f"peak {r['peak_gib']:.2f} GiB, {r['trained_params'] / 1e6:.2f}M trained"
-        )
-    result["trainer"] = rows
+        if "memory" in parts:
+            result["memory"] = {name: run_child({**base, "timing": False, "rank": r}) for name, r in ranks.items()}
+        if "trainer" in parts:
+            timing = run_child({**base, "timing": True, "ranks": ranks, "rounds": args.rounds})["seconds"]
+            result["trainer_seconds"] = timing
+    if "trainer_seconds" in result and "memory" in result:
+        timing, mem = result["trainer_seconds"], result["memory"]
+        rows = []
+        for name in ranks:
+            speed = [f / s for f, s in zip(timing["full"], timing[name], strict=True)]
+            rows.append(
+                {
+                    "case": name,
+                    "seconds": statistics.fmean(timing[name]),
+                    "speed_vs_full": statistics.fmean(speed),
+                    "peak_gib": mem[name]["peak_gib"],
+                    "trained_params": mem[name]["trained_params"],
+                }
+            )
+            r = rows[-1]
+            print(
+                f"[trainer] {name:<5} {r['seconds']:.2f} s/version ({r['speed_vs_full']:.2f}x full's speed), "
+                f"peak {r['peak_gib']:.2f} GiB, {r['trained_params'] / 1e6:.2f}M trained"
+            )
+        result["trainer"] = rows
     atomic_write_text(args.out, json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 

@@ -161,3 +161,38 @@ def test_lora_trainer_trains_the_adapter_alone_references_the_base_and_resumes_e
     # a checkpoint of full weights, or of another adapter, is refused in one line
     with pytest.raises(ValueError, match="rank-8 adapter"):
         TorchTrainEngine(str(tiny_model_dir), lora=LoraSpec(4, 16.0)).load_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_generator_refuses_other_base_weights_than_the_trainers_in_one_line(tiny_model_dir, tmp_path):
+    from areal_hpc.engines.torch_gen import TorchGenerationEngine
+    from areal_hpc.rundir import RunDir
+    from areal_hpc.runtime.adapters import AdapterLoader, BaseMismatch
+    from areal_hpc.runtime.weight_sync import weights_checksum
+
+    spec = LoraSpec(4, 8.0)
+    tr = TorchTrainEngine(str(tiny_model_dir), lora=spec)
+    run = RunDir(tmp_path)
+    contract = {
+        "base_dir": str(tiny_model_dir),
+        "base_checksum": weights_checksum(tr.base_weights()),
+        "rank": 4,
+        "alpha": 8.0,
+        "layers": sorted({k.rsplit(".lora_", 1)[0] for k in tr.weights()}),
+    }
+    run.weights.mkdir()
+    run.lora_contract.write_text(json.dumps(contract))
+    gen = TorchGenerationEngine(str(tiny_model_dir))
+    loader = AdapterLoader(spec, run, tiny_model_dir, "float32")
+    assert {k: tuple(v.shape) for k, v in loader.template().items()} == {
+        k: tuple(v.shape) for k, v in tr.weights().items()
+    }
+    _random_adapter(tr)
+    gen.update_weights(loader.merged(gen, tr.weights()), version=1)  # the trainers' base: merged and loaded
+    for k, v in lora_lib.merged_state(tr.model, spec.scale).items():
+        torch.testing.assert_close(gen.state_dict()[k], v, rtol=0, atol=1e-6)
+    other = TorchGenerationEngine(str(tiny_model_dir))
+    with torch.no_grad():
+        next(iter(other.model.parameters())).add_(1e-3)  # a generator that loaded something else
+    with pytest.raises(BaseMismatch) as err:
+        AdapterLoader(spec, run, tiny_model_dir, "float32").merged(other, tr.weights())
+    assert "\n" not in str(err.value) and "base weights" in str(err.value)

@@ -469,8 +469,11 @@ def test_ctrl_c_checkpoints_and_stops_every_rank_cleanly(tmp_path):
         )
 
 
-def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path):
-    # two ZeRO-3 trainers: the full weights are gathered collectively before trainer 0 sends them
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-disk"])
+def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path, lora):
+    # two ZeRO-3 trainers: the full weights (or the adapter) are gathered collectively before trainer 0 sends them;
+    # with LoRA through files (sync.method=disk), after a warm start of every weight that becomes the base
+    extra = ["trainer.lora_rank=4", "sync.method=disk", "ppo.kl_coef=0.05"] if lora else []
     cfg = _cfg(
         tmp_path,
         "trainer.engine=deepspeed",
@@ -482,6 +485,7 @@ def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path):
         "trainer.checkpoint_every=3",
         "trainer.warm_start_steps=10",
         "logging.eval_prompts=20",
+        *extra,
     )
     s = launch(cfg, progress=False)
     run = tmp_path / "run"
@@ -490,6 +494,12 @@ def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path):
     m = pd.read_csv(run / "metrics.csv")
     assert (m["weights_match"] == 1).all()  # the generator holds exactly the gathered ZeRO-3 weights
     assert (run / "checkpoints" / "v00000006" / "meta.json").exists()
+    if lora:  # the adapter alone went through the files; the base is the warm-started model, checked once
+        contract = json.loads((run / "weights" / "lora.json").read_text())
+        assert contract["base_dir"] == str(run / "base_model") and contract["rank"] == 4
+        (newest,) = [p for p in (run / "weights").glob("v*") if p.is_dir()]
+        assert all(".lora_" in k for k in load_file(str(newest / "model.safetensors")))
+        assert m["kl"].dropna().gt(0).any()  # the reference (the adapter off) differs from the policy
 
 
 @pytest.mark.slow

@@ -151,7 +151,11 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         torch.save(rng, tmp / f"rng_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            meta = {"version": self.version, "zero_stage": self.zero_stage, "world": self.world} | self._lora_meta()
+            meta = {
+                "version": self.version,
+                "zero_stage": self.zero_stage,
+                "world": self.world,
+            } | lora_lib.checkpoint_meta(self.lora)
             (tmp / "meta.json").write_text(json.dumps(meta))
             if self.reference is not None:
                 self.reference.save(tmp)
