@@ -99,10 +99,6 @@ def adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
-def is_adapted(model: nn.Module) -> bool:
-    return bool(_lora_layers(model))
-
-
 def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The base model's weights under their Hugging Face names (PEFT's `.base_layer` taken out, no adapter)."""
     return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
