@@ -1,4 +1,5 @@
-"""The config reference page (docs/config.md), generated from areal_hpc/config.py's dataclasses and their comments."""
+"""The config reference page (docs/config.md), generated from the config dataclasses (areal_hpc/config.py,
+config_cluster.py) and their comments."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import tempfile
 import tokenize
 from pathlib import Path
 
-from areal_hpc import config
+from areal_hpc import config, config_cluster
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 COMMAND = "python -m areal_hpc.config_reference --write"
@@ -68,21 +69,22 @@ def _table(prefix: str, cls: type, names: list[str], docs: dict) -> list[str]:
     for name in names:
         type_, text = fields[name]
         if not text:
-            raise ValueError(f"{prefix}{name} has no comment in areal_hpc/config.py: write one (what, allowed values)")
+            raise ValueError(f"{prefix}{name} has no comment in its config dataclass: write one (what, allowed values)")
         rows.append(f"| `{prefix}{name}` | `{_cell(type_)}` | {_cell(_default(getattr(obj, name)))} | {_cell(text)} |")
     return ([doc, ""] if doc else []) + rows
 
 
 def page() -> str:
     """The whole page: the top-level keys, then one section per part of the config."""
-    docs = describe(Path(config.__file__).read_text())
+    docs = {k: v for m in (config, config_cluster) for k, v in describe(Path(m.__file__).read_text()).items()}
     fields = dataclasses.fields(config.Config)
     sections = [f for f in fields if dataclasses.is_dataclass(f.default_factory)]
     top = [f.name for f in fields if f not in sections]
     out = [
         "# Config reference",
         "",
-        f"Generated from `areal_hpc/config.py` (its comments) by `{COMMAND}`; edit those, not this page.",
+        f"Generated from `areal_hpc/config.py` and `config_cluster.py` (their comments) by `{COMMAND}`; edit those,",
+        "not this page.",
         "A key is set in its section of a YAML file (`slurm:` then `signal_s: 300`) or as a dotted override",
         "after the file (`areal-hpc run jobs/demo.yaml slurm.signal_s=300`); `areal-hpc config FILE` prints the",
         "resolved config, and a bad value stops with one line naming the key and what is allowed. A file with",
