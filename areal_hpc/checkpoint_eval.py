@@ -108,8 +108,9 @@ def resolve(
         from safetensors.torch import save_file
 
         from areal_hpc.engines.lora import read_merged
+        from areal_hpc.model import untied
 
-        save_file(read_merged(p, base), str(folder / "model.safetensors"))
+        save_file(untied(read_merged(p, base)), str(folder / "model.safetensors"))
     else:
         os.symlink(p / "model.safetensors", folder / "model.safetensors")
     return EvalTarget(folder, cfg, run, version)

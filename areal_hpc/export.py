@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from areal_hpc.checkpoint_eval import adapter_base_folder, is_lora_checkpoint, run_model_folder, run_of_checkpoint
+from areal_hpc.model import untied
 from areal_hpc.rundir import RunDir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -146,7 +147,7 @@ def _export_adapter(ckpt: Path, out: Path, base: Path, version: int, kind: str) 
 
     tmp = new_tmp_dir_beside(out)
     try:
-        write_peft_adapter(ckpt, base, tmp)
+        n = write_peft_adapter(ckpt, base, tmp)
         _open_as_umask_allows(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         size = sum((tmp / f).stat().st_size for f in files)
@@ -155,15 +156,7 @@ def _export_adapter(ckpt: Path, out: Path, base: Path, version: int, kind: str) 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    n = sum(int(torch.tensor(s).prod()) for s in _adapter_shapes(out))
     return Exported(out, kind, version, base, n, "float32", size, files)
-
-
-def _adapter_shapes(folder: Path) -> list:
-    from safetensors import safe_open
-
-    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
-        return [f.get_slice(k).get_shape() for k in f.keys()]
 
 
 def _folder_dtype(config: dict) -> str:
@@ -228,15 +221,8 @@ def export_checkpoint(
             from transformers import AutoConfig, GenerationConfig
 
             GenerationConfig.from_model_config(AutoConfig.from_pretrained(base)).save_pretrained(tmp)
-        # safetensors refuses tensors that share storage: tied ones (ZeRO keeps one copy) and ZeRO-1/2's
-        # views into one flat buffer; every tensor after the first of a storage is written from a copy
-        cast, seen = {}, set()
-        for k, v in weights.items():
-            t = (v.to(DTYPES[target]) if v.is_floating_point() else v).contiguous()
-            storage = t.untyped_storage().data_ptr()
-            cast[k] = t.clone() if storage in seen else t
-            seen.add(storage)
-        save_file(cast, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cast = {k: (v.to(DTYPES[target]) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
+        save_file(untied(cast), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _open_as_umask_allows(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         size = sum((tmp / f).stat().st_size for f in files)

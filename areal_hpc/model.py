@@ -224,3 +224,14 @@ def load_causal_lm(path: str | Path, dtype: str = "float32"):
     torch_dtype = DTYPES[dtype]
     with no_hf_progress_bars():
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")
+
+
+def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict ready for safetensors, which refuses tensors that share storage (tied weights, ZeRO-1/2's
+    views into one flat buffer): every tensor after the first of a storage becomes a copy."""
+    out, seen = {}, set()
+    for k, v in state.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out

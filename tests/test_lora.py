@@ -133,7 +133,7 @@ def test_lora_trainer_trains_the_adapter_alone_references_the_base_and_resumes_e
     seqs = [t.input_ids for t in trajs]
     lp0 = a.compute_logprobs(seqs)
     stats = a.ppo_update(trajs, adv)
-    assert stats["kl"] >= 0
+    assert stats["kl"] > 0  # the term is on: the minibatch steps move the adapter away from the base
     # the frozen base did not move, the policy did; the KL reference is the base (the adapter switched off)
     for k, v in a.base_weights().items():
         assert torch.equal(v, base0[k]), k

@@ -270,11 +270,9 @@ class _HeadLoss(torch.autograd.Function):
                 grad_z.div_(temperature)
             gz = grad_z.to(dtype)
             grad_h[a : a + chunk_tokens] = (gz @ w).to(hidden.dtype)
-            if grad_w is None:
-                pass
-            elif gz.dtype == grad_w.dtype:
+            if grad_w is not None and gz.dtype == grad_w.dtype:
                 grad_w.addmm_(gz.T, h)  # in place: no head-sized temporary
-            else:
+            elif grad_w is not None:
                 grad_w += (gz.T @ h).float()
             del grad_z, gz
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
@@ -296,18 +294,8 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return (
-            grad_h * grad_out,
-            None if grad_w is None else grad_w * grad_out,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        grad_weight = None if grad_w is None else grad_w * grad_out
+        return (grad_h * grad_out, grad_weight) + (None,) * 8
 
 
 def chunked_loss(

@@ -179,9 +179,14 @@ def spec_of(meta: dict) -> LoraSpec | None:
     return LoraSpec(int(lo["rank"]), float(lo["alpha"]), tuple(lo["targets"])) if lo else None
 
 
+def checkpoint_spec(path: Path) -> LoraSpec | None:
+    """The adapter a checkpoint's meta.json records (None: full weights)."""
+    return spec_of(json.loads((Path(path) / "meta.json").read_text()))
+
+
 def check_checkpoint(path: Path, spec: LoraSpec | None) -> None:
     """ValueError (one line) when a checkpoint's adapter, or its lack of one, is not what this run trains."""
-    found = spec_of(json.loads((Path(path) / "meta.json").read_text()))
+    found = checkpoint_spec(path)
     if found != spec:
         what = lambda s: f"a rank-{s.rank} adapter (alpha {s.alpha})" if s else "full weights"  # noqa: E731
         raise ValueError(
@@ -197,25 +202,19 @@ def load_adapter(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def read_merged(checkpoint: Path, base_dir: Path) -> dict[str, torch.Tensor]:
-    """A LoRA checkpoint's policy as plain fp32 weights: the base folder's weights with its adapter merged."""
-    spec = spec_of(json.loads((Path(checkpoint) / "meta.json").read_text()))
-    adapter = load_file(str(Path(checkpoint) / ADAPTER_FILE))
+    """A LoRA checkpoint's policy as plain fp32 weights: the base folder's weights with its adapter merged
+    (tied weights still share storage: model.untied before safetensors writes them)."""
+    spec, adapter = checkpoint_spec(checkpoint), load_file(str(Path(checkpoint) / ADAPTER_FILE))
     base = {k: v.detach() for k, v in load_causal_lm(base_dir, "float32").state_dict().items()}
-    merged, seen = base | merge(base, adapter, spec.scale), set()
-    for k, v in merged.items():  # tied weights share storage, which safetensors refuses to write: one copy each
-        ptr = v.untyped_storage().data_ptr()
-        merged[k] = v.clone() if ptr in seen else v
-        seen.add(ptr)
-    return merged
+    return base | merge(base, adapter, spec.scale)
 
 
-def write_peft_adapter(checkpoint: Path, base_dir: Path, out: Path) -> None:
+def write_peft_adapter(checkpoint: Path, base_dir: Path, out: Path) -> int:
     """The checkpoint's adapter in PEFT's own format (adapter_config.json + adapter_model.safetensors), for
-    `PeftModel.from_pretrained(base model, out)`."""
+    `PeftModel.from_pretrained(base model, out)`; returns its parameter count."""
     from peft import LoraConfig
 
-    spec = spec_of(json.loads((Path(checkpoint) / "meta.json").read_text()))
-    adapter = load_file(str(Path(checkpoint) / ADAPTER_FILE))
+    spec, adapter = checkpoint_spec(checkpoint), load_file(str(Path(checkpoint) / ADAPTER_FILE))
     layers = sorted({k.rsplit(".lora_", 1)[0] for k in adapter})
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=layers, lora_dropout=0.0, bias="none")
     config.base_model_name_or_path = str(base_dir)
@@ -223,3 +222,4 @@ def write_peft_adapter(checkpoint: Path, base_dir: Path, out: Path) -> None:
     save_file(
         {f"base_model.model.{k}": v.contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors")
     )
+    return sum(v.numel() for v in adapter.values())

@@ -100,9 +100,8 @@ class TorchEngineFiles:
         self._load_reference(path)
 
     def _load_reference(self, path: Path) -> None:
-        if (
-            self.objective.kl_coef and self.lora is None
-        ):  # built from these weights, then given the checkpoint's reference
+        # built from these weights, then given the checkpoint's reference (LoRA's is the base: no copy)
+        if self.objective.kl_coef and self.lora is None:
             dtype = "bfloat16" if self.bf16 else "float32"
             self.reference = ReferencePolicy(self.model_path, self.weights(), dtype, self.device, self.packing)
             self.reference.load(path)
