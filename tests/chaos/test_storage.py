@@ -22,7 +22,9 @@ from areal_hpc.store import Ledger, list_shards, load_trajectories, read_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "areal_hpc.cli"]
-B, N, ETA, VERSIONS = 8, 8, 2, 8
+# 16 versions: a demo version takes about 0.3 s here, and the read-only mount must land well before the
+# resumed run's last one (CI once saw the resumed run finish first and exit 0)
+B, N, ETA, VERSIONS = 8, 8, 2, 16
 
 
 @pytest.fixture
@@ -60,14 +62,24 @@ def _whole(run: Path) -> None:
     assert all(p.parent in (*rd.durable_dirs, run, rd.logs) for p in temps), temps
 
 
-def _mount(*args: str) -> None:
-    """mount(8), retried: one suite run saw the read-only remount fail once (exit 32) where it passes alone."""
-    for _ in range(3):
+def _mount(*args: str) -> int:
+    """mount(8), retried: one suite run saw the read-only remount fail once (exit 32) where it passes alone.
+    Returns the failed tries."""
+    for tries in range(3):
         r = subprocess.run(["mount", *args], capture_output=True, text=True)
         if r.returncode == 0:
-            return
-        time.sleep(1)
+            return tries
+        time.sleep(0.2)
     raise AssertionError(f"mount {' '.join(args)}: exit {r.returncode}: {r.stderr.strip()}")
+
+
+def _story(run: Path, at_ro: int | None, t_ro: float, err: str) -> str:
+    """What a run that went on past the read-only mount did: for a failure message."""
+    log = (RunDir(run).logs / "rank000-scheduler.log").read_text().splitlines()
+    mtimes = sorted((p.stat().st_mtime - t_ro, str(p.relative_to(run))) for p in run.rglob("*") if p.is_file())
+    return (
+        f"checkpoint v{at_ro} at the mount; newest writes (s after it): {mtimes[-8:]}; log: {log[-15:]}; {err[-1500:]}"
+    )
 
 
 def _run(*args, timeout=300) -> subprocess.CompletedProcess:
@@ -107,23 +119,28 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_line_and_resume_lo
     )
     end = time.time() + 240
     while time.time() < end and proc.poll() is None:
-        if (RunDir(run).latest_checkpoint() or 0) >= stopped_at + 2:
+        if (RunDir(run).latest_checkpoint() or 0) >= stopped_at + 1:  # the resumed run has made progress
             break
-        time.sleep(0.2)
+        time.sleep(0.05)
+    t_mount = time.time()
     try:
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         # read-only from now on: a read-only bind mount over the run directory (a plain remount refuses while
         # the ranks hold log files open; files already open stay writable, as on a server that turns read-only)
-        _mount("--bind", str(run), str(run))
-        _mount("-o", "remount,bind,ro", str(run))
-        t_ro = time.time()
+        failed = _mount("--bind", str(run), str(run)) + _mount("-o", "remount,bind,ro", str(run))
+        t_ro, at_ro = time.time(), RunDir(run).latest_checkpoint()
+        version = json.loads(RunDir(run).progress.read_text())["version"]
+        print(
+            f"[chaos] read-only at checkpoint v{at_ro}, version {version}"
+            f" ({failed} failed mount tries, {t_ro - t_mount:.2f} s)"
+        )
         _, err = proc.communicate(timeout=120)
         t_stopped = time.time()
     finally:
         if proc.poll() is None:  # a failed step must not leave a run writing into the fixture's folder
             proc.kill()
             proc.communicate()
-    assert proc.returncode != 0
+    assert proc.returncode != 0, _story(run, at_ro, t_ro, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Read-only file system" in lines[0], err[-2000:]
     at = RunDir(run).latest_checkpoint()
