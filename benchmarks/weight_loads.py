@@ -65,6 +65,7 @@ def run_mode(engine, mode: str, prompts: list[list[int]], lengths: list[int], ar
             engine.add(new)
             running += len(new)
         for out in engine.step():
+            del requests[out.request_id]
             running -= 1
             finished += 1
             finished_tokens += len(out.output_ids)
@@ -87,7 +88,7 @@ def run_mode(engine, mode: str, prompts: list[list[int]], lengths: list[int], ar
         "tokens_per_s": finished_tokens / wall,
         "finished": finished,
         "wall_s": wall,
-        "prefill_tokens_per_load": (engine.prefill_tokens - prefill0) / loads,
+        "prefill_tokens_per_period": (engine.prefill_tokens - prefill0) / loads,  # new prompts and re-prefills
         "resumed_per_load": resumed / loads,
         "load_ms": 1e3 * load_s / loads,
     }
@@ -133,7 +134,7 @@ def main() -> None:
             r = runs[mode][-1]
             print(
                 f"[bench] {mode:<9} run {rep + 1}: {r['tokens_per_s']:9.0f} tokens/s,"
-                f" {r['prefill_tokens_per_load']:8.0f} prefill tokens per load,"
+                f" {r['prefill_tokens_per_period']:8.0f} prefill tokens per period,"
                 f" {r['resumed_per_load']:5.0f} resumed per load, load {r['load_ms']:.0f} ms",
                 flush=True,
             )

@@ -75,7 +75,8 @@ def _mount(*args: str) -> int:
 
 def _story(run: Path, at_ro: int | None, t_ro: float, err: str) -> str:
     """What a run that went on past the read-only mount did: for a failure message."""
-    log = (RunDir(run).logs / "rank000-scheduler.log").read_text().splitlines()
+    path = RunDir(run).logs / "rank000-scheduler.log"
+    log = path.read_text().splitlines() if path.exists() else []
     mtimes = sorted((p.stat().st_mtime - t_ro, str(p.relative_to(run))) for p in run.rglob("*") if p.is_file())
     return (
         f"checkpoint v{at_ro} at the mount; newest writes (s after it): {mtimes[-8:]}; log: {log[-15:]}; {err[-1500:]}"
