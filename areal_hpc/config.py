@@ -13,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from areal_hpc.config_checks import ConfigError, slurm_time_minutes, validate  # noqa: F401  (re-exported)
 from areal_hpc.config_cluster import ClusterConfig, EmulationConfig, SlurmConfig
 from areal_hpc.config_files import map_deprecated_keys, read_config_file
+from areal_hpc.config_task import DataConfig, RewardConfig, WorkflowConfig  # noqa: F401  (re-exported)
 from areal_hpc.plugins import absolute_spec
 
 
@@ -31,51 +32,6 @@ class ModelConfig:
     # float32 | bfloat16: the generators' weights, and the dtype trainer 0 publishes them in (trainers keep
     # fp32 master weights whatever this says)
     dtype: str = "float32"
-
-
-@dataclass
-class DataConfig:
-    """The prompts: a synthetic arithmetic task or a dataset file, and how a row becomes a prompt."""
-
-    kind: str = "arithmetic"  # arithmetic (synthetic) | jsonl | parquet | code (jsonl rows of prompt + tests)
-    path: str = ""  # dataset file for jsonl / parquet / code
-    question_key: str = "question"  # the row's question field (data.kind=code: its prompt, e.g. prompt)
-    # the row's reference-answer field for the math reward (data.kind=code: its tests, e.g. tests: Python
-    # asserts, a string or a list)
-    answer_key: str = "answer"
-    # the prompt from a row's fields: {question} is the question_key field, {name} any other ({{ }}: literal braces);
-    # a row with a chat `messages` list uses that instead
-    prompt_template: str = "{question}"
-    # auto: prompts go through the tokenizer's chat template when it has one (instruct and reasoning models
-    # are trained on theirs); on: require one; off: the prompt_template text as it is
-    chat_template: str = "auto"
-    system_prompt: str = ""  # a system turn before each question (needs the chat template)
-    max_prompt_tokens: int = 0  # prompts longer than this many tokens are skipped and counted (0 = no limit)
-    heldout_size: int = 500  # problems held out for evaluation (a file: at most half its rows, drawn with data.seed)
-    max_operand: int = 99  # arithmetic: operands drawn from [min_operand, max_operand]
-    min_operand: int = 0  # arithmetic: the smallest operand (see max_operand)
-    operator: str = "+"  # arithmetic: + (sums) | * (products: the tool demo)
-    train_size: int = 9500  # arithmetic: number of training problems
-    seed: int = 0  # arithmetic: which problems are drawn; a file: which rows are held out
-
-
-@dataclass
-class RewardConfig:
-    """How answers are scored: the reward function and the pool of processes that runs it."""
-
-    # f(completion: str, row: dict) -> float, by import path: package.module:function or path/to/file.py:function;
-    # "" = the built-in the data implies: math (the row's answer_key under math-verify), or code (data.kind=code)
-    fn: str = ""
-    timeout_s: float = 5.0  # per answer; data.kind=code: the sandbox's wall (and cpu) limit
-    num_workers: int = 2  # reward processes per generator rank: answers scored at once, off the generation path
-    # data.kind=code: bwrap = bubblewrap namespaces, else the run refuses to start; auto = bubblewrap where it
-    # works, else rlimits only; none = rlimits only (no network or filesystem isolation). docs/sandbox.md
-    sandbox: str = "bwrap"
-    code_memory_mb: int = 1024  # data.kind=code: address-space limit of the sandboxed program
-    # DAPO's soft overlong penalty: an answer within this many tokens of rollout.max_new_tokens loses reward
-    # linearly, up to overlong_penalty at the limit (0 = off); the longest model call of an episode counts
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0  # the penalty at rollout.max_new_tokens (see overlong_buffer)
 
 
 @dataclass
@@ -106,21 +62,6 @@ class RolloutConfig:
     # one episode of one prompt (docs/workflows.md): single_turn | multi_turn | tool, or an import path to an
     # `async def f(episode) -> float | None`
     workflow: str = "single_turn"
-
-
-@dataclass
-class WorkflowConfig:
-    """Settings of the built-in workflows; `args` reaches a workflow of your own as `episode.args`."""
-
-    max_turns: int = 2  # multi_turn: answers per episode (a wrong one gets a feedback turn)
-    turn_discount: float = 0.5  # multi_turn: a right answer at turn k (from 0) earns turn_discount ** k
-    feedback: str = "Wrong, try again."  # multi_turn: the user's turn after a wrong answer
-    max_tool_calls: int = 4  # tool: code blocks run per episode
-    tool: str = "python"  # tool: python (python3 in the sandbox) | calculator (print(<arithmetic>), in-process)
-    tool_timeout_s: float = 5.0  # tool: the sandbox's wall limit per call
-    # tool: the share of warm-start examples written with a tool call (the rest answer directly)
-    warm_start_tool_share: float = 0.5
-    args: dict = field(default_factory=dict)  # anything a workflow of your own reads, as episode.args
 
 
 @dataclass

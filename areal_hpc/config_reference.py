@@ -1,5 +1,5 @@
 """The config reference page (docs/config.md), generated from the config dataclasses (areal_hpc/config.py,
-config_cluster.py) and their comments."""
+config_task.py, config_cluster.py) and their comments."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import tempfile
 import tokenize
 from pathlib import Path
 
-from areal_hpc import config, config_cluster
+from areal_hpc import config, config_cluster, config_task
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 COMMAND = "python -m areal_hpc.config_reference --write"
@@ -76,15 +76,17 @@ def _table(prefix: str, cls: type, names: list[str], docs: dict) -> list[str]:
 
 def page() -> str:
     """The whole page: the top-level keys, then one section per part of the config."""
-    docs = {k: v for m in (config, config_cluster) for k, v in describe(Path(m.__file__).read_text()).items()}
+    docs = {
+        k: v for m in (config, config_cluster, config_task) for k, v in describe(Path(m.__file__).read_text()).items()
+    }
     fields = dataclasses.fields(config.Config)
     sections = [f for f in fields if dataclasses.is_dataclass(f.default_factory)]
     top = [f.name for f in fields if f not in sections]
     out = [
         "# Config reference",
         "",
-        f"Generated from `areal_hpc/config.py` and `config_cluster.py` (their comments) by `{COMMAND}`; edit those,",
-        "not this page.",
+        "Generated from `areal_hpc/config.py`, `config_task.py` and `config_cluster.py` (their comments) by",
+        f"`{COMMAND}`; edit those, not this page.",
         "A key is set in its section of a YAML file (`slurm:` then `signal_s: 300`) or as a dotted override",
         "after the file (`areal-hpc run jobs/demo.yaml slurm.signal_s=300`); `areal-hpc config FILE` prints the",
         "resolved config, and a bad value stops with one line naming the key and what is allowed. A file with",
