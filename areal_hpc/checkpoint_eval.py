@@ -14,7 +14,7 @@ from pathlib import Path
 from areal_hpc.config import Config, load_config
 from areal_hpc.rundir import RunDir
 
-HELDOUT = "heldout"  # --data value: the run's own held-out prompts (what it logged as heldout_acc)
+HELDOUT = "heldout"  # --data value: the run's own held-out prompts (what it logged as heldout_acc, heldout_reward_mean)
 
 
 class EvalError(ValueError):
@@ -198,7 +198,8 @@ def run_eval(
         )
         t_gen = time.time()
         try:
-            res = evaluate(eng, tokenizer, pool, problems, settings, n_samples, temperature == 0, flow)
+            thr = cfg.logging.eval_threshold  # correct: reward >= it, as the run's held-out accuracy counts
+            res = evaluate(eng, tokenizer, pool, problems, settings, n_samples, temperature == 0, flow, thr)
         finally:
             eng.close()
     t_end = time.time()
@@ -226,6 +227,8 @@ def summary_lines(out: dict) -> list[str]:
         f"data:      {out['data']}: {what}, max {out['max_new_tokens']} new tokens, engine {out['engine']}",
         f"pass@1:    {out['avg_at_k']:.1%} +- {out['avg_at_k_stderr']:.1%} (avg@{k}, standard error over problems)"
         + (f"; {passes}" if passes else ""),
+        f"reward:    {out['reward_mean']:.3f} mean; an answer counts as correct at reward >= {out['threshold']:g} "
+        "(logging.eval_threshold)",
         f"answers:   {out['mean_response_tokens']:.1f} tokens on average, {out['truncated_share']:.1%} truncated"
         + (f", {out['tool_share']:.1%} called a tool" if out.get("tool_share") else ""),
         f"time:      {out['eval_s']:.1f} s to generate and score ({out['engine_start_s']:.1f} s engine start)",

@@ -12,9 +12,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from areal_hpc.config_checks import ConfigError, slurm_time_minutes, validate  # noqa: F401  (re-exported)
 from areal_hpc.config_cluster import ClusterConfig, EmulationConfig, SlurmConfig
-from areal_hpc.config_files import map_deprecated_keys, read_config_file
+from areal_hpc.config_files import map_deprecated_keys, quote_advice, read_config_file, text_read_as_yaml
 from areal_hpc.config_task import DataConfig, RewardConfig, WorkflowConfig  # noqa: F401  (re-exported)
 from areal_hpc.plugins import absolute_spec
+from areal_hpc.trackers import DEFAULT_TRACKERS
 
 
 @dataclass
@@ -111,11 +112,23 @@ class TrainerConfig:
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = no clipping)
     max_tokens_per_mb: int = 4096  # token budget of one micro-batch (a longer sequence gets one to itself)
     versions: int = 100  # training steps (policy versions) to run
-    max_wall_s: float = 0.0  # stop after this many seconds of RL (0 = no limit)
-    warm_start_steps: int = 0  # supervised steps on reference answers before RL (0 = none)
+    # stop after this many seconds of RL (0 = no limit), counted in each launch from when its starting weights
+    # are published: loading the model and the warm start come before it; periodic held-out evaluations run
+    # inside it; the version on the trainers when it ends, the last checkpoint and the final evaluation
+    # (bounded by logging.eval_timeout_s) come after it
+    max_wall_s: float = 0.0
+    warm_start_steps: int = 0  # supervised steps on each row's warm_start_template target before RL (0 = none)
     warm_start_lr: float = 1e-3  # warm start: learning rate
     warm_start_examples: int = 1000  # warm start: the first this many training problems are its examples
     warm_start_batch: int = 64  # warm start: examples per step
+    # warm start: the text it trains the model to write for a row: {answer} is the reference answer
+    # (data.answer_key; after '####' when there is one), {name} any other field, {{ }} literal braces. "" = the
+    # built-in math reward's form, \boxed{{{answer}}} (data.kind=code has no default: name a solution field).
+    # A row without a named field stops the run at start-up (docs/workflows.md, The warm start)
+    warm_start_template: str = ""
+    # stop the run (with a non-zero exit) when this many batches' worth of groups (x rollout.batch_prompts) in a
+    # row had all-equal rewards and no version trained meanwhile: a run that cannot learn (0 = never)
+    max_uniform_batches: int = 20
     checkpoint_every: int = 0  # versions between checkpoints (0 = only at the end)
     # complete checkpoints kept: once one is complete, rank 0 deletes those older than the newest
     # keep_checkpoints (0 = keep all). 3: the newest (the one a resume takes), the one before it (what a
@@ -171,13 +184,28 @@ class SyncConfig:
 
 @dataclass
 class LoggingConfig:
-    """What a run records and shows: TensorBoard, held-out evaluation, the progress bar."""
+    """What a run records and shows: experiment trackers, held-out evaluation, the progress bar."""
 
-    tensorboard: bool = True  # also write metrics.csv's rows under RUN_DIR/tensorboard/
+    # where metrics.csv's rows, the config and the summary also go: tensorboard (RUN_DIR/tensorboard/) | wandb
+    # (offline unless WANDB_MODE is set: RUN_DIR/wandb/) | mlflow (RUN_DIR/mlruns/ or mlflow_uri); [] = none.
+    # wandb and mlflow need the trackers extra (docs/analysis.md)
+    trackers: list[str] = field(default_factory=lambda: list(DEFAULT_TRACKERS))
+    experiment: str = "areal-hpc"  # the W&B project and the MLflow experiment the run is filed under
+    mlflow_uri: str = ""  # an MLflow tracking URI (a server, sqlite:///...); '' = a file store at RUN_DIR/mlruns/
+    tensorboard: bool | None = None  # deprecated: false = logging.trackers without tensorboard, true = with it
     eval_every: int = 10  # versions between held-out evaluations (0 = only first and last)
     eval_prompts: int = 500  # held-out prompts evaluated (at most data.heldout_size)
     eval_n_samples: int = 1  # samples per held-out prompt; the logged accuracy is avg@k (pass@1 over k samples)
     eval_temperature: float = 0.0  # 0 = greedy (then eval_n_samples must be 1); else must equal rollout.temperature
+    # a held-out episode counts as correct when its reward is >= this: the accuracy (heldout_acc, acc_*, eval's
+    # pass@k) is the share of correct episodes; the mean reward (heldout_reward_mean) is logged beside it
+    eval_threshold: float = 1.0
+    # a held-out evaluation ends after this many seconds with the episodes it has: the unfinished ones are cut,
+    # counted (heldout_cut, the summary's heldout_cut_*) and left out of its accuracy and mean reward (0 = no bound)
+    eval_timeout_s: float = 600.0
+    # after a stop request (Ctrl-C, SIGTERM, the stop file, Slurm's signal) the final evaluation gets at most this
+    # many seconds, cut as above (0 = it is skipped)
+    stop_eval_s: float = 30.0
     progress: bool = True  # a progress bar on the terminal (areal-hpc run --no-progress: false)
 
 
@@ -207,16 +235,22 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-def _one_line(err: OmegaConfBaseException, overrides: list[str] | None = None) -> str:
+def _one_line(err: Exception, overrides: list[str] | None = None) -> str:
     msg = str(err).strip().splitlines()[0]
     key = getattr(err, "full_key", None)
     if not key:  # some errors (a tuple of the wrong length) lose the key: find the override that fails alone
         for ov in overrides or []:
             try:
                 OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([ov]))
-            except OmegaConfBaseException:
+            except (OmegaConfBaseException, TypeError):
                 key = ov.split("=", 1)[0]
                 break
+    if key and (line := text_read_as_yaml(key, msg, overrides)):
+        return line
+    if key and "incompatible container types" in msg:  # a mapping where the default is a list or a value
+        return f"config {key} takes a value or a list in brackets, not a mapping in braces (quote text with braces)"
+    if key and "is not a ListConfig" in msg:  # a single value where a list goes (logging.trackers=wandb)
+        return f"config {key} must be a list in brackets, e.g. {key}=[a,b] ([] = empty)"
     return f"config {key}: {msg}" if key else f"config: {msg}"
 
 
@@ -233,7 +267,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             try:
                 layers.append(OmegaConf.from_dotlist([ov]))
             except (yaml.YAMLError, ValueError):
-                raise ConfigError(f"override {ov!r} has a value that is not valid YAML") from None
+                key, value = ov.split("=", 1)
+                advice = f"; {quote_advice(key, value)}" if any(c in value for c in "{}[]:") else ""
+                raise ConfigError(f"override {ov!r} has a value that is not valid YAML{advice}") from None
         merged = OmegaConf.merge(*layers)
         OmegaConf.resolve(merged)
         map_deprecated_keys(merged, layers[1:])
@@ -241,11 +277,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if missing:
             raise ConfigError(f"config {missing[0]} is required but not set")
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except OmegaConfBaseException as err:
+    except (OmegaConfBaseException, TypeError) as err:
+        # TypeError: OmegaConf merging a mapping into an untyped (Any) key that holds a list, or the reverse
         raise ConfigError(_one_line(err, overrides)) from None
     cfg = validate(cfg)
     # a file given relative to where the run was started: every rank, on any node, finds the same one
-    cfg.reward.fn, cfg.rollout.workflow = absolute_spec(cfg.reward.fn), absolute_spec(cfg.rollout.workflow)
+    fn = cfg.reward.fn
+    cfg.reward.fn = [absolute_spec(f) for f in fn] if isinstance(fn, list) else absolute_spec(fn)
+    cfg.rollout.workflow = absolute_spec(cfg.rollout.workflow)
     for dotted in PATH_KEYS:
         section, key = dotted.split(".")
         sub = getattr(cfg, section)
@@ -266,6 +305,7 @@ def absolute_path(value: str) -> str:
 def to_yaml(cfg: Config) -> str:
     tree = OmegaConf.to_container(OmegaConf.structured(cfg))
     tree["rollout"].pop("interrupt")  # deprecated and always mapped away on load: a written config has only the mode
+    tree["logging"].pop("tensorboard")  # deprecated likewise: logging.trackers says it
     return OmegaConf.to_yaml(tree)
 
 

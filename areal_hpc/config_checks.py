@@ -100,6 +100,7 @@ _LOWER = {
     "trainer.warm_start_lr": (0, False),
     "trainer.warm_start_examples": (1, True),
     "trainer.warm_start_batch": (1, True),
+    "trainer.max_uniform_batches": (0, True),
     "trainer.checkpoint_every": (0, True),
     "trainer.keep_checkpoints": (0, True),
     "cluster.n_generators": (1, True),
@@ -121,6 +122,8 @@ _LOWER = {
     "logging.eval_prompts": (1, True),
     "logging.eval_n_samples": (1, True),
     "logging.eval_temperature": (0, True),
+    "logging.eval_timeout_s": (0, True),
+    "logging.stop_eval_s": (0, True),
 }
 
 
@@ -161,6 +164,65 @@ def _check_plugin(value: str, key: str, builtins: tuple[str, ...]) -> None:
         )
 
 
+def _check_reward(rc) -> None:
+    """reward.fn (a name or a list of them), reward.weights (only with a list) and reward.args."""
+    if isinstance(rc.fn, str):
+        _check_plugin(rc.fn, "reward.fn", ("", "math", "code"))
+        if rc.weights:
+            raise ConfigError(
+                f"config reward.weights={rc.weights!r} needs reward.fn as a list (one weight per function)"
+            )
+    elif not isinstance(rc.fn, list) or not rc.fn:
+        raise ConfigError(f"config reward.fn={rc.fn!r} must be a function (built-in or import path) or a list of them")
+    else:
+        for i, f in enumerate(rc.fn):
+            if not isinstance(f, str) or not f:
+                raise ConfigError(f"config reward.fn[{i}]={f!r} must be a built-in (math, code) or an import path")
+            _check_plugin(f, f"reward.fn[{i}]", ("math", "code"))
+        names = rc.names()
+        if len(set(names)) < len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ConfigError(f"config reward.fn lists two functions named {twice!r}; each is logged as reward/<name>")
+        if not isinstance(rc.weights, list):
+            raise ConfigError(f"config reward.weights={rc.weights!r} must be a list of numbers, one per reward.fn")
+        if rc.weights and len(rc.weights) != len(rc.fn):
+            raise ConfigError(
+                f"config reward.weights lists {len(rc.weights)} weights but reward.fn lists {len(rc.fn)} functions; "
+                "give one weight per function (or none: all 1.0)"
+            )
+        for i, w in enumerate(rc.weights):
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ConfigError(f"config reward.weights[{i}]={w!r} must be a finite number")
+    if rc.args and not any(is_import_path(f) for f in rc.fns()):
+        raise ConfigError("config reward.args reaches reward functions of your own; the built-ins take none")
+
+
+def _check_warm_start(cfg: Config) -> None:
+    """trainer.warm_start_template names a field; a code task's warm start needs one naming a solution."""
+    from areal_hpc.data import template_fields
+
+    tc = cfg.trainer
+    fields = template_fields(tc.warm_start_template)
+    if tc.warm_start_template and not fields:
+        raise ConfigError(
+            f"config trainer.warm_start_template={tc.warm_start_template!r} must name a row field such as "
+            "{answer} ({{ and }} are literal braces)"
+        )
+    if cfg.data.kind != "code" or not tc.warm_start_steps:
+        return
+    if not tc.warm_start_template:
+        # the warm start imitates a reference, and a code task's reference is its tests: no answer to imitate
+        raise ConfigError(
+            "config trainer.warm_start_steps must be 0 with data.kind=code unless trainer.warm_start_template names "
+            "a solution field of your rows (the tests are no answer to imitate)"
+        )
+    if "answer" in fields:
+        raise ConfigError(
+            f"config trainer.warm_start_template={tc.warm_start_template!r} names {{answer}}, which with "
+            "data.kind=code is the row's tests (data.answer_key), not a solution; name a solution field of your rows"
+        )
+
+
 def _get(cfg: Config, dotted: str) -> Any:
     obj: Any = cfg
     for part in dotted.split("."):
@@ -192,9 +254,7 @@ def validate(cfg: Config) -> Config:
             f"config rollout.top_p={cfg.rollout.top_p!r} is not supported: the trainer's logprobs are those of "
             "the full distribution; use top_p=1.0"
         )
-    if cfg.data.kind == "code" and cfg.trainer.warm_start_steps:
-        # the warm start imitates the reference answer, and a code task's reference is its tests
-        raise ConfigError("config trainer.warm_start_steps must be 0 with data.kind=code (no reference solutions)")
+    _check_warm_start(cfg)
     if cfg.data.kind in ("jsonl", "parquet", "code") and not cfg.data.path:
         raise ConfigError(f"config data.path is empty; data.kind={cfg.data.kind} needs a dataset file")
     if cfg.model.hidden_size % cfg.model.num_heads:
@@ -227,6 +287,12 @@ def validate(cfg: Config) -> Config:
         fields = ", ".join(sorted(set(CostModel.__dataclass_fields__) - {"name"}))
         raise ConfigError(f"config emulation.cost.{bad[0]} is not a cost-model field; choose from {fields}")
     lc = cfg.logging
+    _check_trackers(lc.trackers)
+    if not math.isfinite(lc.eval_threshold):
+        raise ConfigError(
+            f"config logging.eval_threshold={lc.eval_threshold!r} must be a finite number "
+            "(the reward at which a held-out answer counts as correct)"
+        )
     if lc.eval_temperature == 0 and lc.eval_n_samples > 1:
         raise ConfigError(
             f"config logging.eval_n_samples={lc.eval_n_samples} with logging.eval_temperature=0 (greedy) gives "
@@ -238,7 +304,7 @@ def validate(cfg: Config) -> Config:
             f"config logging.eval_temperature={lc.eval_temperature!r} must be 0 (greedy) or "
             f"rollout.temperature={cfg.rollout.temperature!r}; other temperatures: areal-hpc eval on a checkpoint"
         )
-    _check_plugin(cfg.reward.fn, "reward.fn", ("", "math", "code"))
+    _check_reward(cfg.reward)
     _check_plugin(cfg.rollout.workflow, "rollout.workflow", BUILTIN_WORKFLOWS)
     if cfg.data.min_operand > cfg.data.max_operand:
         raise ConfigError(
@@ -254,6 +320,20 @@ def validate(cfg: Config) -> Config:
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
     return cfg
+
+
+def _check_trackers(trackers: list[str]) -> None:
+    """logging.trackers: known names, each once (a missing package is the launchers' check: require_trackers)."""
+    from areal_hpc.trackers import TRACKERS
+
+    for name in trackers:
+        if name not in TRACKERS:
+            raise ConfigError(
+                f"config logging.trackers has {name!r}, which is not a tracker; choose from {', '.join(TRACKERS)} "
+                "(a list, e.g. logging.trackers=[tensorboard,wandb]; [] = none)"
+            )
+    if len(set(trackers)) != len(trackers):
+        raise ConfigError(f"config logging.trackers=[{','.join(trackers)}] names a tracker twice")
 
 
 def _check_objective(cfg: Config) -> None:

@@ -3,6 +3,7 @@ and keys of older configs mapped to their new names."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from areal_hpc.config_checks import ConfigError
+from areal_hpc.trackers import TENSORBOARD
 
 
 def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> list[DictConfig]:
@@ -36,8 +38,54 @@ def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> list[Dic
     return [*read_config_file(p.parent / base, (*_seen, p.resolve())), loaded]
 
 
+def quote_advice(key: str, value: str) -> str:
+    """How to write `value` for `key` as YAML text: YAML reads an unquoted {...} as a mapping, [...] as a list."""
+    name = key.rsplit(".", 1)[-1]
+    return f'quote it: \'{key}="{value}"\' on a shell command line, {name}: "{value}" in a YAML file'
+
+
+def text_read_as_yaml(key: str, msg: str, overrides: list[str] | None) -> str | None:
+    """One line for a text key whose value YAML read as a mapping or a list (an unquoted template such as
+    data.prompt_template={a}+{b}=), else None."""
+    if not re.search(r"Cannot convert '(DictConfig|ListConfig)' to string", msg):
+        return None
+    typed = [ov.split("=", 1)[1] for ov in overrides or [] if ov.split("=", 1)[0] == key]
+    value = typed[-1] if typed else "{question} ="
+    return (
+        f"config {key}: {value if typed else 'its value'} is read as YAML, where an unquoted {{...}} is a mapping "
+        f"and [...] a list, not text; {quote_advice(key, value)}"
+    )
+
+
 def map_deprecated_keys(merged: DictConfig, layers: list) -> None:
-    """rollout.interrupt (before rollout.weight_update existed) becomes the mode it meant, with one line saying so."""
+    """Keys of older configs become what they meant, each with one line saying so."""
+    _map_interrupt(merged, layers)
+    _map_tensorboard(merged, layers)
+
+
+def _map_tensorboard(merged: DictConfig, layers: list) -> None:
+    """logging.tensorboard (before logging.trackers): false drops tensorboard from the trackers, true keeps it."""
+    old = merged.logging.tensorboard
+    if old is None:
+        return
+    trackers = [t for t in merged.logging.trackers if t != TENSORBOARD]
+    trackers = [TENSORBOARD, *trackers] if old else trackers
+    asked = [v for v in (OmegaConf.select(x, "logging.trackers") for x in layers) if v is not None]
+    if asked and (TENSORBOARD in asked[-1]) != old:
+        raise ConfigError(
+            f"config logging.tensorboard={str(old).lower()} (deprecated) contradicts logging.trackers="
+            f"[{','.join(asked[-1])}]; keep only logging.trackers"
+        )
+    merged.logging.trackers, merged.logging.tensorboard = trackers, None
+    print(
+        f"areal-hpc: config logging.tensorboard={str(old).lower()} is deprecated; it means "
+        f"logging.trackers=[{','.join(trackers)}]",
+        file=sys.stderr,
+    )
+
+
+def _map_interrupt(merged: DictConfig, layers: list) -> None:
+    """rollout.interrupt (before rollout.weight_update existed) becomes the mode it meant."""
     old = merged.rollout.interrupt
     if old is None:
         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -35,9 +36,14 @@ class DataConfig:
 class RewardConfig:
     """How answers are scored: the reward function and the pool of processes that runs it."""
 
-    # f(completion: str, row: dict) -> float, by import path: package.module:function or path/to/file.py:function;
-    # "" = the built-in the data implies: math (the row's answer_key under math-verify), or code (data.kind=code)
-    fn: str = ""
+    # f(completion: str, row: dict) -> float (or a dict with a 'score' and other numbers to log), by import path:
+    # package.module:function or path/to/file.py:function; "" = the built-in the data implies: math (the row's
+    # answer_key under math-verify), or code (data.kind=code); a list of them: the reward is their weighted sum,
+    # each logged as reward/<name>
+    fn: Any = ""
+    weights: Any = field(default_factory=list)  # reward.fn as a list: one weight per function ([] = all 1.0)
+    # keyword arguments to the reward function of your own (in a list, each gets those its signature names)
+    args: dict = field(default_factory=dict)
     timeout_s: float = 5.0  # per answer; data.kind=code: the sandbox's wall (and cpu) limit
     num_workers: int = 2  # reward processes per generator rank: answers scored at once, off the generation path
     # data.kind=code: bwrap = bubblewrap namespaces, else the run refuses to start; auto = bubblewrap where it
@@ -48,6 +54,14 @@ class RewardConfig:
     # linearly, up to overlong_penalty at the limit (0 = off); the longest model call of an episode counts
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0  # the penalty at rollout.max_new_tokens (see overlong_buffer)
+
+    def fns(self) -> list[str]:
+        """reward.fn as a list of names (built-ins or import paths): one for a string, each for a list."""
+        return [str(f) for f in self.fn] if isinstance(self.fn, (list, tuple)) else [self.fn]
+
+    def names(self) -> list[str]:
+        """Each function's name, as its metrics column reward/<name> says it: a built-in's, or what follows ':'."""
+        return [f.rpartition(":")[2] for f in self.fns()]
 
 
 @dataclass

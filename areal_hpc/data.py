@@ -27,6 +27,10 @@ class Problem:
     prompt_ids: list[int] = field(default_factory=list)  # the prompt's tokens (set by load_dataset)
     row: dict = field(default_factory=dict)  # the dataset row, every field as read
     messages: list[dict] | None = None  # the row's chat messages, when the prompt comes from them
+    # the row's 0-based position in the data file (its jsonl line, blank lines counted; its parquet row), or the
+    # arithmetic problem's index: what a stored trajectory keeps to join back to its row (prompt_id counts only
+    # the usable rows, so a skipped row shifts it)
+    row_index: int = -1
 
 
 @dataclass
@@ -58,7 +62,8 @@ def arithmetic_problems(
             continue
         seen.add((a, b))
         q, answer = f"{a:0{width}d}{operator}{b:0{width}d}=", str(a * b if operator == "*" else a + b)
-        out.append(Problem(start_id + len(out), q, answer, row={"question": q, "answer": answer}))
+        i = start_id + len(out)
+        out.append(Problem(i, q, answer, row={"question": q, "answer": answer}, row_index=i))
     return out
 
 
@@ -71,11 +76,6 @@ def arithmetic_dataset(
     exclude = {tuple(int(x) for x in p.prompt[:-1].split(operator)) for p in heldout}
     train = arithmetic_problems(train_size, max_operand, seed, start_id=0, exclude=exclude, **kw)
     return MathDataset(train=train, heldout=heldout)
-
-
-def arithmetic_completion(answer: str) -> str:
-    """The completion a correct policy writes for the arithmetic task (used by the warm start)."""
-    return "\\boxed{" + answer + "}"
 
 
 def final_answer(raw) -> str | None:
@@ -134,12 +134,19 @@ def _read_rows(path: Path, kind: str):
             yield i, _TOO_BIG if big else row
 
 
-_PLACEHOLDER = re.compile(r"(?<!\{)\{(\w+)\}(?!\})")  # {field}; {{ and }} stand for literal braces
+def file_rows(path: str | Path, kind: str) -> dict[int, dict]:
+    """A data file's rows that are JSON objects, by row index (Problem.row_index): what stored trajectories join to."""
+    return {n - 1: row for n, row in _read_rows(Path(path), kind) if isinstance(row, dict)}
+
+
+# read left to right: {{ and }} stand for literal braces, {field} for a row's field, so a field can sit inside
+# literal braces (\boxed{{{answer}}} is \boxed{ + the answer + })
+_TEMPLATE_PART = re.compile(r"\{\{|\}\}|\{(\w+)\}")
 
 
 def template_fields(template: str) -> list[str]:
     """The row fields a data.prompt_template names, in order ({question} is the data.question_key field)."""
-    return list(dict.fromkeys(_PLACEHOLDER.findall(template)))
+    return list(dict.fromkeys(m.group(1) for m in _TEMPLATE_PART.finditer(template) if m.group(1)))
 
 
 def _field_text(row: dict, name: str, question_key: str) -> str | None:
@@ -157,8 +164,8 @@ def fill_template(template: str, row: dict, question_key: str = "question") -> t
     for name in template_fields(template):
         if _field_text(row, name, question_key) is None:
             return None, (question_key if name == "question" else name)
-    text = _PLACEHOLDER.sub(lambda m: _field_text(row, m.group(1), question_key), template)
-    return text.replace("{{", "{").replace("}}", "}"), ""
+    fill = lambda m: _field_text(row, m.group(1), question_key) if m.group(1) else m.group(0)[0]  # noqa: E731
+    return _TEMPLATE_PART.sub(fill, template), ""
 
 
 def _messages(raw) -> list[dict] | None:
@@ -222,7 +229,7 @@ def load_math_dataset(
         if a is None and need_answer:
             skip(lineno, f"missing or empty '{answer_key}'")
             continue
-        problems.append(Problem(len(problems), text, a or "", row=row, messages=messages))
+        problems.append(Problem(len(problems), text, a or "", row=row, messages=messages, row_index=lineno - 1))
     skipped = sum(reasons.values())
     detail = ", ".join(f"{n} {why}" for why, n in reasons.items())
     if not problems:  # one line with the reasons (no warning first)
@@ -246,26 +253,34 @@ def load_dataset(data_cfg, tokenizer, need_answer: bool = True) -> MathDataset:
     """The dataset named by a DataConfig, prompts built and tokenized; prompts over data.max_prompt_tokens skipped.
 
     need_answer: rows must carry a reference answer (false when a user's reward.fn reads the row itself)."""
+    return build_prompts(read_dataset(data_cfg, need_answer), tokenizer, data_cfg)
+
+
+def read_dataset(data_cfg, need_answer: bool = True) -> MathDataset:
+    """The dataset's rows as problems, split into train and held-out, before any prompt is built (no tokenizer)."""
     if data_cfg.kind == "arithmetic":
         dc = data_cfg
-        ds = arithmetic_dataset(dc.train_size, dc.heldout_size, dc.max_operand, dc.seed, dc.operator, dc.min_operand)
-    else:
-        ds = load_math_dataset(
-            data_cfg.path,
-            data_cfg.kind,
-            data_cfg.question_key,
-            data_cfg.answer_key,
-            data_cfg.prompt_template,
-            data_cfg.heldout_size,
-            data_cfg.seed,
-            need_answer=need_answer,
-        )
-    return build_prompts(ds, tokenizer, data_cfg)
+        return arithmetic_dataset(dc.train_size, dc.heldout_size, dc.max_operand, dc.seed, dc.operator, dc.min_operand)
+    return load_math_dataset(
+        data_cfg.path,
+        data_cfg.kind,
+        data_cfg.question_key,
+        data_cfg.answer_key,
+        data_cfg.prompt_template,
+        data_cfg.heldout_size,
+        data_cfg.seed,
+        need_answer=need_answer,
+    )
+
+
+def rows_need_answer(cfg) -> bool:
+    """A run's rows need a reference answer unless every reward function is the user's own (it reads the row)."""
+    return not all(is_import_path(f) for f in cfg.reward.fns())
 
 
 def load_run_dataset(cfg, tokenizer) -> MathDataset:
     """A run's dataset, the same on every rank: rows need a reference answer unless reward.fn is the user's own."""
-    return load_dataset(cfg.data, tokenizer, need_answer=not is_import_path(cfg.reward.fn))
+    return load_dataset(cfg.data, tokenizer, need_answer=rows_need_answer(cfg))
 
 
 def build_prompts(ds: MathDataset, tokenizer, data_cfg) -> MathDataset:

@@ -1,4 +1,5 @@
-"""Held-out evaluation: k episodes (or one greedy) per problem of the run's workflow, scored; avg@k, pass@k."""
+"""Held-out evaluation: k episodes (or one greedy) per problem of the run's workflow, scored; accuracy (an episode
+is correct when its reward reaches logging.eval_threshold), avg@k, pass@k, and the mean reward beside them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def heldout_figures(rewards: list[float], threshold: float) -> dict:
+    """A held-out evaluation's two figures, as metrics.csv names them: the accuracy (the share of episodes whose
+    reward is >= threshold) and the mean reward (partial credit counts there, never in the accuracy)."""
+    if not rewards:
+        return {"heldout_acc": math.nan, "heldout_reward_mean": math.nan}
+    return {
+        "heldout_acc": sum(r >= threshold for r in rewards) / len(rewards),
+        "heldout_reward_mean": sum(rewards) / len(rewards),
+    }
+
+
 def report_ks(n: int) -> list[int]:
     """The k of pass@k reported for n samples: powers of two up to n, and n itself."""
     return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
@@ -24,7 +36,8 @@ def report_ks(n: int) -> list[int]:
 
 @dataclass
 class EvalResult:
-    """avg@k is pass@1 estimated from k samples per problem; its standard error is over problems."""
+    """avg@k is pass@1 (accuracy: reward >= threshold) estimated from k samples per problem; its standard error
+    is over problems. reward_mean is the mean episode reward, partial credit included."""
 
     n_problems: int
     n_samples: int
@@ -35,6 +48,8 @@ class EvalResult:
     truncated_share: float  # answers cut off by max_new_tokens (no stop token), scored 0
     rewards: list[list[float]] = field(repr=False)  # per problem, per sample
     tool_share: float = 0.0  # episodes that called a tool (the `tool` workflow, or one of your own)
+    reward_mean: float = 0.0  # mean episode reward (avg@k counts an episode only when its reward >= threshold)
+    threshold: float = 1.0  # logging.eval_threshold: the reward at which an answer counts as correct
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -42,13 +57,15 @@ class EvalResult:
         return d
 
 
-def summarize(rewards: list[list[float]], lengths: list[int], truncated: list[bool], tool_users: int = 0) -> EvalResult:
-    """The figures papers report from per-problem, per-sample rewards (1 = correct)."""
+def summarize(
+    rewards: list[list[float]], lengths: list[int], truncated: list[bool], tool_users: int = 0, threshold: float = 1.0
+) -> EvalResult:
+    """The figures papers report from per-problem, per-sample rewards (correct: reward >= threshold)."""
     n = len(rewards[0])
-    per_problem = [sum(r) / n for r in rewards]
+    correct = [sum(1 for x in r if x >= threshold) for r in rewards]
+    per_problem = [c / n for c in correct]
     mean = sum(per_problem) / len(per_problem)
     var = sum((x - mean) ** 2 for x in per_problem) / max(1, len(per_problem) - 1)
-    correct = [sum(1 for x in r if x > 0.5) for r in rewards]
     return EvalResult(
         n_problems=len(rewards),
         n_samples=n,
@@ -59,15 +76,25 @@ def summarize(rewards: list[list[float]], lengths: list[int], truncated: list[bo
         truncated_share=sum(truncated) / len(truncated),
         rewards=rewards,
         tool_share=tool_users / len(truncated),
+        reward_mean=sum(map(sum, rewards)) / (n * len(rewards)),
+        threshold=threshold,
     )
 
 
 def evaluate(
-    engine, tokenizer, reward_pool, problems: list[Problem], settings, n_samples: int = 1, greedy=True, workflow=None
+    engine,
+    tokenizer,
+    reward_pool,
+    problems: list[Problem],
+    settings,
+    n_samples: int = 1,
+    greedy=True,
+    workflow=None,
+    threshold: float = 1.0,
 ) -> EvalResult:
     """n_samples episodes of the workflow per problem (greedy: one, at temperature 0; else at the engine's
-    temperature); an episode's reward is its score (a rejected one scores 0). `settings`: the RunnerSettings
-    (workflow_settings) of the run; `workflow` defaults to single_turn."""
+    temperature); an episode's reward is its score (a rejected one scores 0), correct when >= threshold.
+    `settings`: the RunnerSettings (workflow_settings) of the run; `workflow` defaults to single_turn."""
     from areal_hpc.workflow import single_turn
     from areal_hpc.workflow.batch import EpisodeStart, run_episodes
 
@@ -83,13 +110,22 @@ def evaluate(
     rewards = [scores[i * n_samples : (i + 1) * n_samples] for i in range(len(problems))]
     lengths = [sum(len(seg.ids) for seg in e.sampled) for e in eps]
     tool_users = sum(e.stats.tool_calls > 0 for e in eps)
-    return summarize(rewards, lengths, [e.finish_reason == "length" for e in eps], tool_users)
+    return summarize(rewards, lengths, [e.finish_reason == "length" for e in eps], tool_users, threshold)
 
 
-def heldout_accuracy(
-    engine, tokenizer, reward_pool, problems: list[Problem], settings, n_samples: int = 1, greedy=True, workflow=None
-) -> float:
-    """Held-out accuracy as a run logs it: greedy, or avg@k over n_samples at the engine's temperature."""
+def heldout_evaluation(
+    engine,
+    tokenizer,
+    reward_pool,
+    problems: list[Problem],
+    settings,
+    n_samples: int = 1,
+    greedy=True,
+    workflow=None,
+    threshold: float = 1.0,
+) -> dict:
+    """Held-out figures as a run logs them (`heldout_figures`): greedy, or n_samples at the engine's temperature."""
     if not problems:
-        return float("nan")
-    return evaluate(engine, tokenizer, reward_pool, problems, settings, n_samples, greedy, workflow).avg_at_k
+        return heldout_figures([], threshold)
+    res = evaluate(engine, tokenizer, reward_pool, problems, settings, n_samples, greedy, workflow, threshold)
+    return heldout_figures([x for r in res.rewards for x in r], threshold)

@@ -1,24 +1,35 @@
-"""Per-version metrics: a tidy CSV table in the run dir plus TensorBoard scalars."""
+"""Per-version metrics: a tidy CSV table in the run dir, mirrored to the configured trackers."""
 
 from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Sequence
 from pathlib import Path
 
+import yaml
+
 from areal_hpc.rundir import RunDir
+from areal_hpc.trackers import DEFAULT_TRACKERS, Trackers, TrackerSettings, flat_params
 from areal_hpc.utils import atomic_write_text
 
 
 class MetricsLogger:
-    """One row per version in metrics.csv, mirrored to TensorBoard.
+    """One row per version in metrics.csv, mirrored to each tracker of logging.trackers (areal_hpc/trackers.py).
 
     Every row rewrites the file whole (atomically), with a header that widens when a row brings a new
     column, so the table stays tidy for pandas and is never left with half a row.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, keep_upto: int | None = None):
-        """keep_upto: a resumed run keeps the existing rows up to this version and drops the rest."""
+    def __init__(
+        self,
+        run_dir: Path,
+        trackers: Sequence[str] = DEFAULT_TRACKERS,
+        keep_upto: int | None = None,
+        config=None,
+    ):
+        """keep_upto: a resumed run keeps the existing rows up to this version and drops the rest.
+        config: the run's Config (its name, logging.experiment and logging.mlflow_uri; every key a parameter)."""
         self.run_dir = Path(run_dir)
         self.csv_path = RunDir(run_dir).metrics
         self.tb_dir = RunDir(run_dir).tensorboard
@@ -30,12 +41,8 @@ class MetricsLogger:
                 self.fields = list(reader.fieldnames or [])
                 self.rows = [r for r in reader if r.get("version") and float(r["version"]) <= keep_upto]
             self._rewrite()
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # flushed every few seconds by its own thread, not on every row of the training loop
-            self._tb = SummaryWriter(str(self.tb_dir), flush_secs=10)
+        settings = tracker_settings(config) if config is not None else TrackerSettings()
+        self.trackers = Trackers(RunDir(run_dir), list(trackers), settings, self.rows, keep_upto)
 
     def _rewrite(self) -> None:
         buf = io.StringIO()
@@ -51,11 +58,19 @@ class MetricsLogger:
         # rewritten whole and renamed, not appended: a full disk or a kill mid-write never leaves half a row
         # (a few hundred rows of a few hundred bytes: cheap next to a training version)
         self._rewrite()
-        if self._tb is not None:
-            for k, v in row.items():
-                if k != "version" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, version)
+        self.trackers.log_row(version, row)
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+    def close(self, summary: dict | None = None) -> None:
+        """The run's summary (summary.json's values) to every tracker, then each tracker run ends."""
+        if summary is not None:
+            self.trackers.log_summary(summary)
+        self.trackers.close()
+
+
+def tracker_settings(cfg) -> TrackerSettings:
+    """The trackers' names for the run and its resolved config (as written to config.yaml) as dotted parameters."""
+    from areal_hpc.config import to_yaml
+
+    lc = cfg.logging
+    params = flat_params(yaml.safe_load(to_yaml(cfg)))
+    return TrackerSettings(cfg.run_name, lc.experiment, lc.mlflow_uri, params)

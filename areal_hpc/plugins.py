@@ -88,18 +88,21 @@ def resolve(spec: str, key: str) -> Callable:
     return fn
 
 
-def check_signature(fn: Callable, spec: str, key: str, args: tuple[str, ...], is_async: bool) -> None:
-    """One line if `fn` cannot be called with the positional arguments `args` (names, for the message), or is
-    (or is not) a coroutine function when `is_async` says otherwise."""
+def check_signature(
+    fn: Callable, spec: str, key: str, args: tuple[str, ...], is_async: bool, keywords: tuple[str, ...] = ()
+) -> None:
+    """One line if `fn` cannot be called with the positional arguments `args` (names, for the message) and the
+    keyword arguments `keywords`, or is (or is not) a coroutine function when `is_async` says otherwise."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # builtins without a signature: trust them
     try:
-        sig.bind(*args)
+        sig.bind(*args, **dict.fromkeys(keywords))
     except TypeError:
+        call = ", ".join([*args, *(f"{k}=..." for k in keywords)])
         raise PluginError(
-            f"{key}={spec!r}: {getattr(fn, '__name__', spec)}{sig} cannot be called as f({', '.join(args)})"
+            f"{key}={spec!r}: {getattr(fn, '__name__', spec)}{sig} cannot be called as f({call})"
         ) from None
     target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else fn.__call__
     if inspect.iscoroutinefunction(target) != is_async:

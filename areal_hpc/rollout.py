@@ -45,7 +45,31 @@ def group_summary(trajs: list[Trajectory], prompt_id: int, group_id: int) -> dic
         "n_tokens": int(sum(len(t.input_ids) for t in trajs)),
         "gen_tokens": int(sum(t.gen_len for t in trajs)),
         "version_start": int(min(t.version_start for t in trajs)),
-        "uniform": len({t.reward for t in trajs}) == 1,  # no learning signal; rank 0 may reject it
+        # the reward every sample got when they all got the same (no learning signal; rank 0 may reject the
+        # group, and counts such groups by value), else None
+        "uniform": float(trajs[0].reward) if len({t.reward for t in trajs}) == 1 else None,
+    }
+
+
+# what GROUPS_DONE carries of a group's episodes, whatever becomes of the group: rank 0 adds them up
+GROUP_COUNTS = ("episodes", "turns", "tool_calls", "reward_timeouts", "reward_errors")
+
+
+def group_counts(stats: list) -> dict:
+    """The counts of a group's episodes (their EpisodeStats) and, per number they logged (reward/<key>,
+    episode/<name>), its sum and how many episodes logged it."""
+    logged: dict[str, tuple[float, int]] = {}
+    for st in stats:
+        for k, v in st.logged.items():
+            total, n = logged.get(k, (0.0, 0))
+            logged[k] = (total + v, n + 1)
+    return {
+        "episodes": len(stats),
+        "turns": sum(st.turns for st in stats),
+        "tool_calls": sum(st.tool_calls for st in stats),
+        "reward_timeouts": sum(st.reward_timeouts for st in stats),
+        "reward_errors": sum(st.reward_errors for st in stats),
+        "logged": logged,
     }
 
 
@@ -58,10 +82,9 @@ def episode_stats(trajs: list[Trajectory]) -> dict:
         "tool_calls": int(sum(t.tool_calls for t in trajs)),
         "tool_errors": int(sum(t.tool_errors for t in trajs)),
         "tool_s": float(sum(t.tool_s for t in trajs)),
-        "reward_timeouts": int(sum(t.reward_timeouts for t in trajs)),
-        "reward_errors": int(sum(t.reward_errors for t in trajs)),
         "trained_tokens": trained,
-        "unsampled_tokens": int(after_prompt - trained),  # tokens a workflow added after the prompt
+        # tokens after the prompt that are not trained: a workflow's own, and turns generated with train=False
+        "unsampled_tokens": int(after_prompt - trained),
     }
 
 
@@ -76,4 +99,5 @@ def episode_metrics(stats: list[dict], samples: int) -> dict:
     }
 
 
-EPISODE_SUMS = ("tool_calls", "tool_errors", "tool_s", "reward_timeouts", "reward_errors", "unsampled_tokens")
+# (reward time-outs and errors are counted over every generated episode instead: GROUP_COUNTS)
+EPISODE_SUMS = ("tool_calls", "tool_errors", "tool_s", "unsampled_tokens")

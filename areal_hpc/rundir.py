@@ -80,8 +80,28 @@ class RunDir:
         return self.root / "metrics.csv"
 
     @property
+    def dataset(self) -> Path:
+        """The run's data by fingerprint (a file's sha256, or the arithmetic task's), written at its first start."""
+        return self.root / "dataset.json"
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        """W&B's folder (wandb.init(dir=root) makes it): offline-run-*/ per launch, for `wandb sync`."""
+        return self.root / "wandb"
+
+    @property
+    def mlflow(self) -> Path:
+        """MLflow's file store, unless logging.mlflow_uri names another."""
+        return self.root / "mlruns"
+
+    @property
+    def trackers_state(self) -> Path:
+        """Each tracker run's id and last version sent: a resume continues the same W&B and MLflow runs."""
+        return self.root / "trackers.json"
 
     # -- data -------------------------------------------------------------------------------------
     @property

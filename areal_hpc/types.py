@@ -39,6 +39,9 @@ class Trajectory:
     tool_s: float = 0.0
     reward_timeouts: int = 0
     reward_errors: int = 0
+    # the dataset row it answers: its 0-based position in the data file (a jsonl line, a parquet row) or the
+    # arithmetic task's problem index; -1 where unknown (shards of schema < 3)
+    row_index: int = -1
 
     @property
     def gen_len(self) -> int:

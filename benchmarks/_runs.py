@@ -20,7 +20,7 @@ BASE_WORKLOAD = [
     "trainer.max_wall_s=0",
     "trainer.checkpoint_every=0",
     "logging.eval_every=0",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
     "logging.progress=false",
 ]
 WEIGHT_UPDATES = ("keep_kv", "recompute", "drain")  # rollout.weight_update

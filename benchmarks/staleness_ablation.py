@@ -99,7 +99,7 @@ def run_point(name: str, overrides: list[str], seed: int, args) -> dict:
         "trainer.max_wall_s=0",
         "trainer.checkpoint_every=0",
         f"logging.eval_every={args.eval_every}",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "logging.progress=false",
     ]
     _, s = launch_run(run_dir, ov, args.out / "model")  # the same initial weights for every run

@@ -29,9 +29,10 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
 fi
 [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-# torch first and alone, so nothing later can drag in a CUDA build; then the package and its deps.
+# torch first and alone, so nothing later can drag in a CUDA build; then the package and its deps, with the
+# test and trackers extras (W&B and MLflow for logging.trackers; tests read both back).
 "$VENV/bin/python" -m pip install -q -r "$REQ"
-"$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+"$VENV/bin/python" -m pip install -q -e "$ROOT[test,trackers]"
 # production training engine, CPU build: after torch, without build isolation (the sdist imports torch)
 "$VENV/bin/python" -m pip install -q --no-build-isolation -r "$ENGINES"
 # production generation engine, CPU build; then drop the CUDA vision/audio packages it drags in

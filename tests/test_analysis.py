@@ -43,7 +43,7 @@ def two_runs(tmp_path_factory):
                 # every group trains (no refill rounds of rejected ones): the simulator test's workload
                 "ppo.drop_uniform_groups=false",
                 "logging.progress=false",
-                "logging.tensorboard=false",
+                "logging.trackers=[]",
             ],
         )
         launch(cfg, progress=False)

@@ -39,7 +39,16 @@ def _leaves(cls, prefix=""):
 
 
 # a value of the wrong type for each kind of key
-_WRONG = {int: "abc", float: "abc", bool: "maybe", str: "[1, 2]", list: "abc", dict: "abc", tuple: "abc"}
+_WRONG = {
+    int: "abc",
+    float: "abc",
+    bool: "maybe",
+    str: "[1, 2]",
+    list: "abc",
+    dict: "abc",
+    tuple: "abc",
+    typing.Any: "{a: 1}",
+}
 WRONG_TYPE = [(k, _WRONG[t]) for k, t in _leaves(Config)]
 OUT_OF_RANGE = [(k, low - 1 if inclusive else low) for k, (low, inclusive) in _LOWER.items()]
 OUT_OF_RANGE += [(k, "bogus") for k in _CHOICES]

@@ -31,7 +31,7 @@ def demo_run(tmp_path_factory):
             "trainer.versions=4",
             "logging.eval_every=0",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
         ],
     )
     return run_sync(cfg)
@@ -48,9 +48,13 @@ def test_greedy_eval_equals_the_accuracy_the_run_logged(demo_run, tmp_path):
     out = tmp_path / "greedy.json"
     text = _eval([str(ckpt), "--n-samples", "1", "--temperature", "0", "--engine", "torch", "--json", str(out)])
     got = json.loads(out.read_text())
-    logged = pd.read_csv(demo_run.run_dir / "metrics.csv").set_index("version")["heldout_acc"][demo_run.versions]
+    m = pd.read_csv(demo_run.run_dir / "metrics.csv").set_index("version")
+    logged = m["heldout_acc"][demo_run.versions]
     assert got["version"] == demo_run.versions and got["n_problems"] == 100
     assert got["avg_at_k"] == pytest.approx(logged) == pytest.approx(demo_run.acc_after)
+    # the sync loop logs the mean reward beside the accuracy; the math reward is 0 or 1, so they agree here
+    assert got["reward_mean"] == pytest.approx(m["heldout_reward_mean"][demo_run.versions]) == pytest.approx(logged)
+    assert demo_run.reward_after == pytest.approx(logged) and got["threshold"] == 1.0
     assert f"pass@1:    {logged:.1%}" in text
 
     # the same weights as a plain Hugging Face folder (what an export holds) give the same figure

@@ -66,7 +66,7 @@ def torch_ckpt(tmp_path_factory) -> Path:
     accuracies mean something."""
     tmp = tmp_path_factory.mktemp("torchrun")
     overrides = [f"store.run_dir={tmp / 'run'}", f"model.path={tmp / 'model'}", "trainer.versions=1"]
-    overrides += ["logging.eval_every=0", "logging.progress=false", "logging.tensorboard=false"]
+    overrides += ["logging.eval_every=0", "logging.progress=false", "logging.trackers=[]"]
     done = run_sync(load_config(ROOT / "jobs" / "demo_sync.yaml", overrides))
     return RunDir(done.run_dir).trainer_checkpoint(1)
 

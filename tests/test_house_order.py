@@ -36,6 +36,9 @@ NOT_PATHS = {
     ("launch/submit.py", "submitit", "submitted_by"),
     ("launch/resume.py", "submitit", None),  # how a run was submitted (job.json's submitted_by), not a folder
     ("cli/slurm.py", "submitit", "flag_value"),
+    ("trackers.py", "tensorboard", None),  # logging.trackers' names, defined once there
+    ("trackers.py", "wandb", None),
+    ("config.py", "tensorboard", None),  # the deprecated config key logging.tensorboard
 }
 
 

@@ -28,7 +28,7 @@ def demo_run(tmp_path_factory):
             f"store.run_dir={tmp / 'run'}",
             f"model.path={tmp / 'model'}",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "logging.eval_prompts=20",
             "logging.eval_every=0",
             "rollout.batch_prompts=8",

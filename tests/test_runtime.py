@@ -39,7 +39,7 @@ def _cfg(tmp_path, *overrides):
             f"store.run_dir={tmp_path / 'run'}",
             f"model.path={tmp_path / 'model'}",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             *overrides,
         ],
     )
@@ -278,7 +278,7 @@ def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):
         "reward.overlong_buffer=2",
         "trainer.lr_schedule=cosine",
         "trainer.warmup_versions=2",
-        "logging.tensorboard=true",
+        "logging.trackers=[tensorboard]",
     )
     s = launch(cfg, progress=False)
     run = tmp_path / "run"
@@ -334,7 +334,7 @@ def test_kill9_trainer_then_resume_consumes_each_trajectory_once(tmp_path):
         "trainer.checkpoint_every=3",
         "trainer.keep_checkpoints=1",  # the tightest retention: only the checkpoint a resume takes is left
         "logging.eval_prompts=20",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
     ]
     proc = subprocess.Popen(
         [*CLI, "run", *args, "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -404,7 +404,7 @@ def test_error_in_one_rank_stops_every_rank_with_one_line(tmp_path):
         f"model.path={tmp_path / 'model'}",
         "trainer.versions=50",
         "logging.eval_prompts=20",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "--no-progress",
     ]
     t0 = time.time()
@@ -450,7 +450,7 @@ def test_ctrl_c_checkpoints_and_stops_every_rank_cleanly(tmp_path):
         "trainer.versions=100000",
         "trainer.max_wall_s=0",
         "logging.eval_prompts=20",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "--no-progress",
     ]
     proc = subprocess.Popen([*CLI, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -512,7 +512,7 @@ def test_lora_demo_learns_on_vllm_and_deepspeed_zero2_publishing_only_the_adapte
             f"store.run_dir={tmp_path / 'run'}",
             f"model.path={tmp_path / 'model'}",
             "logging.progress=false",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "rollout.engine=vllm",
             "trainer.engine=deepspeed",
             "trainer.zero_stage=2",

@@ -37,7 +37,7 @@ def _args(tmp_path, *more):
         f"store.run_dir={tmp_path / 'run'}",
         f"model.path={tmp_path / 'model'}",
         "logging.eval_prompts=20",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
         "trainer.max_wall_s=0",
         f"rollout.batch_prompts={B}",
         *more,
@@ -160,7 +160,7 @@ def test_sweep_runs_as_a_job_array_and_collects(tmp_path):
             f"model.path={tmp_path / 'model'}",
             "trainer.versions=4",
             "logging.eval_prompts=20",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
         ],
     )
     assert len({j.job_id.split("_")[0] for j in jobs}) == 1  # one array

@@ -37,6 +37,7 @@ SCALAR_FIELDS = (
     "gen_rank",
     "t_start",
     "t_end",
+    "row_index",
 )
 
 
@@ -64,6 +65,7 @@ def make_traj(rng: np.random.Generator, prompt_len: int, gen_len: int, version0:
         gen_rank=int(rng.integers(0, 8)),
         t_start=t0,
         t_end=t0 + float(rng.uniform(0, 100)),
+        row_index=int(t0),  # no draw of its own: the stored old shards hold make_batch's earlier draws
     )
     fields.update(kw)
     return Trajectory(**fields)
@@ -131,18 +133,20 @@ def test_round_trip_every_field(tmp_path):
         "tool_s",
         "reward_timeouts",
         "reward_errors",
+        "row_index",
     ):
         assert list(getattr(s, f)) == [getattr(t, f) for t in trajs], f
     np.testing.assert_array_equal(s.reward, np.array([t.reward for t in trajs], dtype=np.float32))
     assert read_shard_summary(p, verify_tokens=True).n_trajectories == 5
 
     with h5py.File(p) as f:
-        assert f.attrs["schema_version"] == 2 and f.attrs["n_trajectories"] == 5
+        assert f.attrs["schema_version"] == 3 and f.attrs["n_trajectories"] == 5
         assert f["finish_reason"].dtype == np.dtype("S8") and f["offsets"].dtype == np.int64
         assert all(f[k].compression is None for k in f)
 
 
 OLD_SHARD = Path(__file__).parent / "data" / "g002-00000005.h5"  # make_batch(7, n=4), written before compression
+SCHEMA1_SHARD = Path(__file__).parent / "data" / "g001-00000003.h5"  # make_batch(8, n=3) by commit 048366c^'s code
 
 
 def test_compressed_shards_read_back_identical_and_old_ones_still_read(tmp_path):
@@ -176,11 +180,40 @@ def test_compressed_shards_read_back_identical_and_old_ones_still_read(tmp_path)
     # a shard written before shards could be compressed (by the code of commit 9c548aa), read by today's code
     old = read_shard(OLD_SHARD)
     for a, b in zip(make_batch(7, n=4), old, strict=True):
+        a.row_index = -1  # schema 2 kept no dataset row
         assert_same(a, b)
     assert read_shard_summary(OLD_SHARD, verify_tokens=True).run_id == "schema2-uncompressed"
     with pytest.raises(KeyError):
         write_shard(tmp_path, trajs, 0, 9, compression="zstd")  # config_checks refuses it in one line first
     assert set(COMPRESSIONS) == set(_CHOICES["store.compression"])
+
+
+def test_shards_of_every_earlier_schema_still_read_with_defaults_for_what_they_lack(tmp_path):
+    # schema 1 (no episode counts, no row index) and 2 (no row index): a resumed run's store, an old run's analysis
+    with h5py.File(SCHEMA1_SHARD) as f:
+        assert f.attrs["schema_version"] == 1 and "turns" not in f and "row_index" not in f
+    for a, b in zip(make_batch(8, n=3), read_shard(SCHEMA1_SHARD), strict=True):
+        a.row_index = -1
+        assert_same(a, b)
+        assert (b.turns, b.tool_calls, b.reward_errors, b.row_index) == (1, 0, 0, -1)
+    s = read_shard_summary(SCHEMA1_SHARD, verify_tokens=True)
+    assert s.run_id == "schema1" and list(s.row_index) == [-1] * 3 and list(s.turns) == [1] * 3
+    # beside new shards in one store, loaded as one frame: the old rows' row_index is -1
+    rd = tmp_path / "rollouts"
+    rd.mkdir()
+    for old in (SCHEMA1_SHARD, OLD_SHARD):
+        (rd / old.name).write_bytes(old.read_bytes())
+    new = make_batch(9, n=2)
+    write_shard(rd, new, 3, 0)
+    df = load_trajectories(tmp_path)
+    assert list(df["row_index"]) == [-1] * 3 + [-1] * 4 + [t.row_index for t in new]
+    assert df["row_index"].dtype == np.int64 and list(df["turns"][:3]) == [1] * 3
+    # a schema this code does not know is refused as corrupt, in one line naming the ones it reads
+    p = write_shard(tmp_path / "x", new, 0, 0)
+    with h5py.File(p, "r+") as f:
+        f.attrs["schema_version"] = 4
+    with pytest.raises(CorruptShardError, match="schema_version 4, expected 1 to 3"):
+        read_shard_summary(p)
 
 
 def test_write_shard_errors_and_listing(tmp_path):
@@ -440,6 +473,7 @@ def test_load_trajectories(tmp_path):
         "gen_rank",
         "t_start",
         "t_end",
+        "row_index",
         "shard",
         "index",
         "consumed_version",

@@ -59,9 +59,13 @@ def learning_figure(curves: pd.DataFrame, x: str = "wall_s"):
     for ax, y in zip(axes, ("reward_mean", "heldout_acc"), strict=True):
         for run, c in curves.groupby("run", sort=False):
             c = c.dropna(subset=[y])
-            ax.plot(c[x], c[y], marker="o" if y == "heldout_acc" else None, label=run)
+            line = ax.plot(c[x], c[y], marker="o" if y == "heldout_acc" else None, label=run)[0]
+            r = c.dropna(subset=["heldout_reward_mean"]) if "heldout_reward_mean" in c else c.iloc[:0]
+            if y == "heldout_acc" and len(r):  # partial credit shows as the gap between the two
+                ax.plot(r[x], r["heldout_reward_mean"], ls="--", color=line.get_color(), label=f"{run} mean reward")
         ax.set_xlabel({"wall_s": "wall seconds", "version": "version"}.get(x, x))
-        ax.set_title({"reward_mean": "batch reward", "heldout_acc": "held-out accuracy"}[y])
+        title = {"reward_mean": "batch reward", "heldout_acc": "held-out accuracy (dashed: mean reward)"}
+        ax.set_title(title[y])
         ax.legend()
     fig.tight_layout()
     return fig

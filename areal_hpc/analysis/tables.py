@@ -48,6 +48,8 @@ def speedup_table(runs, baseline=None, target_acc: float | None = None) -> pd.Da
             "consumed_tokens_per_s": _final(r, "consumed_tokens_per_s"),
             "rl_wall_s": r.summary.get("rl_wall_s"),
             "acc_final": r.summary.get("acc_final"),
+            # the mean reward of the same evaluation (None for runs from before it was logged)
+            "heldout_reward_final": r.summary.get("heldout_reward_mean_final"),
         }
         if target_acc is not None:
             row["time_to_target_s"] = time_to_accuracy(r, target_acc)
@@ -114,7 +116,7 @@ def utilisation(run, bin_s: float = 1.0) -> pd.DataFrame:
 
 
 def learning_curves(runs) -> pd.DataFrame:
-    """Reward and held-out accuracy per (run, version), with the wall time at that version."""
+    """Reward, held-out accuracy and held-out mean reward per (run, version), with the wall time at that version."""
     frames = []
     for r in as_runs(runs):
         m = r.metrics
@@ -126,6 +128,7 @@ def learning_curves(runs) -> pd.DataFrame:
                     "wall_s": m["wall_s"],
                     "reward_mean": m.get("reward_mean", np.nan),
                     "heldout_acc": m.get("heldout_acc", np.nan),
+                    "heldout_reward_mean": m.get("heldout_reward_mean", np.nan),  # NaN in runs from before it
                 }
             )
         )

@@ -26,7 +26,8 @@ from areal_hpc.config import ConfigError
 def eval_cmd(
     model_path, data, config_path, n_samples, temperature, max_new_tokens, engine, json_path, slurm, submit, overrides
 ):
-    """Evaluate RUN_DIR/checkpoints/vN or a Hugging Face folder: pass@1 as avg@k (+- standard error), pass@k."""
+    """Evaluate RUN_DIR/checkpoints/vN or a Hugging Face folder: pass@1 as avg@k (+- standard error), pass@k, the
+    mean reward (correct: reward >= logging.eval_threshold)."""
     from areal_hpc import checkpoint_eval as ce
     from areal_hpc.model import ModelFolderError
 

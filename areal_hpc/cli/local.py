@@ -9,6 +9,7 @@ import click
 from areal_hpc.cli.common import load_or_fail
 from areal_hpc.config import to_yaml
 from areal_hpc.rundir import RunDir
+from areal_hpc.trackers import tracker_lines
 
 
 @click.command("config")
@@ -34,11 +35,34 @@ def train_sync_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
         raise click.ClickException(str(err).splitlines()[0]) from None
     click.echo(
         f"held-out accuracy: {s.acc_before:.1%} at start, {s.acc_after_warm_start:.1%} after warm start, "
-        f"{s.acc_after:.1%} after {s.versions} RL versions ({s.rl_wall_s:.0f} s of RL, {s.wall_s:.0f} s total)"
+        f"{s.acc_after:.1%} after {s.versions} RL versions ({s.rl_wall_s:.0f} s of RL, {s.wall_s:.0f} s total); "
+        f"reward >= {cfg.logging.eval_threshold:g} counts as correct"
+    )
+    click.echo(
+        f"held-out mean reward: {s.reward_before:.3f} at start, {s.reward_after_warm_start:.3f} after warm start, "
+        f"{s.reward_after:.3f} at the end"
     )
     click.echo(f"run dir:     {s.run_dir}")
     click.echo(f"metrics:     {RunDir(s.run_dir).metrics}")
-    click.echo(f"tensorboard: tensorboard --logdir {s.tensorboard_dir}")
+    for line in tracker_lines(cfg.logging.trackers, RunDir(s.run_dir), cfg.logging.mlflow_uri):
+        click.echo(line)
+
+
+def episode_lines(s: dict) -> list[str]:
+    """The summary's lines on what the episodes did: turns and tool calls, and reward calls that failed."""
+    lines = []
+    if s.get("episodes_generated"):
+        lines.append(
+            f"episodes:    {s['episodes_generated']} generated for training, {s['turns_per_episode']:.2f} turns and "
+            f"{s['tool_calls_per_episode']:.2f} tool calls per episode"
+        )
+    if "reward_errors" in s:
+        lines.append(
+            f"reward fn:   {s['reward_errors']} errors and {s['reward_timeouts']} time-outs in training episodes, "
+            f"{s.get('heldout_reward_errors', 0)} and {s.get('heldout_reward_timeouts', 0)} in held-out ones "
+            "(each scored 0; the first of each kind is in the generator's log)"
+        )
+    return lines
 
 
 @click.command("run")
@@ -83,9 +107,15 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
         f"versions:    {s['start_version']} -> {s['versions']} ({s['stop_reason']}) "
         f"in {s['rl_wall_s']:.0f} s of RL, {s['wall_s']:.0f} s total"
     )
+    threshold = s.get("eval_threshold", cfg.logging.eval_threshold)
     click.echo(
-        f"held-out:    {pct(s['acc_init'])} at start, {pct(s['acc_start'])} after warm start, "
-        f"{pct(s['acc_final'])} at the end"
+        f"held-out:    accuracy (reward >= {threshold:g}) {pct(s['acc_init'])} at start, "
+        f"{pct(s['acc_start'])} after warm start, {pct(s['acc_final'])} at the end"
+    )
+    rew = [s.get(f"heldout_reward_mean_{t}") for t in ("init", "start", "final")]
+    num = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    click.echo(
+        f"             mean reward {num(rew[0])} at start, {num(rew[1])} after warm start, {num(rew[2])} at the end"
     )
     click.echo(
         f"throughput:  {s['consumed_tokens_per_s']:.0f} consumed tokens/s "
@@ -96,11 +126,15 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
         f"staleness:   {hist} (versions behind -> trajectories); "
         f"dropped too stale: {s['dropped_stale']} groups, {s['dropped_on_resume']} on resume"
     )
+    by_value = ", ".join(f"{v}: {n}" for v, n in (s.get("uniform_groups") or {}).items())
     click.echo(
         f"sampling:    {s.get('rejected_uniform', 0)} groups rejected as uniform (all rewards equal) and refilled; "
+        f"uniform groups by reward: {{{by_value}}}; "
         f"{s.get('aborted_requests', 0)} requests interrupted for new weights and resumed; "
         f"{s.get('prefill_tokens', 0)} tokens prefilled"
     )
+    for line in episode_lines(s):
+        click.echo(line)
     if s.get("sync_s_mean") is not None:
         # per version: on a small model GB/s only measures how fast the generators reach the collective
         how = f"through {run_dir.weights}" if cfg.sync.method == "disk" else "bucketed broadcast"
@@ -111,5 +145,5 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
         )
     rel = [p.relative_to(run_dir.root) for p in (run_dir.metrics, run_dir.timeline, run_dir.logs, run_dir.checkpoints)]
     click.echo(f"run dir:     {run_dir.root}  ({', '.join(map(str, rel))})")
-    if cfg.logging.tensorboard:
-        click.echo(f"tensorboard: tensorboard --logdir {run_dir.tensorboard}")
+    for line in tracker_lines(cfg.logging.trackers, run_dir, cfg.logging.mlflow_uri):
+        click.echo(line)

@@ -17,9 +17,11 @@ from tqdm import tqdm
 from areal_hpc.config import Config
 from areal_hpc.engines import require_installed
 from areal_hpc.launch.environment import rank_env
+from areal_hpc.lifetime import MARKER, sweep, tied_to_me
 from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.liveness import silence_verdict
+from areal_hpc.trackers import require_trackers
 
 
 class RunFailed(RuntimeError):
@@ -52,9 +54,12 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     from areal_hpc.model import ensure_model
     from areal_hpc.runtime.build import check_model_fits
     from areal_hpc.runtime.resume import CheckpointError, check_resumable
+    from areal_hpc.warm_start import check_warm_start
     from areal_hpc.workflow import check_user_code
 
     check_user_code(cfg)  # a broken reward.fn or rollout.workflow: one line, before the run dir is written
+    if not resume:  # a resumed run's weights are past the warm start
+        check_warm_start(cfg)  # rows lacking what the warm start trains on: one line, before the run dir is written
     run = RunDir(Path(cfg.store.run_dir).resolve())
     try:
         if resume:
@@ -93,19 +98,28 @@ def failure_line(run_dir: Path, returncode: int) -> str:
     return f"mpirun exited with code {returncode}{hint} (logs: {run.logs})"
 
 
-def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_s: float = 120.0) -> dict:
-    """Run the whole job under mpirun and return summary.json's contents; raises RunFailed with one line."""
+def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_s: float | None = None) -> dict:
+    """Run the whole job under mpirun and return summary.json's contents; raises RunFailed with one line.
+
+    Ctrl-C or SIGTERM asks the run to stop (docs/reliability.md, "Stopping"); after stop_grace_s (default: 120 s
+    for the version on the trainers and the checkpoint, plus logging.stop_eval_s) mpirun is killed."""
+    if stop_grace_s is None:
+        stop_grace_s = 120.0 + cfg.logging.stop_eval_s
     require_installed(cfg.rollout.engine, cfg.trainer.engine)
+    require_trackers(cfg.logging.trackers)
     run_dir = prepare_run_dir(cfg, resume)
     cmd = mpirun_command(cfg, run_dir.root, resume)
     run_dir.progress.unlink(missing_ok=True)
+    env = rank_env(local_mpirun=True) | {MARKER: str(run_dir.root)}  # every process of the run carries it
     with open(run_dir.mpirun_log, "ab") as mpilog:
-        # own session: a terminal's Ctrl-C reaches only this launcher, which then stops the run cleanly
+        # own session: a terminal's Ctrl-C reaches only this launcher, which then stops the run cleanly; a
+        # launcher killed outright takes mpirun with it (SIGTERM: mpirun then kills its ranks)
         proc = subprocess.Popen(
-            cmd, stdout=mpilog, stderr=subprocess.STDOUT, env=rank_env(local_mpirun=True), start_new_session=True
+            cmd, stdout=mpilog, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=tied_to_me()
         )
     bar = tqdm(total=cfg.trainer.versions, desc="versions", disable=not progress, unit="v", dynamic_ncols=True)
     stop_asked_at = None
+    shown_warning = None  # progress.json's warning, printed once each time it changes
 
     def _as_interrupt(*_):
         raise KeyboardInterrupt
@@ -117,6 +131,9 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
             try:
                 time.sleep(0.5)
                 p = run_dir.read_progress()
+                if p and p.get("warning") and p["warning"] != shown_warning:
+                    shown_warning = p["warning"]
+                    tqdm.write(f"warning: {shown_warning}", file=sys.stderr)
                 if p and progress:
                     bar.n = p["version"]
                     post = {"tok/s": f"{p['consumed_tokens_per_s']:.0f}"}
@@ -124,10 +141,16 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
                         post["reward"] = f"{p['reward_mean']:.3f}"
                     if p.get("heldout_acc") is not None:
                         post["acc"] = f"{p['heldout_acc']:.3f}"
+                    post |= reward_failures(p)
+                    if ev := p.get("eval"):  # a held-out evaluation running: how far it got
+                        late = f", {ev['reward_timeouts']} reward time-outs" if ev["reward_timeouts"] else ""
+                        post["eval"] = f"{ev['tag']} {ev['done']}/{ev['total']}{late}"
                     bar.set_postfix(post, refresh=False)
                     bar.refresh()
                 if stop_asked_at and time.time() - stop_asked_at > stop_grace_s:
-                    os.killpg(proc.pid, signal.SIGTERM)
+                    # past the stop's bound: mpirun ends its ranks on SIGTERM; SIGKILL if that did not do
+                    late = time.time() - stop_asked_at > stop_grace_s + 10
+                    os.killpg(proc.pid, signal.SIGKILL if late else signal.SIGTERM)
             except KeyboardInterrupt:
                 if stop_asked_at is None:
                     tqdm.write("stopping: finishing the current version and checkpointing (Ctrl-C again to kill)")
@@ -142,9 +165,29 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         bar.close()
+        _sweep(run_dir)
     if proc.returncode != 0:
         raise RunFailed(failure_line(run_dir.root, proc.returncode))
     return json.loads(run_dir.summary.read_text())
+
+
+def reward_failures(progress: dict) -> dict[str, str]:
+    """The progress bar's reward errors and time-outs (training and held-out episodes), once there are any."""
+    out = {}
+    for what, key in (("reward errors", "reward_errors"), ("reward time-outs", "reward_timeouts")):
+        n = (progress.get(key) or 0) + (progress.get(f"heldout_{key}") or 0)
+        if n:
+            out[what] = str(n)
+    return out
+
+
+def _sweep(run_dir: RunDir) -> None:
+    """mpirun has exited: whatever of the run is still alive (a process that escaped its parent's death) is
+    killed, and named in mpirun.log."""
+    killed = sweep(run_dir.root)
+    if killed:
+        with open(run_dir.mpirun_log, "a") as f:
+            f.write(f"[areal] killed {len(killed)} processes the run left behind: {'; '.join(killed)}\n")
 
 
 def staleness_histogram(run_dir: Path) -> dict[int, int]:

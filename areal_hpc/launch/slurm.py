@@ -21,6 +21,7 @@ from areal_hpc.config import Config, SlurmConfig, to_yaml
 from areal_hpc.engines import EngineNotInstalled, require_installed
 from areal_hpc.launch.environment import RANK_ENV
 from areal_hpc.rundir import RunDir
+from areal_hpc.trackers import TrackerNotInstalled, require_trackers
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
 HETJOB_TEMPLATE = "areal_hetjob.sbatch.j2"
@@ -233,7 +234,8 @@ def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
     if not sc.venv or Path(sc.venv).resolve() == Path(sys.prefix).resolve():  # else the nodes' venv may differ
         try:
             require_installed(cfg.rollout.engine, cfg.trainer.engine)
-        except EngineNotInstalled as err:
+            require_trackers(cfg.logging.trackers)
+        except (EngineNotInstalled, TrackerNotInstalled) as err:
             raise SlurmError(str(err)) from None
     if not cfg.model.build_tiny:
         try:
@@ -248,12 +250,15 @@ def prepare_run_dir(run_dir: Path) -> str:
     from areal_hpc.config import load_config
     from areal_hpc.model import ensure_model
     from areal_hpc.runtime.build import check_model_fits
+    from areal_hpc.warm_start import check_warm_start
     from areal_hpc.workflow import check_user_code
 
     run = RunDir(run_dir)
     cfg = load_config(run.config)
     check_user_code(cfg)  # the user's reward.fn and rollout.workflow import here as they will on every node
     check_model_fits(cfg, ensure_model(cfg.model))  # one line in the job's log before srun starts any rank
+    if run.latest_checkpoint() is None:  # a resumed run's weights are past the warm start
+        check_warm_start(cfg)
     run.before_start()
     if os.environ.get("SLURM_JOB_ID"):
         info = {"job_id": os.environ["SLURM_JOB_ID"], "submitted_by": "sbatch"}

@@ -1,7 +1,7 @@
 """Rewards as f(completion, row) -> float (functions.py): math, code in a sandbox, or yours, in a process pool."""
 
 from areal_hpc.reward.code import code_reward
-from areal_hpc.reward.functions import BUILTIN_REWARDS, check_reward_fn, reward_fn_name, reward_pool_for
+from areal_hpc.reward.functions import BUILTIN_REWARDS, check_reward_fn, reward_fn_names, reward_pool_for
 from areal_hpc.reward.math import extract_last_boxed, math_reward
 from areal_hpc.reward.pool import RewardPool, Scores
 from areal_hpc.reward.sandbox import SandboxUnavailable, isolation
@@ -12,7 +12,7 @@ __all__ = [
     "RewardPool",
     "reward_pool_for",
     "check_reward_fn",
-    "reward_fn_name",
+    "reward_fn_names",
     "BUILTIN_REWARDS",
     "Scores",
     "extract_last_boxed",

@@ -42,7 +42,10 @@ class EmulatedRewards:
         future.set_result(Scores([self._score(c, r) for c, r in zip(completions, references)]))
         return future
 
-    def close(self) -> None:
+    def discard(self, future: cf.Future, indices: Sequence[int]) -> None:  # RewardPool's; scored at once here
+        pass
+
+    def close(self, finish_queued: bool = True) -> None:  # RewardPool's signature; nothing to stop
         pass
 
     def __enter__(self) -> EmulatedRewards:  # used as RewardPool is (`with reward_pool_for(cfg) as pool`)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import signal
 import threading
 import time
 from collections.abc import Callable
+
+from areal_hpc.reward.values import RewardValueError, as_reward
 
 __all__ = ["math_reward", "extract_last_boxed"]
 
@@ -176,9 +177,10 @@ def _can_use_alarm() -> bool:
 OK, TIMEOUT, ERROR = "ok", "timeout", "error"
 
 
-def bounded_call(fn: Callable, completion, reference, timeout_s: float | None) -> tuple[float, str, str]:
-    """(reward, how it ended, the error's one-line message) of fn(completion, reference): a finite float, or
-    0.0 when fn raised or ran past timeout_s.
+def bounded_call(fn: Callable, completion, reference, timeout_s: float | None) -> tuple[float, str, str, dict]:
+    """(reward, how it ended, a one-line message, extras) of fn(completion, reference): a finite float and the
+    other numbers a dict return carried, or 0.0 when fn raised, ran past timeout_s or returned something that
+    is not a reward (an "error": None, NaN, a string, a dict without 'score'; reward/values.py).
 
     On the main thread the whole call is bounded by an ITIMER_REAL alarm (the caller's own
     alarm, if any, is restored afterwards). Off the main thread signals are unavailable, so
@@ -187,7 +189,7 @@ def bounded_call(fn: Callable, completion, reference, timeout_s: float | None) -
     global _ALARM_ACTIVE
     try:
         if not timeout_s or timeout_s <= 0 or not _can_use_alarm():
-            return _as_reward(fn(completion, reference)), OK, ""
+            return _checked(fn(completion, reference))
 
         armed = [True]
 
@@ -204,11 +206,11 @@ def bounded_call(fn: Callable, completion, reference, timeout_s: float | None) -
         try:
             try:
                 signal.setitimer(signal.ITIMER_REAL, delay)
-                return _as_reward(fn(completion, reference)), OK, ""
+                value = fn(completion, reference)
             finally:
                 armed[0] = False
         except _ScoreTimeout:
-            return 0.0, TIMEOUT, f"over {timeout_s:g} s"
+            return 0.0, TIMEOUT, f"ran past reward.timeout_s ({timeout_s:g} s)", {}
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             restore = prev_handler if prev_handler is not None else signal.SIG_DFL
@@ -219,23 +221,29 @@ def bounded_call(fn: Callable, completion, reference, timeout_s: float | None) -
                 signal.setitimer(signal.ITIMER_REAL, left, prev_interval)
     except (KeyboardInterrupt, SystemExit):
         raise
+    except RewardValueError as e:  # a weighted list's function returned something that is not a reward
+        return 0.0, ERROR, str(e), {}
     except BaseException as e:
         # any scorer error, math-verify's BaseException-derived timeout...
         logger.debug("reward scorer failed", exc_info=True)
-        return 0.0, ERROR, " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        return 0.0, ERROR, " ".join(f"raised {type(e).__name__}: {e}".split())[:300], {}
+    return _checked(value)  # checked outside the alarm: a slow __float__ is not the scorer's time
+
+
+def _checked(value) -> tuple[float, str, str, dict]:
+    """bounded_call's answer for what fn returned: ok with its score and extras, or an error saying what it was."""
+    try:
+        score, extras = as_reward(value)
+    except RewardValueError as e:
+        return 0.0, ERROR, str(e), {}
+    except Exception as e:  # an object of the user's whose repr or float() raises
+        return 0.0, ERROR, f"returned a {type(value).__name__} that cannot be read ({type(e).__name__})", {}
+    return score, OK, "", extras
 
 
 def _bounded_call(fn: Scorer, completion: str, reference: str, timeout_s: float | None) -> float:
     """bounded_call's reward alone."""
     return bounded_call(fn, completion, reference, timeout_s)[0]
-
-
-def _as_reward(x) -> float:
-    try:
-        v = float(x)
-    except Exception:
-        return 0.0
-    return v if math.isfinite(v) else 0.0
 
 
 def math_reward(completion: str, reference: str, timeout_s: float = 5.0) -> float:

@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
 
-from areal_hpc.reward.math import ERROR, OK, TIMEOUT, Scorer, _as_reward, _math_reward_unbounded, bounded_call
+from areal_hpc.reward.math import ERROR, TIMEOUT, Scorer, _math_reward_unbounded, bounded_call
+from areal_hpc.reward.scores import FailureLog, Scores, ScoringJob
 from areal_hpc.reward.workers import _score_chunk, _WorkerGeneration
 
 __all__ = ["RewardPool", "Scores"]
@@ -20,46 +21,6 @@ __all__ = ["RewardPool", "Scores"]
 logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- pool
-
-
-class Scores(list):
-    """A batch's rewards in order, with how each call ended: "ok", "timeout" or "error" (both scored 0.0)."""
-
-    def __init__(self, values):
-        super().__init__(values)
-        self.statuses = [OK] * len(self)
-
-    @property
-    def timeouts(self) -> int:
-        return self.statuses.count(TIMEOUT)
-
-    @property
-    def errors(self) -> int:
-        return self.statuses.count(ERROR)
-
-
-class _ScoringJob:
-    """One submitted batch: collects its items' scores and resolves its future once the last one is in."""
-
-    __slots__ = ("future", "completions", "references", "scores", "remaining", "pool")
-
-    def __init__(self, completions: list[str], references: list, pool: RewardPool | None = None):
-        self.future: cf.Future = cf.Future()
-        self.future.set_running_or_notify_cancel()  # results are always delivered; no cancel
-        self.completions = completions
-        self.references = references
-        self.scores = Scores([0.0] * len(completions))
-        self.remaining = len(completions)
-        self.pool = pool
-
-    def put(self, idx: int, value: float, status: str = OK, message: str = "") -> None:
-        self.scores[idx] = value
-        self.scores.statuses[idx] = status
-        if status != OK and self.pool is not None:
-            self.pool._note_failure(status, message)
-        self.remaining -= 1
-        if self.remaining == 0 and not self.future.done():
-            self.future.set_result(self.scores)
 
 
 class _WorkUnit:
@@ -132,9 +93,11 @@ class RewardPool:
         self._in_flight: dict[cf.Future, _WorkUnit] = {}
         self._closing = False
         self._closed = False
+        self._dropping = False  # close(finish_queued=False): nothing queued is scored
+        self._discards: list[tuple[cf.Future, set[int]]] = []  # discard(): handled by the supervisor thread
         self._consecutive_breaks = 0
         self.rebuilds = 0  # pool incarnations discarded after a crash or hang (for monitoring)
-        self._logged_failure = False
+        self.failures = FailureLog()  # the first failure of each kind is logged, every one counted
 
         self._gen: _WorkerGeneration | None = None
         try:
@@ -158,7 +121,7 @@ class RewardPool:
         # Other types would only score 0.0, and could fail to pickle: normalise them here.
         completions = [c if isinstance(c, str) else "" for c in completions]
         references = [r if isinstance(r, (str, dict)) else "" for r in references]
-        job = _ScoringJob(completions, references, self)
+        job = ScoringJob(completions, references, self.failures)
         if not completions:
             job.future.set_result([])
             return job.future
@@ -168,6 +131,29 @@ class RewardPool:
             self._queue.extend((job, i) for i in range(len(completions)))
             self._wake_locked()
         return job.future
+
+    def discard(self, future: cf.Future, indices: Sequence[int]) -> None:
+        """Items of a submitted batch that nobody waits for any more (their episodes were cancelled): those still
+        queued are never scored (they resolve as 0.0 errors, unlogged); one a worker runs already finishes."""
+        with self._lock:
+            self._discards.append((future, set(indices)))
+            self._wake_locked()
+
+    def _drop_discarded(self) -> None:
+        """In the supervisor thread, which alone resolves items: take discarded items out of the queues."""
+        with self._lock:
+            discards, self._discards = self._discards, []
+            gone = [
+                (j, i) for j, i in [*self._queue, *self._suspects] if any(j.future is f and i in d for f, d in discards)
+            ]
+            for src in (self._queue, self._suspects):
+                kept = [x for x in src if x not in gone]
+                src.clear()
+                src.extend(kept)
+        for job, idx in gone:
+            failures, job.failures = job.failures, None  # not a failure of the reward function: not logged
+            job.put(idx, 0.0, ERROR, "was discarded")
+            job.failures = failures
 
     def score(self, completions: Sequence[str], references: Sequence[str]) -> list[float]:
         """Blocking convenience: submit(...).result()."""
@@ -184,16 +170,20 @@ class RewardPool:
                 return False
             time.sleep(0.02)
 
-    def close(self) -> None:
-        """Finishes queued work, then stops the workers. Idempotent."""
+    def close(self, finish_queued: bool = True) -> None:
+        """Finishes queued work, then stops the workers. Idempotent. finish_queued=False (a rank stopping, whose
+        episodes no longer wait): queued items score 0.0 unlogged and the workers are killed mid-call."""
         with self._lock:
             if self._closed:
                 return
             self._closing = True
+            self._dropping = self._dropping or not finish_queued
             self._wake_locked()
         self._thread.join()
         gen, self._gen = self._gen, None
-        if gen is not None:
+        if gen is not None and self._dropping:
+            gen.kill()
+        elif gen is not None:
             try:
                 gen.executor.shutdown(wait=True, cancel_futures=True)
             except Exception:
@@ -205,15 +195,6 @@ class RewardPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _note_failure(self, status: str, message: str) -> None:
-        """The first scorer call that timed out or raised is logged, once per pool (per rank): every later
-        one is only counted."""
-        if self._logged_failure:
-            return
-        self._logged_failure = True
-        what = "ran past reward.timeout_s" if status == TIMEOUT else "raised"
-        logger.warning("reward function %s (scored 0; later failures are only counted): %s", what, message)
 
     # ---------------------------------------------------------------- supervisor
 
@@ -239,6 +220,12 @@ class RewardPool:
             idle = not self._queue and not self._suspects and not self._in_flight
             if idle and self._closing:
                 return False
+        if self._dropping:
+            self._fail_everything(log=False)
+            return False
+        if self._discards:
+            self._drop_discarded()
+            return True
         if idle:
             cf.wait([wake])
             return True
@@ -319,11 +306,11 @@ class RewardPool:
             scores = fut.result()
             if isinstance(scores, list) and len(scores) == len(unit.items):
                 self._consecutive_breaks = 0
-                for (job, idx), (value, status, message) in zip(unit.items, scores):
-                    job.put(idx, _as_reward(value), status, message)
+                for (job, idx), (value, status, message, extras) in zip(unit.items, scores):
+                    job.put(idx, float(value), status, message, extras)
                 return
             exc = RuntimeError("malformed chunk result")
-        self._blame(unit, f"the worker process died ({type(exc).__name__})")
+        self._blame(unit, f"crashed its worker process ({type(exc).__name__})")
         if isinstance(exc, BrokenProcessPool):
             self._on_crash()
 
@@ -362,7 +349,7 @@ class RewardPool:
     def _on_crash(self) -> None:
         # A worker died: every chunk of this incarnation is lost with it, culprit unknown.
         for unit in list(self._in_flight.values()):
-            self._blame(unit, "the worker process crashed")
+            self._blame(unit, "crashed its worker process")
         self._in_flight.clear()
         self._rebuild(crashed=True)
 
@@ -383,7 +370,7 @@ class RewardPool:
         except Exception:
             logger.exception("RewardPool: cannot rebuild worker pool; scoring inline")
 
-    def _fail_everything(self) -> None:
+    def _fail_everything(self, log: bool = True) -> None:
         with self._lock:
             items = list(self._queue) + list(self._suspects)
             self._queue.clear()
@@ -393,4 +380,5 @@ class RewardPool:
         self._in_flight.clear()
         for job, idx in items:
             if not job.future.done():
-                job.put(idx, 0.0, ERROR, "the reward pool's supervisor failed")
+                job.failures = job.failures if log else None
+                job.put(idx, 0.0, ERROR, "was lost: the reward pool's supervisor failed")

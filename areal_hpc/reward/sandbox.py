@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from areal_hpc.config_checks import ConfigError
+from areal_hpc.lifetime import marker_env
 
 __all__ = ["MODES", "Limits", "Result", "Isolation", "SandboxUnavailable", "isolation", "run_python"]
 
@@ -156,6 +157,8 @@ def _bwrap_command(limits: Limits, exe: str, extra_ro: str | None) -> list[str]:
         cmd.append("--disable-userns")
     cmd += ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
     cmd += ["--setenv", "LANG", "C.UTF-8"]
+    for key, value in marker_env().items():  # the run's marker: what a run leaves behind is found by it
+        cmd += ["--setenv", key, value]
     cmd += ["--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):  # merged /usr: the usual symlinks into it
@@ -231,7 +234,7 @@ def run_python(source: str, limits: Limits, how: str) -> Result:
     if how == BWRAP:
         cmd, cwd, nproc = _bwrap_command(limits, exe, extra_ro), None, None
         program = _PREAMBLE.format(n=int(limits.max_procs)) + source
-        env = {}
+        env = marker_env()
     elif how == RLIMITS_ONLY:
         workdir = tempfile.mkdtemp(prefix="areal-sandbox-")
         if user is not None:
@@ -239,7 +242,7 @@ def run_python(source: str, limits: Limits, how: str) -> Result:
         cmd, cwd = [exe, "-I", "-S", "-"], workdir
         nproc = _tasks_of(user[0] if user else os.getuid()) + int(limits.max_procs)
         program = _PREAMBLE_PLAIN + source
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"}
+        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"} | marker_env()
     else:
         raise ValueError(f"isolation {how!r} is not one of {BWRAP}, {RLIMITS_ONLY}")
     t0 = time.monotonic()

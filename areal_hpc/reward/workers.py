@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+from areal_hpc.lifetime import exit_with
 from areal_hpc.reward.math import Scorer, _math_reward_unbounded, bounded_call
 
 logger = logging.getLogger(__name__)
@@ -17,11 +18,15 @@ logger = logging.getLogger(__name__)
 _READY_COUNTER = None
 
 
-def _worker_init(ready_counter, cpus: frozenset[int] | None = None, scorer: Scorer | None = None) -> None:
+def _worker_init(
+    ready_counter, cpus: frozenset[int] | None = None, scorer: Scorer | None = None, owner: int | None = None
+) -> None:
     # Import + first parse compile math-verify's regexes once per worker, not per item; and the user's
     # reward function: importing it (and what it imports) must not eat the first call's reward.timeout_s
     global _READY_COUNTER
     _READY_COUNTER = ready_counter
+    if owner is not None:  # the pool's process (a generator rank) died, killed or not: so does this worker
+        exit_with(owner)
     if cpus:  # off the cores the caller keeps for itself (a generator's engine)
         os.sched_setaffinity(0, cpus)
     try:
@@ -62,7 +67,7 @@ class _WorkerGeneration:
             max_workers=num_workers,
             mp_context=ctx,
             initializer=_worker_init,
-            initargs=(self.counter, cpus, scorer),
+            initargs=(self.counter, cpus, scorer, os.getpid()),
         )
         # Workers are spawned on demand: one ping per worker starts them all now, in the
         # background, so their import cost overlaps with whatever the caller does next.

@@ -12,13 +12,14 @@ from tqdm import tqdm
 
 from areal_hpc.algo.ppo import Objective
 from areal_hpc.config import Config
-from areal_hpc.data import MathDataset, arithmetic_completion, check_prompts_fit
+from areal_hpc.data import MathDataset, check_prompts_fit
 from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_engine, make_train_engine
 from areal_hpc.engines.lora import LoraSpec, adapter_params, model_skeleton, target_modules
 from areal_hpc.model import DTYPES
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.weight_sync import cast_floating, weights_checksum
 from areal_hpc.utils import atomic_write_text
+from areal_hpc.warm_start import warm_start_segments, warm_start_targets
 
 
 def _emulation_kwargs(cfg: Config) -> dict:
@@ -160,30 +161,16 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None, full: b
     )
 
 
-def warm_start_segments(p, cfg: Config, rng: random.Random) -> list[tuple[str, bool]]:
-    """The reference episode of one problem, as (text, trained) segments: its answer, or for the arithmetic
-    task under the `tool` workflow (a share workflow.warm_start_tool_share of them) a tool call whose output
-    is not trained, then the answer."""
-    if cfg.data.kind != "arithmetic":
-        return [(p.answer, True)]
-    answer = arithmetic_completion(p.answer)
-    wc = cfg.workflow
-    if cfg.rollout.workflow != "tool" or rng.random() >= wc.warm_start_tool_share:
-        return [(answer, True)]
-    from areal_hpc.workflow.builtin import tool_observation
-
-    code = f"```python\nprint({p.row['question'].rstrip('=')})\n```\n"
-    return [(code, True), (tool_observation(p.answer), False), (answer, True)]
-
-
 def warm_start(trainer: TrainEngine, tokenizer, dataset: MathDataset, cfg: Config, progress: bool) -> float:
-    """Supervised steps on reference answers: RL needs near-miss mistakes to start from.
+    """Supervised steps on each example's target (trainer.warm_start_template): the answer format, and near-miss
+    mistakes for RL to start from.
 
     Every trainer rank runs the same steps on the same examples (same seed), so data-parallel
     trainers stay identical.
     """
     tc = cfg.trainer
     examples = dataset.train[: tc.warm_start_examples]
+    targets = dict(zip((p.prompt_id for p in examples), warm_start_targets(examples, cfg)))
     rng = random.Random(cfg.trainer.seed)
     eos = tokenizer.eos_token_id
     loss = float("nan")
@@ -192,7 +179,7 @@ def warm_start(trainer: TrainEngine, tokenizer, dataset: MathDataset, cfg: Confi
         seqs, masks = [], []
         for p in batch:
             seq, mask = list(p.prompt_ids), [0] * len(p.prompt_ids)  # built as every rollout's prompt is
-            for text, trained in warm_start_segments(p, cfg, rng):
+            for text, trained in warm_start_segments(p, targets[p.prompt_id], cfg, rng):
                 ids = tokenizer.encode(text, add_special_tokens=False)
                 seq += ids
                 mask += [int(trained)] * len(ids)

@@ -13,7 +13,7 @@ from areal_hpc.config import Config, concurrent_groups
 from areal_hpc.data import Problem, load_run_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import reward_pool_for
-from areal_hpc.rollout import group_summary
+from areal_hpc.rollout import group_counts, group_summary
 from areal_hpc.runtime.adapters import AdapterLoader
 from areal_hpc.runtime.build import build_generation_engine, lora_spec
 from areal_hpc.runtime.heldout import HeldoutEvals
@@ -115,7 +115,9 @@ class Generator(RoleLoop):
             lc.eval_temperature == 0,  # else avg@k at the engine's temperature
             lambda body: self.mail.send(0, Tag.EVAL_RESULT, body),
             lambda t0, t1: self.timeline.add("eval", t0, t1),
+            lc.eval_threshold,
         )
+        self.evals.bound(lc.eval_timeout_s, self._drop, lambda body: self.mail.send(0, Tag.EVAL_PROGRESS, body))
         self.stopping = False
         self.interrupted = 0
         self.prefilled = 0  # engine.prefill_tokens at the last WEIGHTS_OK
@@ -287,10 +289,12 @@ class Generator(RoleLoop):
         for a, b in (span for e in episodes for span in e.stats.tool_spans):
             self.timeline.add("tool", a, b)
         gid, pid = key.group_id, g.problem.prompt_id
-        trajs = [t for s, e in enumerate(episodes) for t in to_trajectories(e, SampleId(gid, s), pid, self.rank)]
+        row = g.problem.row_index
+        trajs = [t for s, e in enumerate(episodes) for t in to_trajectories(e, SampleId(gid, s), pid, self.rank, row)]
         if not self.scored:
             self.scored_since = time.time()
-        self.scored.append((trajs, group_summary(trajs, g.problem.prompt_id, key.group_id)))
+        counts = group_counts([e.stats for e in episodes])  # rank 0 counts them whatever becomes of the group
+        self.scored.append((trajs, group_summary(trajs, g.problem.prompt_id, key.group_id) | counts))
 
     def _write_scored(self) -> None:
         """One shard for the scored groups once enough wait, the oldest has waited long enough, or nothing
@@ -335,16 +339,20 @@ class Generator(RoleLoop):
         }
 
     def _on_stop(self, src: int, body: dict) -> None:
-        """Groups still generating are dropped (a resume grants their prompts again); evaluations asked
-        for and groups already scored are finished and written."""
+        """Groups still generating are dropped (a resume grants their prompts again); groups already scored
+        are written; evaluations run as HeldoutEvals.stop says (on a stop request only the final, bounded)."""
         self.stopping = True
-        training = [k for k in self.runner.tasks if not isinstance(parse_request_id(k), EvalId)]
-        dropped = set(self.runner.cancel(training))
+        self.evals.stop(body["stop_eval_s"])
+        self._drop([k for k in self.runner.tasks if not isinstance(parse_request_id(k), EvalId)])
+        self.groups.clear()
+        self.engine_groups.clear()
+
+    def _drop(self, keys: list[str]) -> None:
+        """Cancel these episodes: their requests leave the engine and what is held for it."""
+        dropped = set(self.runner.cancel(keys))
         self.engine.interrupt(list(dropped))
         for rid in dropped:
             self.requests.pop(rid, None)
-        self.groups.clear()
-        self.engine_groups.clear()
         self.held = [r for r in self.held if r.request_id not in dropped]
 
     def tick(self) -> bool:
@@ -359,6 +367,7 @@ class Generator(RoleLoop):
         else:
             self._end_generate_span()
         busy = self._poll_episodes() or busy
+        self.evals.tick(time.time())  # right after a poll: no finished episode of an evaluation it cuts waits
         self._write_scored()
         self._ask()
         return busy
@@ -381,6 +390,6 @@ class Generator(RoleLoop):
             self.engine.close()
         finally:
             self.runner.close()
-            self.pool.close()
+            self.pool.close(finish_queued=False)  # no episode waits for it: a slow reward must not hold the exit
         self.meter.close()
         self.timeline.close()

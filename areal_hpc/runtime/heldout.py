@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from areal_hpc.data import Problem
+from areal_hpc.evaluation import heldout_figures
 from areal_hpc.types import EvalId
 from areal_hpc.workflow import EpisodeRunner, FinishedEpisode
+
+log = logging.getLogger("areal_hpc.generator")
+PROGRESS_EVERY_S = 1.0  # how often a running evaluation tells rank 0 how far it got (the progress bar shows it)
 
 
 @dataclass
@@ -20,6 +25,7 @@ class _Eval:
     newest: int = -1  # the newest version that sampled any of its tokens
     tool_users: int = 0  # episodes that called a tool
     reward_failures: list[int] = field(default_factory=lambda: [0, 0])  # reward calls timed out, raised
+    deadline: float | None = None  # past it the unfinished episodes are cut (logging.eval_timeout_s)
 
 
 _NO_FAILURES = {"reward_timeouts": 0, "reward_errors": 0}
@@ -29,12 +35,25 @@ class HeldoutEvals:
     """Episodes of the configured workflow on the held-out prompts, k per prompt (logging.eval_n_samples), greedy
     or at the engine's temperature. `report(body)` sends an EVAL_RESULT body; `span(t0, t1)` logs the timeline's."""
 
-    def __init__(self, problems: list[Problem], runner: EpisodeRunner, k: int, greedy: bool, report, span):
+    def __init__(
+        self, problems: list[Problem], runner: EpisodeRunner, k: int, greedy: bool, report, span, threshold=1.0
+    ):
         self.problems, self.runner, self.k, self.greedy = problems, runner, k, greedy
+        self.threshold = threshold  # logging.eval_threshold: the reward at which an episode counts as correct
         self.report: Callable[[dict], None] = report
         self.span: Callable[[float, float], None] = span
         self.asked: list[str] = []  # tags asked for, not started
         self.current: _Eval | None = None
+        self.timeout_s = 0.0  # logging.eval_timeout_s (0: no bound)
+        self.final_s: float | None = None  # a stop request's bound on the final evaluation (logging.stop_eval_s)
+        self.drop: Callable[[list[str]], None] = runner.cancel  # the generator's: out of the runner and the engine
+        self.progress: Callable[[dict], None] = lambda body: None  # an EVAL_PROGRESS body to rank 0
+        self._progress_t = 0.0
+
+    def bound(self, timeout_s: float, drop, progress) -> None:
+        """Each evaluation ends after timeout_s (0: never) with what it has; drop(keys) cancels episodes;
+        progress(body) sends rank 0 how far the running one got, every PROGRESS_EVERY_S."""
+        self.timeout_s, self.drop, self.progress = timeout_s, drop, progress
 
     @property
     def busy(self) -> bool:
@@ -52,16 +71,18 @@ class HeldoutEvals:
         tag = self.asked.pop(0)
         while tag.startswith("v") and self.asked:
             # asked faster than they run: a later evaluation supersedes a periodic one
-            self.report(
-                {"tag": tag, "version": None, "version_end": None, "acc": None, "tool_share": None} | _NO_FAILURES
-            )
+            none = {"acc": None, "reward_mean": None, "tool_share": None, "cut": 0}
+            self.report({"tag": tag, "version": None, "version_end": None} | none | _NO_FAILURES)
             tag = self.asked.pop(0)
         if not self.problems:
             nan = float("nan")
-            body = {"tag": tag, "version": version, "version_end": version, "acc": nan, "tool_share": nan}
-            self.report(body | _NO_FAILURES)
+            body = {"tag": tag, "version": version, "version_end": version, "acc": nan, "reward_mean": nan}
+            body["tool_share"] = nan
+            self.report(body | _NO_FAILURES | {"cut": 0})
             return
-        self.current = _Eval(tag, version, time.time())
+        now = time.time()
+        bounds = [b for b in (self.timeout_s or None, self.final_s if tag == "final" else None) if b is not None]
+        self.current = _Eval(tag, version, now, deadline=now + min(bounds) if bounds else None)
         for i, p in enumerate(self.problems):
             for s in range(self.k):
                 self.runner.start(str(EvalId(i * self.k + s)), p.row, p.prompt_ids, greedy=self.greedy)
@@ -69,17 +90,73 @@ class HeldoutEvals:
     def episode_done(self, index: int, ep: FinishedEpisode) -> None:
         """A held-out episode's reward (a rejected one scores 0); the result goes to rank 0 once all are in."""
         ev = self.current
+        if ev is None or ep.t_start < ev.t_start:
+            return  # an episode of an evaluation that was cut, finished as it was cancelled
         ev.rewards[index] = ep.reward or 0.0
         ev.tool_users += ep.stats.tool_calls > 0
         ev.reward_failures[0] += ep.stats.reward_timeouts
         ev.reward_failures[1] += ep.stats.reward_errors
         # a segment's versions only grow: its last token carries the newest weights it saw
         ev.newest = max([ev.newest] + [seg.versions[-1] for seg in ep.sampled if seg.versions])
-        total = len(self.problems) * self.k
-        if len(ev.rewards) < total:
-            return
+        if len(ev.rewards) == len(self.problems) * self.k:
+            self._finish()
+
+    def _finish(self) -> None:
+        """The running evaluation's result to rank 0: its figures over the episodes that finished, and how many
+        were cut (never scored as wrong answers)."""
+        ev, total = self.current, len(self.problems) * self.k
         self.current = None
         self.span(ev.t_start, time.time())
         body = {"tag": ev.tag, "version": ev.version, "version_end": max(ev.newest, ev.version)}
         failures = {"reward_timeouts": ev.reward_failures[0], "reward_errors": ev.reward_failures[1]}
-        self.report(body | {"acc": sum(ev.rewards.values()) / total, "tool_share": ev.tool_users / total} | failures)
+        figures = heldout_figures(list(ev.rewards.values()), self.threshold)
+        scores = {"acc": figures["heldout_acc"], "reward_mean": figures["heldout_reward_mean"]}
+        done = len(ev.rewards)
+        tools = {"tool_share": ev.tool_users / done if done else float("nan")}
+        self.report(body | scores | tools | failures | {"cut": total - done})
+
+    def cut(self, why: str) -> None:
+        """End the running evaluation now: its unfinished episodes are cancelled and counted as cut."""
+        ev, total = self.current, len(self.problems) * self.k
+        keys = [str(EvalId(i)) for i in range(total) if i not in ev.rewards]
+        self.drop(keys)
+        log.warning(
+            "held-out evaluation %s cut after %.0f s (%s): %d of %d episodes finished, %d cut and left out of it",
+            ev.tag,
+            time.time() - ev.t_start,
+            why,
+            len(ev.rewards),
+            total,
+            len(keys),
+        )
+        self._finish()
+
+    def tick(self, now: float) -> None:
+        """From the generator's loop: cut the running evaluation past its deadline; else report its progress."""
+        ev = self.current
+        if ev is None:
+            return
+        if ev.deadline is not None and now >= ev.deadline:
+            what = "logging.stop_eval_s" if self.final_s is not None and ev.tag == "final" else "logging.eval_timeout_s"
+            self.cut(f"{what} reached")
+        elif now - self._progress_t >= PROGRESS_EVERY_S:
+            self._progress_t = now
+            done, total = len(ev.rewards), len(self.problems) * self.k
+            self.progress({"tag": ev.tag, "done": done, "total": total, "reward_timeouts": ev.reward_failures[0]})
+
+    def stop(self, final_s: float | None) -> None:
+        """Rank 0's STOP. On a stop request (final_s: logging.stop_eval_s) the evaluation running now is cut
+        unless it is the final one, those asked and not started are not run, and the final gets final_s at
+        most; on a normal end (None) they all run as asked."""
+        if final_s is None:
+            return
+        self.final_s = final_s
+        ev = self.current
+        if ev is not None and ev.tag != "final":
+            self.cut("the run is stopping")
+        elif ev is not None:
+            ev.deadline = min(ev.deadline or float("inf"), ev.t_start + final_s)
+        for tag in [t for t in self.asked if t != "final"]:
+            none = {"acc": None, "reward_mean": None, "tool_share": None, "cut": 0}
+            self.report({"tag": tag, "version": None, "version_end": None} | none | _NO_FAILURES)
+        self.asked = [t for t in self.asked if t == "final"]

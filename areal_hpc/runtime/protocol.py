@@ -6,15 +6,24 @@ Every control message goes to or from rank 0 over MPI as a small pickled dict; b
 generator -> scheduler
   WANT        {"k": n}                         n more prompts wanted (free group slots not yet asked for)
   GROUPS_DONE {"shard": name, "groups": [{"indices": [...], "prompt_id", "group_id", "n_tokens",
-               "gen_tokens", "version_start", "uniform": bool}, ...]}
+               "gen_tokens", "version_start", "uniform": r|None, "episodes", "turns", "tool_calls",
+               "reward_timeouts", "reward_errors", "logged": {name: (sum, n)}}, ...]}
                                                finished, rewarded groups now in a shard file; "uniform":
-                                               all n rewards equal (rank 0 may reject the group)
-  EVAL_RESULT {"tag": str, "version": v|None, "version_end": w, "acc": float|None, "tool_share": float|None,
-               "reward_timeouts": n, "reward_errors": n}
-                                               held-out accuracy (and the share of its episodes that called a
-                                               tool, its reward calls that timed out or raised), started on
-                                               weights v, its last tokens from w >= v; acc None: superseded
-                                               by a later evaluation, never run
+                                               the reward all n samples got when equal, else None (rank 0
+                                               may reject the group, and counts such groups); the
+                                               counts of its episodes and the numbers they logged (sum
+                                               over n episodes), added up by rank 0 whatever becomes of it
+  EVAL_RESULT {"tag": str, "version": v|None, "version_end": w, "acc": float|None, "reward_mean": float|None,
+               "tool_share": float|None, "reward_timeouts": n, "reward_errors": n, "cut": c}
+                                               held-out accuracy (the share of episodes whose reward is
+                                               >= logging.eval_threshold), mean reward, the share of its
+                                               episodes that called a tool, its reward calls that timed out
+                                               or raised; started on weights v, its last tokens from w >= v;
+                                               acc None: superseded by a later evaluation, never run;
+                                               c episodes cut unfinished (logging.eval_timeout_s, a stop),
+                                               left out of the figures
+  EVAL_PROGRESS {"tag": str, "done": n, "total": t, "reward_timeouts": r}
+                                               a running evaluation's episodes finished so far, every second
   WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s|None, "skipped": bool, "prefill_tokens": n}
                                                weights applied (skipped: received but replaced by a newer
                                                version first, or pruned from disk; load_s None then);
@@ -39,7 +48,8 @@ any -> scheduler
   BYE         {"interrupted": n}               answer to STOP: this rank sends nothing more (generators:
                                                how many requests they aborted for new weights; trainers: 0)
 scheduler -> any
-  STOP        {}                               finish: answer BYE and exit (rank 0 drains until every BYE)
+  STOP        {"stop_eval_s": s|None}          finish: answer BYE and exit (rank 0 drains until every BYE);
+                                               s: a stop request's bound on the final evaluation (generators)
 
 Ordering: MPI keeps the order of messages between one pair of ranks, so a generator always handles
 NEW_VERSION v before a later GRANT, EVAL or STOP.
@@ -59,6 +69,7 @@ class Tag(IntEnum):
     GROUPS_DONE = 2
     EVAL_RESULT = 3
     WEIGHTS_OK = 4
+    EVAL_PROGRESS = 5
     GRANT = 10
     NEW_VERSION = 11
     EVAL = 12
@@ -77,7 +88,18 @@ class Tag(IntEnum):
 FIELDS: dict[Tag, tuple[str, ...]] = {
     Tag.WANT: ("k",),
     Tag.GROUPS_DONE: ("shard", "groups"),
-    Tag.EVAL_RESULT: ("tag", "version", "version_end", "acc", "tool_share", "reward_timeouts", "reward_errors"),
+    Tag.EVAL_RESULT: (
+        "tag",
+        "version",
+        "version_end",
+        "acc",
+        "reward_mean",
+        "tool_share",
+        "reward_timeouts",
+        "reward_errors",
+        "cut",
+    ),
+    Tag.EVAL_PROGRESS: ("tag", "done", "total", "reward_timeouts"),
     Tag.WEIGHTS_OK: ("version", "checksum", "load_s", "skipped", "prefill_tokens"),
     Tag.GRANT: ("prompts",),
     Tag.NEW_VERSION: ("version",),
@@ -90,10 +112,13 @@ FIELDS: dict[Tag, tuple[str, ...]] = {
     Tag.CHECKPOINT: ("version",),
     Tag.HEARTBEAT: (),
     Tag.BYE: ("interrupted",),
-    Tag.STOP: (),
+    Tag.STOP: ("stop_eval_s",),
 }
 # The keys of each entry of GROUPS_DONE's "groups".
-GROUP_FIELDS = ("indices", "prompt_id", "group_id", "n_tokens", "gen_tokens", "version_start", "uniform")
+GROUP_FIELDS = (
+    ("indices", "prompt_id", "group_id", "n_tokens", "gen_tokens", "version_start", "uniform")
+    + ("episodes", "turns", "tool_calls", "reward_timeouts", "reward_errors", "logged")  # rollout.group_counts
+)
 
 
 class ProtocolError(RuntimeError):

@@ -12,7 +12,9 @@ from areal_hpc.config import Config
 from areal_hpc.metrics import MetricsLogger
 from areal_hpc.rollout import episode_metrics
 from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.generated import GeneratedEpisodes
 from areal_hpc.runtime.layout import Layout
+from areal_hpc.runtime.learning_signal import WARNING, UniformGroups
 from areal_hpc.runtime.scheduler_core import SchedulerCore
 from areal_hpc.utils import atomic_write_text
 
@@ -45,15 +47,22 @@ class RunReport:
         self.prefill_tokens = 0  # tokens the generators' engines prefilled, resumed requests' second prefill included
         self.dropped_on_resume = 0
         self.warning: str | None = None  # shown by `areal-hpc status` (progress.json) and logged once
+        # groups whose samples all scored alike, by value: when a run cannot learn (the scheduler decides)
+        self.uniform = UniformGroups.for_run(cfg.rollout.batch_prompts, cfg.trainer.max_uniform_batches)
+        self.failure: str | None = None  # why a run that ended cleanly failed (one line; a non-zero exit)
         self.quarantined: list[str] = []  # corrupt shards this launch's resume moved out of the store
         self.raw_gbps = math.nan
         self.sync_gbps: list[float] = []
         self.sync_s: list[float] = []  # trainer 0's send of each version
         self.load_s: list[float] = []  # each generator's load of each version
         self.sync_bytes = 0
-        self.evals: dict[str, float] = {}  # evaluation tag -> held-out accuracy
+        self.evals: dict[str, float] = {}  # evaluation tag -> held-out accuracy (reward >= logging.eval_threshold)
+        self.eval_rewards: dict[str, float] = {}  # evaluation tag -> held-out mean reward
         self.heldout_reward_failures = [0, 0]  # reward calls of held-out evaluations that timed out, raised
+        self.generated = GeneratedEpisodes()  # every training episode's counts, from GROUPS_DONE
         self.eval_tool_share: dict[str, float] = {}  # evaluation tag -> share of its episodes that called a tool
+        self.eval_cut: dict[str, int] = {}  # evaluation tag -> episodes cut unfinished (eval_timeout_s, a stop)
+        self.eval_running: dict | None = None  # the running evaluation's last EVAL_PROGRESS (the progress bar shows it)
         self.rows: dict[int, dict] = {}  # version -> metrics row being assembled
         self.row_wait: dict[int, set] = {}  # version -> parts the row still waits for
         self.row_got: dict[int, set] = {}  # version -> parts that arrived
@@ -65,9 +74,12 @@ class RunReport:
             self.tokens_consumed = state.get("tokens_consumed", 0)
             self.samples_consumed = state.get("samples_consumed", 0)
             self.evals = dict(state.get("evals", {}))
+            self.eval_rewards = dict(state.get("eval_rewards", {}))  # absent in checkpoints of older runs
             self.dropped_on_resume = state.get("dropped_on_resume", 0)
+            self.uniform.load(state.get("uniform_groups", {}))
+            self.generated = GeneratedEpisodes(state.get("generated"))
         self.metrics = MetricsLogger(
-            self.run_dir, self.cfg.logging.tensorboard, keep_upto=start_version if resumed else None
+            self.run_dir, self.cfg.logging.trackers, keep_upto=start_version if resumed else None, config=self.cfg
         )
         if resumed and state is not None:
             # rows the checkpointed launch had not written yet (it died waiting for a weight load or an
@@ -83,7 +95,10 @@ class RunReport:
             "tokens_consumed": self.tokens_consumed,
             "samples_consumed": self.samples_consumed,
             "evals": self.evals,
+            "eval_rewards": self.eval_rewards,
             "dropped_on_resume": self.dropped_on_resume,
+            "generated": self.generated.total,
+            "uniform_groups": self.uniform.summary(),
             "rows": {str(v): r for v, r in self.rows.items() if v <= upto and "train" in self.row_got.get(v, ())},
         }
 
@@ -126,24 +141,41 @@ class RunReport:
             self.load_s.append(body["load_s"])
         self.got(body["version"], f"load{src}", row)
 
+    def eval_progress(self, body: dict) -> None:
+        """How far the running held-out evaluation got: into progress.json at once."""
+        self.eval_running = body
+        self.write_progress()
+
     def eval_result(self, body: dict) -> None:
         tag, acc = body["tag"], body["acc"]
+        if self.eval_running is not None and self.eval_running["tag"] == tag:
+            self.eval_running = None
+            self.write_progress()
+        if acc is not None and body["cut"]:  # never scored as wrong answers: counted, and left out of acc
+            self.eval_cut[tag] = body["cut"]
+            log.warning("held-out %s: %d episodes cut unfinished, left out of its figures", tag, body["cut"])
         if acc is not None:  # None: superseded by a later evaluation before it started
             self.evals[tag] = acc
+            self.eval_rewards[tag] = body["reward_mean"]
             self.eval_tool_share[tag] = body["tool_share"]
             # a held-out score of 0 from a hung or failing reward function must not pass for a wrong answer
             self.heldout_reward_failures[0] += body["reward_timeouts"]
             self.heldout_reward_failures[1] += body["reward_errors"]
-            log.info("held-out accuracy %s (weights v%s): %.3f", tag, body["version"], acc)
+            log.info(
+                "held-out %s (weights v%s): accuracy %.3f, mean reward %.3f",
+                *(tag, body["version"], acc, body["reward_mean"]),
+            )
         if tag.startswith("v"):
             row = {}
             if acc is not None:
                 # the weights its tokens came from: an evaluation that spans a weight load ends on the newer
                 row = {
                     "heldout_acc": acc,
+                    "heldout_reward_mean": body["reward_mean"],
                     "heldout_tool_share": body["tool_share"],
                     "heldout_version": body["version"],
                     "heldout_version_end": body["version_end"],
+                    "heldout_cut": body["cut"],
                 }
             self.got(int(tag[1:]), "eval", row)
 
@@ -186,7 +218,9 @@ class RunReport:
             row["lr"] = s[0]["lr"]
         if any("overlong_penalty" in x for x in s):
             row["overlong_penalty"] = sum(x.get("overlong_penalty", 0.0) * x["samples"] for x in s) / max(n, 1)
-        self.got(v, "train", row | episode_metrics(s, n))
+        # reward time-outs and errors, and the numbers episodes logged: over every episode generated since the
+        # previous row (a group rejected as uniform because its reward failed counts too)
+        self.got(v, "train", row | episode_metrics(s, n) | self.generated.row())
 
     def flush_rows(self, force: bool = False) -> None:
         """Write finished rows in version order: a row is complete once trained and every awaited part arrived."""
@@ -224,19 +258,36 @@ class RunReport:
             "start_version": self.start_version,
             "reward_mean": last.get("reward_mean"),
             "heldout_acc": self.evals.get(self.last_eval_tag()),
+            "heldout_reward_mean": self.eval_rewards.get(self.last_eval_tag()),
             "consumed_tokens_per_s": self.tokens_consumed / max(elapsed, 1e-9),
             "elapsed_s": now - self.t0,
             "dropped_stale": self.core.dropped_stale,
             "rejected_uniform": self.core.rejected,
+            "reward_timeouts": self.generated.total["reward_timeouts"],
+            "reward_errors": self.generated.total["reward_errors"],
+            "heldout_reward_timeouts": self.heldout_reward_failures[0],
+            "heldout_reward_errors": self.heldout_reward_failures[1],
             "warning": self.warning,
+            "eval": self.eval_running,  # {"tag", "done", "total", "reward_timeouts"} while an evaluation runs
             "time": now,
         }
         atomic_write_text(self.run_dir.progress, json.dumps(doc))
 
+    def signal_warning(self, line: str | None) -> None:
+        """A streak of groups without a learning signal began (its warning line) or ended (None): in the log,
+        and progress.json's warning (the launcher prints it) unless another warning holds it."""
+        if line is not None:
+            log.warning("%s", line)
+            if not self.warning:
+                self.warning = line
+                self.write_progress()
+        elif self.warning and self.warning.startswith(WARNING):
+            log.info("groups with a learning signal again")
+            self.warning = None
+
     def finish(self, stop_reason: str) -> dict:
         """Every rank has said BYE: write the last rows, summary.json, then the final progress."""
         self.flush_rows(force=True)
-        self.metrics.close()
         now = time.time()
         rl = now - (self.t_rl or self.t0)
         summary = {
@@ -246,10 +297,19 @@ class RunReport:
             "acc_init": self.evals.get("init"),
             "acc_start": self.evals.get("start"),
             "acc_final": self.evals.get("final"),
+            # held-out episodes cut unfinished (logging.eval_timeout_s, a stop), in all evaluations and in the final
+            "heldout_cut": sum(self.eval_cut.values()),
+            "heldout_cut_final": self.eval_cut.get("final", 0),
+            # the mean rewards of the same evaluations (acc_*: the share of episodes with reward >= eval_threshold)
+            "heldout_reward_mean_init": self.eval_rewards.get("init"),
+            "heldout_reward_mean_start": self.eval_rewards.get("start"),
+            "heldout_reward_mean_final": self.eval_rewards.get("final"),
+            "eval_threshold": self.cfg.logging.eval_threshold,
             "tool_share_start": self.eval_tool_share.get("start"),
             "tool_share_final": self.eval_tool_share.get("final"),
             "heldout_reward_timeouts": self.heldout_reward_failures[0],
             "heldout_reward_errors": self.heldout_reward_failures[1],
+            **self.generated.summary(),  # training episodes: reward time-outs and errors, turns, tool calls
             "wall_s": now - self.t0,
             "t0": self.t0,  # epoch seconds of metrics.csv's wall_s = 0 (the timeline's times are epoch seconds)
             "rl_wall_s": rl,
@@ -258,6 +318,8 @@ class RunReport:
             "consumed_tokens_per_s": self.tokens_consumed / max(rl, 1e-9),
             "dropped_stale": self.core.dropped_stale,
             "rejected_uniform": self.core.rejected,
+            "uniform_groups": self.uniform.summary(),  # every group whose samples all scored alike, by that reward
+            "failure": self.failure,
             "dropped_on_resume": self.dropped_on_resume,
             "quarantined_shards": self.quarantined,
             "sync_gbps_mean": sum(self.sync_gbps) / len(self.sync_gbps) if self.sync_gbps else None,
@@ -273,5 +335,6 @@ class RunReport:
             "host_cpus": len(os.sched_getaffinity(0)),
         }
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=1))
+        self.metrics.close(summary)  # the summary to each tracker, which then ends its run
         self.write_progress("finished")
         return summary

@@ -10,6 +10,7 @@ import time
 
 from areal_hpc.config import Config
 from areal_hpc.data import load_run_dataset
+from areal_hpc.dataset_record import record_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.layout import Layout
@@ -25,6 +26,7 @@ from areal_hpc.runtime.role_loop import Handler, RoleLoop
 from areal_hpc.runtime.run_report import RunReport
 from areal_hpc.runtime.scheduler_core import BatchPlan, ReadyGroup, SchedulerCore, fair_shares
 from areal_hpc.store import Ledger
+from areal_hpc.utils import atomic_write_text
 
 log = logging.getLogger("areal_hpc.scheduler")
 
@@ -49,6 +51,8 @@ class Scheduler(RoleLoop):
             reject_uniform=cfg.ppo.drop_uniform_groups,
         )
         self.report = RunReport(cfg, self.run_dir, layout, self.core)
+        if changed := record_dataset(self.run_dir, cfg.data):  # the first start writes RUN_DIR/dataset.json
+            log.warning(changed)
         self.ledger = Ledger(self.run_dir)
         self.want = {g: 0 for g in layout.generator_ranks}  # prompts each generator asked for, not granted yet
         # with weight_update=drain a generator admits nothing between a new version and its load: generator ->
@@ -66,7 +70,9 @@ class Scheduler(RoleLoop):
         self.pruner: threading.Thread | None = None  # deleting checkpoints older than trainer.keep_checkpoints
         self.stopping = False
         self.stop_reason = ""
+        self.stop_asked = False  # stopping on a request (a signal, Ctrl-C, the stop file), not at the end
         self.byes = 0
+        self.said_bye: set[int] = set()  # a stop request during the final evaluation goes only to the others
         self._stop_file_checked = 0.0
         # the longest version (trained to trained) and checkpoint (asked to complete) seen: against slurm.signal_s
         self.version_s = self.ckpt_s = 0.0
@@ -82,6 +88,7 @@ class Scheduler(RoleLoop):
             Tag.SYNC_DONE: lambda src, body: self.report.sync_done(body),
             Tag.WEIGHTS_OK: self._on_weights_ok,
             Tag.EVAL_RESULT: lambda src, body: self.report.eval_result(body),
+            Tag.EVAL_PROGRESS: lambda src, body: self.report.eval_progress(body),
             Tag.CKPT_DONE: self._on_ckpt_done,
             Tag.BYE: self._on_bye,
         }
@@ -125,8 +132,22 @@ class Scheduler(RoleLoop):
         for g in body["groups"]:
             g = dict(g)
             self.report.tokens_generated += g.pop("gen_tokens")
-            uniform = g.pop("uniform")
-            self.core.group_done(ReadyGroup(shard=body["shard"], **g), uniform)
+            self.report.generated.add(g)  # its episodes' counts, whether the group is kept or not
+            uniform = g.pop("uniform")  # the reward all its samples got, or None
+            self.core.group_done(ReadyGroup(shard=body["shard"], **g), uniform is not None)
+            self._watch_signal(uniform)
+
+    def _watch_signal(self, uniform: float | None) -> None:
+        """Groups that all score alike teach nothing: a long streak is a warning on the terminal, a longer one
+        with no version trained stops the run with one line and a non-zero exit (trainer.max_uniform_batches)."""
+        watch = self.report.uniform
+        verdict = watch.group(uniform)
+        if verdict == "stop" and not self.stopping:
+            self.report.failure = watch.stop_line(self.cfg.trainer.max_uniform_batches)
+            log.error("%s", self.report.failure)
+            self._begin_stop("no learning signal (trainer.max_uniform_batches)")
+        elif verdict in ("warn", "clear"):
+            self.report.signal_warning(watch.warning_line() if verdict == "warn" else None)
 
     def _on_ready(self, src: int, body: dict) -> None:
         if src != self.layout.trainer0:
@@ -171,6 +192,7 @@ class Scheduler(RoleLoop):
         self.train_done = {}
         self.batch = None
         self.report.trained(v, parts)
+        self.report.uniform.version_trained()
         now = time.time()
         if self._t_trained is not None:
             self.version_s = max(self.version_s, now - self._t_trained)
@@ -188,6 +210,7 @@ class Scheduler(RoleLoop):
 
     def _on_bye(self, src: int, body: dict) -> None:
         self.byes += 1
+        self.said_bye.add(src)
         self.report.aborted_requests += body["interrupted"]
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -289,17 +312,23 @@ class Scheduler(RoleLoop):
             self.stopping, self.stop_reason = True, reason
             log.info("stopping: %s", reason)
 
+    def _asked_to_stop(self, now: float) -> bool:
+        """A signal came, or the stop file is there (looked for every 0.25 s: a stat per loop would cost rank 0 a
+        few % of a core)."""
+        stop_file = False
+        if now - self._stop_file_checked >= 0.25:
+            self._stop_file_checked = now
+            stop_file = self.run_dir.stop.exists()
+        return self.stop_flag() or stop_file
+
     def _check_stop(self) -> None:
         if self.stopping:
             return
         now = time.time()
-        stop_file = False
-        if now - self._stop_file_checked >= 0.25:  # a stat per loop would cost rank 0 a few % of a core
-            self._stop_file_checked = now
-            stop_file = self.run_dir.stop.exists()
         limit = self.cfg.trainer.max_wall_s
-        if self.stop_flag() or stop_file:
+        if self._asked_to_stop(now):
             self._begin_stop("stop requested")
+            self.stop_asked = True  # the final evaluation is bounded by logging.stop_eval_s
         elif self.started and limit and now - self.report.t_rl >= limit:
             self._begin_stop(f"wall-time limit of {limit:g} s")
 
@@ -332,14 +361,23 @@ class Scheduler(RoleLoop):
         self.core.version_trained(start)
         self.loop()
         self._join_pruner()  # the final checkpoint's pruning ends before the run reports it finished
-        # final evaluation at the last weights, then drain: STOP to all, keep receiving until every BYE
-        self._request_eval("final")
+        # final evaluation at the last weights, then drain: STOP to all, keep receiving until every BYE. On a stop
+        # request the final evaluation gets logging.stop_eval_s at most (0: none), and the one running is cut
+        stop_eval_s = self.cfg.logging.stop_eval_s if self.stop_asked else None
+        if stop_eval_s != 0:
+            self._request_eval("final")
         for r in range(1, self.layout.world_size):
-            self.mail.send(r, Tag.STOP)
+            self.mail.send(r, Tag.STOP, {"stop_eval_s": stop_eval_s})
         while self.byes < self.layout.world_size - 1:
+            if not self.stop_asked and self._asked_to_stop(time.time()):
+                self.stop_asked = True  # a stop request during the final evaluation ends it now
+                for g in set(self.layout.generator_ranks) - self.said_bye:
+                    self.mail.send(g, Tag.STOP, {"stop_eval_s": 0.0})
             if not self.drain():
                 self.mail.backoff.sleep()
         self.mail.flush()
         summary = self.report.finish(self.stop_reason)
+        if self.report.failure:  # a verdict, not a crash: the run ended cleanly, and the launcher names why it failed
+            atomic_write_text(self.run_dir.rank_error(self.rank), self.report.failure + "\n")
         self.timeline.close()
         return summary

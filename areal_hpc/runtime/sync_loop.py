@@ -14,11 +14,12 @@ from tqdm import tqdm
 
 from areal_hpc.config import Config
 from areal_hpc.data import check_fits_context, load_run_dataset
-from areal_hpc.evaluation import heldout_accuracy
+from areal_hpc.dataset_record import record_dataset
+from areal_hpc.evaluation import heldout_evaluation, heldout_figures
 from areal_hpc.metrics import MetricsLogger
 from areal_hpc.model import ensure_model, load_tokenizer
 from areal_hpc.reward import reward_pool_for
-from areal_hpc.rollout import episode_metrics, episode_stats
+from areal_hpc.rollout import episode_metrics, episode_stats, group_counts
 from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.runtime.adapters import AdapterLoader
 from areal_hpc.runtime.build import (
@@ -31,10 +32,13 @@ from areal_hpc.runtime.build import (
     warm_start,
     write_lora_contract,
 )
+from areal_hpc.runtime.generated import GeneratedEpisodes
 from areal_hpc.runtime.train_step import train_version
 from areal_hpc.store import Ledger, read_shard, write_shard
+from areal_hpc.trackers import require_trackers
 from areal_hpc.types import SampleId
 from areal_hpc.utils import seed_everything
+from areal_hpc.warm_start import check_warm_start
 from areal_hpc.workflow import load_workflow, runner_settings
 from areal_hpc.workflow.batch import EpisodeStart, run_episodes
 from areal_hpc.workflow.samples import to_trajectories
@@ -50,11 +54,17 @@ class RunSummary:
     wall_s: float
     rl_wall_s: float
     tensorboard_dir: Path
+    # the held-out mean rewards beside the accuracies (partial credit counts here, not in acc_*)
+    reward_before: float = math.nan
+    reward_after: float = math.nan
+    reward_after_warm_start: float = math.nan
 
 
 def run_sync(cfg: Config) -> RunSummary:
     """Run the synchronous learning loop described by `cfg` and return before/after accuracy."""
     t0 = time.time()
+    require_trackers(cfg.logging.trackers)  # a missing tracker package: one line before the run dir is written
+    check_warm_start(cfg)  # rows lacking what the warm start trains on: likewise
     seed_everything(cfg.trainer.seed)
     torch.set_num_threads(cfg.cluster.threads_per_rank)
     try:
@@ -64,6 +74,7 @@ def run_sync(cfg: Config) -> RunSummary:
     model_dir = ensure_model(cfg.model)
     tokenizer = load_tokenizer(model_dir)
     dataset = load_run_dataset(cfg, tokenizer)
+    record_dataset(run_dir, cfg.data)  # a fresh run dir: RUN_DIR/dataset.json
     check_fits_context(dataset, cfg, model_dir)
     check_lora_targets(cfg, model_dir)
 
@@ -79,7 +90,7 @@ def run_sync(cfg: Config) -> RunSummary:
         sd = trainer.weights()
         gen.update_weights(adapters.merged(gen, sd) if adapters else sd, trainer.version)
 
-    metrics = MetricsLogger(run_dir, cfg.logging.tensorboard)
+    metrics = MetricsLogger(run_dir, cfg.logging.trackers, config=cfg)
     ledger = Ledger(run_dir)
     rollout_dir = run_dir.rollouts
     heldout = dataset.heldout[: cfg.logging.eval_prompts]
@@ -87,11 +98,12 @@ def run_sync(cfg: Config) -> RunSummary:
 
     with reward_pool_for(cfg) as pool:
         lc = cfg.logging  # greedy, or avg@k at rollout.temperature (the engine's)
-        evaluate = lambda: heldout_accuracy(  # noqa: E731
-            gen, tokenizer, pool, heldout, settings, lc.eval_n_samples, lc.eval_temperature == 0, workflow
+        greedy, thr = lc.eval_temperature == 0, lc.eval_threshold
+        evaluate = lambda: heldout_evaluation(  # noqa: E731
+            gen, tokenizer, pool, heldout, settings, lc.eval_n_samples, greedy, workflow, thr
         )
-        acc_before = evaluate()
-        acc_warm = acc_before
+        before = evaluate()
+        warm = before
         if tc.warm_start_steps:
             warm_start(trainer, tokenizer, dataset, cfg, progress)
             if adapt_later:
@@ -100,15 +112,16 @@ def run_sync(cfg: Config) -> RunSummary:
             write_lora_contract(cfg, run_dir, trainer, adapter_base(cfg, run_dir, model_dir), writer=True)
         if tc.warm_start_steps:
             publish()
-            acc_warm = evaluate()
-        metrics.log(0, {"heldout_acc": acc_warm, "reward_mean": math.nan, "wall_s": time.time() - t0})
+            warm = evaluate()
+        metrics.log(0, {**warm, "reward_mean": math.nan, "wall_s": time.time() - t0})
 
         order = list(range(len(dataset.train)))
         random.Random(cfg.data.seed).shuffle(order)
         cursor = 0
         t_rl = time.time()
-        acc = acc_warm
+        last_eval = warm
         bar = tqdm(range(1, tc.versions + 1), desc="RL", disable=not progress)
+        generated = GeneratedEpisodes()  # reward failures and logged numbers, per version
         for step in bar:
             # dataset cursor: B prompts, wrapping around the shuffled training set
             problems = []
@@ -123,10 +136,11 @@ def run_sync(cfg: Config) -> RunSummary:
             starts = [EpisodeStart(str(k), p.row, p.prompt_ids) for k, p in samples]
             t_gen = time.time()
             eps = run_episodes(gen, workflow, tokenizer, pool, settings, starts)
+            generated.add(group_counts([e.stats for e in eps]))  # every episode is in the batch here
             t_write = time.time()
             # rewards are scored while other episodes generate: t_reward is the tail after the last answer
             t_rew = max([t_gen] + [e.stats.reward_span[0] for e in eps if e.stats.reward_span])
-            trajs = [t for e, (k, p) in zip(eps, samples) for t in to_trajectories(e, k, p.prompt_id, 0)]
+            trajs = [t for e, (k, p) in zip(eps, samples) for t in to_trajectories(e, k, p.prompt_id, 0, p.row_index)]
             shard = write_shard(
                 rollout_dir, trajs, gen_rank=0, seq=step, run_id=cfg.run_name, compression=cfg.store.compression
             )
@@ -146,7 +160,7 @@ def run_sync(cfg: Config) -> RunSummary:
 
             row = {
                 "reward_mean": float(r.mean()),
-                "heldout_acc": math.nan,
+                **heldout_figures([], lc.eval_threshold),  # NaN where not evaluated
                 "groups_kept": int(keep.sum()) // rc.n_samples,
                 "gen_tokens": int(sum(t.gen_len for t in batch)),
                 "t_generate": t_rew - t_gen,
@@ -156,22 +170,35 @@ def run_sync(cfg: Config) -> RunSummary:
                 "t_sync": t_end - t_sync,
                 "wall_s": t_end - t0,
                 **episode_metrics([episode_stats(batch)], len(batch)),
+                **generated.row(),
                 **{k: v for k, v in stats.items()},
             }
             last = step == tc.versions or (tc.max_wall_s and t_end - t_rl >= tc.max_wall_s)
             if last or (cfg.logging.eval_every and step % cfg.logging.eval_every == 0):
-                acc = evaluate()
-                row["heldout_acc"] = acc
+                last_eval = evaluate()
+                row.update(last_eval)
             metrics.log(trainer.version, row)
             if tc.checkpoint_every and trainer.version % tc.checkpoint_every == 0 and not last:
                 trainer.save_checkpoint(run_dir.trainer_checkpoint(trainer.version))
-            bar.set_postfix(reward=f"{r.mean():.3f}", acc=f"{acc:.3f}")
+            bar.set_postfix(reward=f"{r.mean():.3f}", acc=f"{last_eval['heldout_acc']:.3f}")
             if last:
                 break
         bar.close()
         rl_wall = time.time() - t_rl
     trainer.save_checkpoint(run_dir.trainer_checkpoint(trainer.version))
-    metrics.close()
-    return RunSummary(
-        run_dir.root, trainer.version, acc_before, acc, acc_warm, time.time() - t0, rl_wall, metrics.tb_dir
+    acc, rew = "heldout_acc", "heldout_reward_mean"
+    summary = RunSummary(
+        run_dir.root,
+        trainer.version,
+        before[acc],
+        last_eval[acc],
+        warm[acc],
+        time.time() - t0,
+        rl_wall,
+        metrics.tb_dir,
+        before[rew],
+        last_eval[rew],
+        warm[rew],
     )
+    metrics.close({k: v for k, v in vars(summary).items() if isinstance(v, (int, float))})  # to the trackers
+    return summary

@@ -21,6 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
+from areal_hpc.lifetime import MARKER
 from areal_hpc.rundir import RunDir
 
 
@@ -84,21 +85,24 @@ def collective_timeout(configured_s: float, left_s: float | None) -> float:
     return max(30.0, min(configured_s, left_s - 60.0))
 
 
-def exit_rank() -> None:
+def exit_rank(code: int = 0) -> None:
     """Flush, finalize MPI and leave at once: in interpreter teardown a torch/gloo thread can still
-    drop a tensor after the GIL is gone and abort a run that ended cleanly."""
+    drop a tensor after the GIL is gone and abort a run that ended cleanly. `code` 1: a run that ended
+    cleanly but failed (rank 0's summary names why), so mpirun and srun exit non-zero."""
     from mpi4py import MPI
 
     sys.stdout.flush()
     sys.stderr.flush()
     MPI.Finalize()
-    os._exit(0)
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     run_dir = RunDir(argv[0])
     opts = argv[1:]
+    # the run's marker (the launcher sets it; under srun, here), inherited by every process this rank starts
+    os.environ.setdefault(MARKER, str(Path(argv[0]).resolve()))
     group = opts[opts.index("--group") + 1] if "--group" in opts else None
 
     from mpi4py import MPI
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = comm.Get_rank()
     role = "rank"
     stop_requested = []
+    failed = False  # rank 0: the run ended cleanly with a failure verdict (summary.json's "failure")
     try:
         from areal_hpc.config import load_config
         from areal_hpc.runtime.layout import GENERATOR, SCHEDULER, TRAINER, Layout
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         if role == SCHEDULER:
             from areal_hpc.runtime.scheduler import Scheduler
 
-            Scheduler(cfg, run_dir, comm, layout, resume, lambda: bool(stop_requested)).run()
+            summary = Scheduler(cfg, run_dir, comm, layout, resume, lambda: bool(stop_requested)).run()
+            failed = bool(summary.get("failure"))
         elif role == GENERATOR:
             from areal_hpc.runtime.generator import Generator
 
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             # srun (--kill-on-bad-exit) or mpirun ends the rest on this rank's non-zero exit
             threading.Timer(10.0, os._exit, (1,)).start()
             comm.Abort(1)
-    exit_rank()
+    exit_rank(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,18 @@ def _empty_frame() -> pd.DataFrame:
     return df
 
 
-def load_trajectories(run_dir: os.PathLike | str, verify_tokens: bool = True) -> pd.DataFrame:
+def load_trajectories(
+    run_dir: os.PathLike | str, verify_tokens: bool = True, rows: bool | os.PathLike | str = False
+) -> pd.DataFrame:
     """One row per trajectory in RUN_DIR/rollouts/, joined with the ledger.
 
     consumed_version is the version that consumed the trajectory (-1 if none); staleness is
     consumed_version - version_start (NaN if not consumed). Corrupt shards are skipped with a warning and
     named in df.attrs["corrupt_shards"]. verify_tokens=False checks only the summary checksum (no token
     data read), which is much faster on big runs but cannot notice damaged token arrays.
+
+    rows=True joins each trajectory's dataset row (by row_index) as `row.<field>` columns, from the file the
+    run recorded in RUN_DIR/dataset.json (rows=PATH: a copy of it); ValueError if the data is not that file.
     """
     run_dir = Path(run_dir)
     consumed = Ledger(run_dir).consumed()
@@ -76,4 +81,8 @@ def load_trajectories(run_dir: os.PathLike | str, verify_tokens: bool = True) ->
     df.attrs["corrupt_shards"] = corrupt
     # Ledger entries whose shard is gone or unreadable: worth knowing when auditing exactly-once.
     df.attrs["unmatched_ledger_entries"] = sum(1 for e in consumed if e not in known)
+    if rows is not False:
+        from areal_hpc.dataset_record import dataset_rows, join_rows
+
+        df = join_rows(df, dataset_rows(run_dir, None if rows is True else rows))
     return df

@@ -16,7 +16,7 @@ from h5py import h5d, h5s
 from areal_hpc.types import Trajectory
 from areal_hpc.utils import fsync_dir as _fsync_dir
 
-SCHEMA_VERSION = 2  # 2: episode counts (turns, tool calls, reward failures)
+SCHEMA_VERSION = 3  # 2: episode counts (turns, tool calls, reward failures); 3: the dataset row index
 SHARD_SUFFIX = ".h5"
 TMP_SUFFIX = ".tmp"
 FINISH_REASON_DTYPE = np.dtype("S8")
@@ -48,6 +48,7 @@ TRAJ_FIELDS: dict[str, np.dtype] = {
     "tool_s": np.dtype("<f4"),
     "reward_timeouts": np.dtype("<i4"),
     "reward_errors": np.dtype("<i4"),
+    "row_index": np.dtype("<i8"),
 }
 # The Trajectory fields stored as given (all but the token arrays), and the properties stored beside them so
 # that a summary (no token data) has them too. TRAJ_FIELDS, in checksum order, must hold exactly these.
@@ -57,6 +58,10 @@ if set(TRAJ_FIELDS) != {*STORED_AS_GIVEN, *DERIVED_FIELDS} or set(TOKEN_FIELDS) 
     f.name for f in dataclasses.fields(Trajectory)
 }:
     raise ImportError("areal_hpc.store.shards: TRAJ_FIELDS/TOKEN_FIELDS disagree with the Trajectory dataclass")
+# The per-trajectory datasets each schema version stores (each adds to the end): shards of every version still
+# read (a resumed run, an old run's analysis), with a field its schema lacks at the Trajectory's default.
+SCHEMA_FIELDS: dict[int, tuple[str, ...]] = {n: tuple(TRAJ_FIELDS)[:k] for n, k in ((1, 12), (2, 18), (3, 19))}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Trajectory) if f.name in TRAJ_FIELDS}
 # Published shards are immutable and temporaries private, so HDF5 file locks buy nothing and fail with
 # errno 38 on some shared filesystems: files are opened with locking=False.
 # Fixed order for the checksums; the summary checksum lets the scheduler verify without token data.
@@ -276,8 +281,8 @@ def write_shard(
 
 
 def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
-    """Read and verify a shard's datasets (all of them if full, else the summary ones)."""
-    order = CHECKSUM_ORDER if full else SUMMARY_ORDER
+    """Read and verify a shard's datasets (all of them if full, else the summary ones); a field its schema
+    version predates comes back filled with the Trajectory's default."""
     try:
         f = h5py.File(path, "r", locking=False)
     except FileNotFoundError:
@@ -295,8 +300,10 @@ def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
                 schema = int(attrs["schema_version"])
             except (TypeError, ValueError):
                 raise CorruptShardError(path, f"bad schema_version {attrs['schema_version']!r}") from None
-            if schema != SCHEMA_VERSION:
-                raise CorruptShardError(path, f"schema_version {schema}, expected {SCHEMA_VERSION}")
+            if schema not in SCHEMA_FIELDS:
+                raise CorruptShardError(path, f"schema_version {schema}, expected 1 to {SCHEMA_VERSION}")
+            summary_order = ("offsets", *SCHEMA_FIELDS[schema])
+            order = (*TOKEN_FIELDS, *summary_order) if full else summary_order
             run_id = attrs["run_id"]
             run_id = run_id.decode() if isinstance(run_id, bytes) else str(run_id)
             n = int(attrs["n_trajectories"])
@@ -304,7 +311,7 @@ def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
             arrays: dict[str, np.ndarray] = {}
             # the summary's datasets first: the token datasets' length must then match offsets before any
             # allocation (their sizes can exceed the file's when compressed)
-            for name in (*SUMMARY_ORDER, *(TOKEN_FIELDS if full else ())):
+            for name in (*summary_order, *(TOKEN_FIELDS if full else ())):
                 # Low-level API: the high-level one costs ~2x per dataset, and most datasets here are small.
                 try:
                     ds = h5d.open(f.id, name.encode())
@@ -334,6 +341,8 @@ def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
         raise
     except Exception as e:  # any low-level read failure means the file is damaged
         raise CorruptShardError(path, f"read failed ({type(e).__name__}: {e})") from None
+    for name in [f for f in TRAJ_FIELDS if f not in arrays]:  # an older schema's shard: the fields it predates
+        arrays[name] = np.full(n, _DEFAULTS[name], dtype=_DTYPES[name])
     _check_structure(path, arrays, n, full)
     actual = _checksum(arrays, order, _header(schema, run_id, n))
     if actual != stored:

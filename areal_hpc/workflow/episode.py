@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from areal_hpc.reward.values import finite_number
 from areal_hpc.workflow.records import Completion, EpisodeStats, Segment, ToolResult
 from areal_hpc.workflow.tools import calculator
 
@@ -50,6 +51,7 @@ class Episode:
     def append_text(self, text: str) -> list[int]:
         """`text` tokenized once and appended, not trained (a tool's output inside the model's turn)."""
         ids = list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        self._runner.check_known(text, ids)
         return self.append_tokens(ids)
 
     def append_tokens(self, ids: list[int]) -> list[int]:
@@ -61,18 +63,35 @@ class Episode:
     def append_message(self, role: str, content: str) -> list[int]:
         """A new chat turn (e.g. the user's feedback) appended, not trained: the chat template's rendering of
         this one message plus the prompt of the assistant's next turn (plain `content` without a template)."""
-        return self.append_tokens(self._runner.render_turn(role, content))
+        ids = self._runner.render_turn(role, content)
+        self._runner.check_known(content, ids)
+        return self.append_tokens(ids)
 
     # -- calls that wait --------------------------------------------------------------------------
-    async def generate(self, max_new_tokens: int | None = None, stop: list[str] | None = None) -> Completion:
+    async def generate(
+        self, max_new_tokens: int | None = None, stop: list[str] | None = None, train: bool = True
+    ) -> Completion:
         """The model continues the transcript: up to `max_new_tokens` (default rollout.max_new_tokens, capped by
-        the model's context), ending at EOS or after one of the `stop` strings. Appended, trained."""
+        the model's context), ending at EOS or after one of the `stop` strings. Appended; trained unless
+        `train=False` (kept in the transcript with its logprobs and versions, loss mask 0)."""
         out = await self._runner.generate(self, max_new_tokens, stop)
         self.stats.turns += 1
         self.last_finish = out.finish_reason
         if out.ids:
-            self.segments.append(Segment(list(out.ids), True, list(out.logprobs), list(out.versions)))
+            self.segments.append(Segment(list(out.ids), bool(train), list(out.logprobs), list(out.versions)))
         return out
+
+    def log(self, name: str, value: float) -> None:
+        """A number of this episode (logging `name` again replaces it), averaged per version into metrics.csv
+        as episode/<name>. Anything but a finite number fails the workflow."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"ep.log({name!r}, ...): the name must be a non-empty string")
+        v = finite_number(value)
+        if v is None:
+            raise TypeError(
+                f"ep.log({name!r}, {value!r}): the value must be a finite number, not {type(value).__name__}"
+            )
+        self.stats.logged[f"episode/{name}"] = v
 
     async def reward(self, completion: str) -> float:
         """The run's reward function (reward.fn) on (completion, this row), in the reward workers: 0.0 when it
@@ -92,4 +111,5 @@ class Episode:
         return result
 
     def decode(self, ids: list[int]) -> str:
+        """Token ids as text (special tokens skipped), as a Completion's `text` is made."""
         return self._runner.decode(ids)

@@ -35,6 +35,11 @@ class Segment:
     logprobs: list[float] = field(default_factory=list)  # sampled segments: behaviour logprobs
     versions: list[int] = field(default_factory=list)  # sampled segments: weight versions
 
+    @property
+    def sampled(self) -> bool:
+        """The model sampled it (trained, or generated with train=False): it carries logprobs and versions."""
+        return self.trained or bool(self.versions)
+
 
 @dataclass
 class EpisodeStats:
@@ -46,6 +51,9 @@ class EpisodeStats:
     reward_errors: int = 0
     reward_span: tuple[float, float] | None = None  # first reward call to the last answer (the timeline's span)
     tool_spans: list[tuple[float, float]] = field(default_factory=list)  # each tool call's start and end
+    # numbers to average per version: reward/<key> (a reward's extras: the last call's that returned them) and
+    # episode/<name> (ep.log)
+    logged: dict[str, float] = field(default_factory=dict)
 
     def add_tool_call(self, result: ToolResult, t_start: float, t_end: float) -> None:
         self.tool_calls += 1

@@ -54,7 +54,8 @@ class FinishedEpisode:
 
     @property
     def sampled(self) -> list[Segment]:
-        return [s for t in self.branches + [self.segments] for s in t if s.trained]
+        """Every segment the model sampled, trained or not."""
+        return [s for t in self.branches + [self.segments] for s in t if s.sampled]
 
 
 class EpisodeRunner:
@@ -87,7 +88,10 @@ class EpisodeRunner:
         self.last_run = 0.0
         self._tools: ThreadPoolExecutor | None = None
         self._turn_cache: dict[tuple[str, str], list[int]] = {}
+        self._unk = getattr(tokenizer, "unk_token_id", None)  # None: a vocabulary that spells everything (bytes)
+        self._unk_warned = False
         self._rewards: list[tuple[str, dict, asyncio.Future]] = []  # reward calls not sent to the pool yet
+        self._scoring: dict = {}  # the pool's future of each batch sent -> the episodes' futures waiting for it
         self._rewards_since = 0.0
 
     # -- the generator's side ----------------------------------------------------------------------
@@ -132,6 +136,9 @@ class EpisodeRunner:
         for rid in rids:
             del self.waiting[rid]
         self._run_once()  # let the cancellations run (finally blocks, awaited futures)
+        for job, futures in self._scoring.items():  # a reward nobody awaits is not scored (a cut evaluation's)
+            if unwanted := [i for i, f in enumerate(futures) if f.cancelled()]:
+                self.pool.discard(job, unwanted)
         return rids
 
     def _run_once(self) -> None:
@@ -193,10 +200,11 @@ class EpisodeRunner:
         if not self._rewards:
             self._rewards_since = time.monotonic()
         self._rewards.append((completion, ep.row, fut))
-        value, status = await self._parked(fut)
+        value, status, extras = await self._parked(fut)
         st = ep.stats
         st.reward_timeouts += status == "timeout"
         st.reward_errors += status == "error"
+        st.logged.update((f"reward/{k}", v) for k, v in extras.items())
         st.reward_span = (st.reward_span[0] if st.reward_span else t0, time.time())
         return value
 
@@ -216,16 +224,20 @@ class EpisodeRunner:
             force or n >= self.REWARD_BATCH or time.monotonic() - self._rewards_since >= self.REWARD_WAIT_S
         ):
             return
-        batch, self._rewards = self._rewards, []
+        batch, self._rewards = [b for b in self._rewards if not b[2].cancelled()], []
+        if not batch:
+            return
         job = self.pool.submit([c for c, _, _ in batch], [r for _, r, _ in batch])
-        futures = [f for _, _, f in batch]
-        job.add_done_callback(lambda j: self._call_in_loop(self._settle, futures, j.result()))
+        futures = self._scoring[job] = [f for _, _, f in batch]
+        job.add_done_callback(lambda j: self._call_in_loop(self._settle, futures, j.result(), j))
 
-    def _settle(self, futures: list[asyncio.Future], scores) -> None:
-        """In the loop: a reward batch is back; each waiting episode gets (its reward, how its call ended)."""
-        for f, value, status in zip(futures, scores, scores.statuses):
+    def _settle(self, futures: list[asyncio.Future], scores, job=None) -> None:
+        """In the loop: a reward batch is back; each waiting episode gets (its reward, how its call ended, the
+        extras it returned)."""
+        self._scoring.pop(job, None)
+        for f, value, status, more in zip(futures, scores, scores.statuses, scores.extras):
             if not f.done():  # a cancelled episode no longer waits
-                f.set_result((float(value), status))
+                f.set_result((float(value), status, more))
         self.due = True  # the episodes it woke run at the next pass, not this one
 
     def _settle_tool(self, fut: asyncio.Future, job) -> None:
@@ -256,6 +268,21 @@ class EpisodeRunner:
         result = await self._parked(done)
         ep.stats.add_tool_call(result, t0, time.time())
         return result
+
+    def check_known(self, text: str, ids: list[int]) -> None:
+        """Text a workflow appends that the vocabulary cannot spell becomes unknown tokens: the model never sees
+        it. Warned once per runner (a run's generator), with the text."""
+        if self._unk_warned or self._unk is None or self._unk not in ids:
+            return
+        self._unk_warned = True
+        log.warning(
+            "text a workflow appended maps to the model's unknown token %s in %d of its %d tokens, so the model "
+            "never sees it: %r (the tiny demo model's vocabulary: docs/workflows.md; warned once)",
+            self.tokenizer.convert_ids_to_tokens(self._unk),
+            ids.count(self._unk),
+            len(ids),
+            text,
+        )
 
     def render_turn(self, role: str, content: str) -> list[int]:
         """Token ids of one new chat message plus the assistant's next-turn prompt (rendered once, cached)."""

@@ -9,11 +9,15 @@ from areal_hpc.workflow.records import Segment
 from areal_hpc.workflow.runner import FinishedEpisode
 
 
-def to_trajectories(ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_rank: int) -> list[Trajectory]:
+def to_trajectories(
+    ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_rank: int, row_index: int = -1
+) -> list[Trajectory]:
     """One Trajectory per transcript (more than one when the workflow rewrote its history with branch()), all
-    with the episode's reward and sample index, so they share its advantage. The episode's counts (turns,
-    tools, reward failures) go on the first, so that sums over trajectories count each episode once."""
+    with the episode's reward, sample index and dataset row, so they share its advantage. The episode's counts
+    (turns, tools, reward failures) go on the first, so that sums over trajectories count each episode once."""
     out = [_one(t, ep, sample, prompt_id, gen_rank) for t in ep.transcripts]
+    for t in out:
+        t.row_index = row_index
     st = ep.stats
     first = out[0]
     first.turns, first.tool_calls, first.tool_errors, first.tool_s = st.turns, st.tool_calls, st.tool_errors, st.tool_s
@@ -22,14 +26,15 @@ def to_trajectories(ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_r
 
 
 def _one(segments: list[Segment], ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_rank: int) -> Trajectory:
-    """The transcript token for token: sampled segments carry their logprobs and versions and loss mask 1;
-    the prompt (or a branch's context) and what the workflow added carry logprob 0, version -1, loss mask 0."""
+    """The transcript token for token: sampled segments carry their logprobs and versions (loss mask 1, or 0 when
+    generated with train=False); the prompt (or a branch's context) and what the workflow added carry logprob 0,
+    version -1, loss mask 0."""
     ids, lps, vers, mask = [], [], [], []
     for seg in segments:
         n = len(seg.ids)
         ids += seg.ids
-        lps += seg.logprobs if seg.trained else [0.0] * n
-        vers += seg.versions if seg.trained else [-1] * n
+        lps += seg.logprobs if seg.sampled else [0.0] * n
+        vers += seg.versions if seg.sampled else [-1] * n
         mask += [int(seg.trained)] * n
     return Trajectory(
         prompt_id=prompt_id,

@@ -110,7 +110,7 @@ def test_faults_mid_run_restart_inside_the_allocation_and_lose_nothing(tmp_path)
             "slurm.max_restarts=5",
             "logging.eval_prompts=20",
             "logging.eval_every=0",
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
         ],
         capture_output=True,
         text=True,

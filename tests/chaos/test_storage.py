@@ -100,7 +100,7 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_line_and_resume_lo
         "trainer.max_wall_s=0",
         "logging.eval_prompts=20",
         "logging.eval_every=0",
-        "logging.tensorboard=false",
+        "logging.trackers=[]",
     )
     t_stopped = time.time()
     assert r.returncode != 0

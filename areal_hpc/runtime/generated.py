@@ -1,0 +1,49 @@
+"""Rank 0's account of every episode generated for training, whatever became of its group (kept, rejected, stale)."""
+
+from __future__ import annotations
+
+from areal_hpc.rollout import GROUP_COUNTS
+
+
+class GeneratedEpisodes:
+    """Adds up the counts each GROUPS_DONE group carries (rollout.group_counts): over the run (summary.json,
+    progress.json) and since the last metrics row, with the mean of each logged number per row."""
+
+    def __init__(self, total: dict | None = None):
+        self.total = dict.fromkeys(GROUP_COUNTS, 0) | (total or {})
+        self.since = dict.fromkeys(GROUP_COUNTS, 0)
+        self.logged: dict[str, list[float]] = {}  # name -> [sum, episodes] since the last row
+
+    def add(self, group: dict) -> None:
+        """A group's counts, taken out of its GROUPS_DONE entry."""
+        for k in GROUP_COUNTS:
+            n = group.pop(k)
+            self.total[k] += n
+            self.since[k] += n
+        for name, (total, n) in group.pop("logged").items():
+            acc = self.logged.setdefault(name, [0.0, 0])
+            acc[0] += total
+            acc[1] += n
+
+    def row(self) -> dict:
+        """The next metrics row's columns (episodes since the previous row), and a fresh start for the next."""
+        row = {
+            "episodes_generated": self.since["episodes"],
+            "reward_timeouts": self.since["reward_timeouts"],
+            "reward_errors": self.since["reward_errors"],
+        }
+        row |= {name: total / n for name, (total, n) in sorted(self.logged.items()) if n}
+        self.since = dict.fromkeys(GROUP_COUNTS, 0)
+        self.logged = {}
+        return row
+
+    def summary(self) -> dict:
+        """summary.json's (and progress.json's) keys for the training episodes of the whole run."""
+        t, n = self.total, max(self.total["episodes"], 1)
+        return {
+            "episodes_generated": t["episodes"],
+            "reward_timeouts": t["reward_timeouts"],
+            "reward_errors": t["reward_errors"],
+            "turns_per_episode": t["turns"] / n if t["episodes"] else None,
+            "tool_calls_per_episode": t["tool_calls"] / n if t["episodes"] else None,
+        }
