@@ -261,6 +261,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         layers = [schema]
         if path is not None:
             layers += read_config_file(path)
+        n_files = len(layers) - 1
         for ov in overrides or []:
             if "=" not in ov:
                 raise ConfigError(f"override {ov!r} must look like key=value (e.g. rollout.eta=2)")
@@ -272,7 +273,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raise ConfigError(f"override {ov!r} has a value that is not valid YAML{advice}") from None
         merged = OmegaConf.merge(*layers)
         OmegaConf.resolve(merged)
-        map_deprecated_keys(merged, layers[1:])
+        map_deprecated_keys(merged, layers[1:], n_files)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise ConfigError(f"config {missing[0]} is required but not set")

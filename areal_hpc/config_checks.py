@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from areal_hpc.plugins import PluginError, is_import_path, split_spec
-from areal_hpc.prompts import CHAT_TEMPLATE_MODES
+from areal_hpc.prompts import CHAT_TEMPLATE_MODES, template_fields
 
 # Config (areal_hpc.config) imports this module; the checks take it untyped so neither imports the other back.
 Config = Any
@@ -199,8 +199,6 @@ def _check_reward(rc) -> None:
 
 def _check_warm_start(cfg: Config) -> None:
     """trainer.warm_start_template names a field; a code task's warm start needs one naming a solution."""
-    from areal_hpc.data import template_fields
-
     tc = cfg.trainer
     fields = template_fields(tc.warm_start_template)
     if tc.warm_start_template and not fields:

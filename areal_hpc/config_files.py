@@ -57,20 +57,28 @@ def text_read_as_yaml(key: str, msg: str, overrides: list[str] | None) -> str | 
     )
 
 
-def map_deprecated_keys(merged: DictConfig, layers: list) -> None:
-    """Keys of older configs become what they meant, each with one line saying so."""
+def map_deprecated_keys(merged: DictConfig, layers: list, n_files: int | None = None) -> None:
+    """Keys of older configs become what they meant, each with one line saying so. `layers`: the config
+    file's layers, then the overrides (the first `n_files` are the file's; None: all)."""
     _map_interrupt(merged, layers)
-    _map_tensorboard(merged, layers)
+    _map_tensorboard(merged, layers, len(layers) if n_files is None else n_files)
 
 
-def _map_tensorboard(merged: DictConfig, layers: list) -> None:
+def _map_tensorboard(merged: DictConfig, layers: list, n_files: int) -> None:
     """logging.tensorboard (before logging.trackers): false drops tensorboard from the trackers, true keeps it."""
     old = merged.logging.tensorboard
     if old is None:
         return
     trackers = [t for t in merged.logging.trackers if t != TENSORBOARD]
     trackers = [TENSORBOARD, *trackers] if old else trackers
-    asked = [v for v in (OmegaConf.select(x, "logging.trackers") for x in layers) if v is not None]
+    asked = [i for i, x in enumerate(layers) if OmegaConf.select(x, "logging.trackers") is not None]
+    said = [i for i, x in enumerate(layers) if OmegaConf.select(x, "logging.tensorboard") is not None]
+    if asked and said and said[-1] < n_files <= asked[-1]:
+        # only the file has the old key and an override sets trackers (a resume of a run whose config.yaml
+        # predates trackers, which the user cannot edit): the override wins
+        merged.logging.tensorboard = None
+        return
+    asked = [OmegaConf.select(layers[i], "logging.trackers") for i in asked]
     if asked and (TENSORBOARD in asked[-1]) != old:
         raise ConfigError(
             f"config logging.tensorboard={str(old).lower()} (deprecated) contradicts logging.trackers="

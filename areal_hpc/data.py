@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_hpc.plugins import is_import_path
-from areal_hpc.prompts import build_prompt, chat_enabled, check_context, encode_prompt
+from areal_hpc.prompts import TEMPLATE_PART, build_prompt, chat_enabled, check_context, encode_prompt, template_fields
 
 
 @dataclass
@@ -139,16 +138,6 @@ def file_rows(path: str | Path, kind: str) -> dict[int, dict]:
     return {n - 1: row for n, row in _read_rows(Path(path), kind) if isinstance(row, dict)}
 
 
-# read left to right: {{ and }} stand for literal braces, {field} for a row's field, so a field can sit inside
-# literal braces (\boxed{{{answer}}} is \boxed{ + the answer + })
-_TEMPLATE_PART = re.compile(r"\{\{|\}\}|\{(\w+)\}")
-
-
-def template_fields(template: str) -> list[str]:
-    """The row fields a data.prompt_template names, in order ({question} is the data.question_key field)."""
-    return list(dict.fromkeys(m.group(1) for m in _TEMPLATE_PART.finditer(template) if m.group(1)))
-
-
 def _field_text(row: dict, name: str, question_key: str) -> str | None:
     value = row.get(question_key if name == "question" and question_key in row else name)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -165,7 +154,7 @@ def fill_template(template: str, row: dict, question_key: str = "question") -> t
         if _field_text(row, name, question_key) is None:
             return None, (question_key if name == "question" else name)
     fill = lambda m: _field_text(row, m.group(1), question_key) if m.group(1) else m.group(0)[0]  # noqa: E731
-    return _TEMPLATE_PART.sub(fill, template), ""
+    return TEMPLATE_PART.sub(fill, template), ""
 
 
 def _messages(raw) -> list[dict] | None:

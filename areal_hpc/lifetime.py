@@ -53,12 +53,25 @@ def exit_with(owner_pid: int) -> None:
     threading.Thread(target=watch, name="exit-with-owner", daemon=True).start()
 
 
+def _ancestors() -> set[int]:
+    """This process and the ones it descends from (a wrapper that set the marker itself is not the run's)."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return pids
+
+
 def marked(run_dir: str | Path) -> list[int]:
-    """Pids of live processes (zombies aside) whose environment carries this run's marker, this one aside."""
+    """Pids of live processes (zombies aside) whose environment carries this run's marker, this one and its
+    ancestors aside."""
     want = f"{MARKER}={Path(run_dir).resolve()}".encode()
-    me, found = os.getpid(), []
+    mine, found = _ancestors(), []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
+        if not entry.isdigit() or int(entry) in mine:
             continue
         try:
             env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")  # data.chat_template
+# a template over a row's fields (data.prompt_template, trainer.warm_start_template), read left to right: {{ and }}
+# stand for literal braces, {field} for a row's field, so a field can sit inside literal braces
+# (\boxed{{{answer}}} is \boxed{ + the answer + })
+TEMPLATE_PART = re.compile(r"\{\{|\}\}|\{(\w+)\}")
+
+
+def template_fields(template: str) -> list[str]:
+    """The row fields a template names, in order ({question} is the data.question_key field)."""
+    return list(dict.fromkeys(m.group(1) for m in TEMPLATE_PART.finditer(template) if m.group(1)))
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import logging
 import os
+import posixpath
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ DEFAULT_TRACKERS = (TENSORBOARD,)
 _PACKAGE = {WANDB: WANDB, MLFLOW: MLFLOW}  # the package an optional tracker imports (TensorBoard comes with torch's)
 _MLFLOW_PARAM_CHARS = 6000  # MLflow refuses longer parameter values
 _MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit; metrics allow 1000)
+_MLFLOW_BAD_CHARS = re.compile(r"[^/\w.\- :]")  # what MLflow refuses in a metric name
 
 
 class TrackerNotInstalled(ValueError):
@@ -190,7 +193,7 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in row.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_name(k), v, now, step) for k, v in row.items()])
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         from mlflow.entities import Metric, RunTag
@@ -207,6 +210,15 @@ class MlflowTracker(Tracker):
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id, "FINISHED")
+
+
+def mlflow_name(column: str) -> str:
+    """A metrics.csv column as MLflow takes a metric name: a name of a reward's extra or an ep.log call with a
+    character MLflow refuses (or that reads as another path) would otherwise switch the tracker off."""
+    name = _MLFLOW_BAD_CHARS.sub("_", column)
+    if posixpath.normpath(name) != name or name.startswith((".", "/")):
+        name = name.replace("/", "_").replace(".", "_")
+    return name
 
 
 class Trackers:

@@ -1,7 +1,9 @@
-"""The reward pool's processes never outlive their owner, and work nobody waits for is never scored (real pools)."""
+"""Slow user code never stalls a run, and nothing outlives it: held-out evaluations end at their bound, reward
+work nobody waits for is never scored, and the reward pool's processes die with their owner (real pools)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -87,3 +89,54 @@ def test_reward_workers_die_with_the_process_that_owns_the_pool(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def _score_row(ep) -> float:
+    """A workflow that only scores (no engine): the completion names the row. The slow rows ask a moment later,
+    so their reward calls go to the pool as a batch of their own (a batch is answered once all of it is)."""
+    if ep.row["sleep"]:
+        await asyncio.sleep(0.5)
+    return await ep.reward(str(ep.row["i"]))
+
+
+def test_a_heldout_evaluation_past_its_bound_ends_with_what_it_has(tmp_path, tiny_model_dir):
+    from areal_hpc.config_task import WorkflowConfig
+    from areal_hpc.data import Problem
+    from areal_hpc.model import load_tokenizer
+    from areal_hpc.runtime.heldout import HeldoutEvals
+    from areal_hpc.types import parse_request_id
+    from areal_hpc.workflow.runner import EpisodeRunner, RunnerSettings
+
+    log = tmp_path / "calls.txt"
+    rows = [{"i": i, "log": str(log), "sleep": 0 if i < 2 else 600} for i in range(6)]  # 2 answer, 4 hang
+    pool = RewardPool(num_workers=2, timeout_s=1000, scorer=_logged, max_chunk=1)
+    settings = RunnerSettings(workflow=WorkflowConfig(), max_new_tokens=8)
+    runner = EpisodeRunner(_score_row, load_tokenizer(tiny_model_dir), pool, lambda reqs: None, settings)
+    reports, progress = [], []
+    evals = HeldoutEvals(
+        [Problem(i, "q", "", [1], row) for i, row in enumerate(rows)],
+        runner,
+        1,
+        True,
+        reports.append,
+        lambda t0, t1: None,
+        1.0,
+    )
+    evals.bound(3.0, runner.cancel, progress.append)
+    assert pool.warmup(120)
+    evals.asked.append("v1")
+    evals.start_next(0)
+    end = time.time() + 120  # a sanity bound: the evaluation's own is 3 s
+    while evals.busy and time.time() < end:
+        for ep in runner.poll(engine_idle=True):
+            evals.episode_done(parse_request_id(ep.key).index, ep)
+        evals.tick(time.time())
+        time.sleep(0.05)
+    pool.close(finish_queued=False)
+    runner.close()
+    (result,) = reports
+    # the 2 that finished are the figures; the 4 cut are counted, never scored as wrong answers
+    assert result["tag"] == "v1" and result["cut"] == 4 and result["acc"] == 1.0 and result["reward_mean"] == 1.0
+    assert progress and progress[0] == {"tag": "v1", "done": 0, "total": 6, "reward_timeouts": 0}
+    # the two hanging calls were killed with the pool; the two queued behind them never ran
+    assert sorted(log.read_text().split()) == ["0", "1", "2", "3"]

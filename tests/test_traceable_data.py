@@ -143,10 +143,10 @@ def test_a_run_keeps_each_trajectorys_row_and_reports_accuracy_beside_mean_rewar
     curves = learning_curves([run.root]).dropna(subset=["heldout_acc"])
     np.testing.assert_allclose(curves["heldout_reward_mean"], 0.5 + curves["heldout_acc"] / 2)
     table = speedup_table([run.root])
-    assert table["heldout_reward_final"].iloc[0] == s["heldout_reward_mean_final"]
+    assert table["heldout_reward_mean_final"].iloc[0] == s["heldout_reward_mean_final"]
     assert table["acc_final"].iloc[0] == s["acc_final"]
     page = write_report([run.root], tmp_path / "report.html").read_text()
-    assert "<th>acc_final</th>" in page and "<th>heldout_reward_final</th>" in page
+    assert "<th>acc_final</th>" in page and "<th>heldout_reward_mean_final</th>" in page
 
 
 def test_rows_of_a_parquet_file_keep_their_positions_and_a_record_is_written_once(tmp_path):

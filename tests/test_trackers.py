@@ -174,6 +174,20 @@ def test_a_failing_tracker_is_logged_once_and_dropped_while_the_others_go_on(tmp
     assert tensorboard_scalars(tmp_path)["reward_mean"] == {0: 0.5, 1: 1.5, 2: 2.5}
 
 
+def test_a_column_named_as_mlflow_refuses_keeps_mlflow_on(tmp_path, caplog):
+    # a reward's extra or an ep.log name is the user's: "@" or "(" in it must not switch MLflow off
+    m = _logger(tmp_path, ["mlflow"])
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.trackers"):
+        for v in (0, 1):
+            m.log(v, {"episode/pass@1": v / 2, "reward/len(x)": float(v)})
+        m.close({"versions": 1})
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    client = mlflow_client(tmp_path)
+    (run,) = client.search_runs([client.get_experiment_by_name("areal-hpc").experiment_id])
+    assert [p.value for p in client.get_metric_history(run.info.run_id, "episode/pass_1")] == [0, 0.5]
+    assert run.data.metrics["reward/len_x_"] == 1 and run.info.status == "FINISHED"
+
+
 def test_a_resume_sends_each_version_once_and_a_tracker_added_then_gets_the_history(tmp_path):
     m = _logger(tmp_path, ["tensorboard", "mlflow"])
     for v in range(6):
@@ -281,3 +295,11 @@ def test_a_run_and_its_resume_log_every_metric_the_config_and_the_summary_to_eac
     # TensorBoard: the same rows
     tb = tensorboard_scalars(run)
     assert tb["reward_mean"] == pytest.approx({v: x for v, x in zip(csv["version"], csv["reward_mean"]) if pd.notna(x)})
+
+
+def test_a_resume_of_a_run_from_before_trackers_takes_them_from_an_override(tmp_path):
+    # its config.yaml says logging.tensorboard (the old default, written into every run) and cannot be edited
+    old = tmp_path / "config.yaml"
+    old.write_text(f"base: {DEMO}\nlogging:\n  tensorboard: true\n")
+    assert load_config(old, ["logging.trackers=[wandb]"]).logging.trackers == ["wandb"]
+    assert load_config(old).logging.trackers == ["tensorboard"]

@@ -49,7 +49,7 @@ def speedup_table(runs, baseline=None, target_acc: float | None = None) -> pd.Da
             "rl_wall_s": r.summary.get("rl_wall_s"),
             "acc_final": r.summary.get("acc_final"),
             # the mean reward of the same evaluation (None for runs from before it was logged)
-            "heldout_reward_final": r.summary.get("heldout_reward_mean_final"),
+            "heldout_reward_mean_final": r.summary.get("heldout_reward_mean_final"),
         }
         if target_acc is not None:
             row["time_to_target_s"] = time_to_accuracy(r, target_acc)

@@ -117,6 +117,11 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
     click.echo(
         f"             mean reward {num(rew[0])} at start, {num(rew[1])} after warm start, {num(rew[2])} at the end"
     )
+    if s.get("heldout_cut"):  # evaluations that ran into their time bound: their figures are over what finished
+        click.echo(
+            f"             {s['heldout_cut']} held-out episodes cut unfinished ({s['heldout_cut_final']} in the final "
+            "evaluation) by logging.eval_timeout_s or the stop, left out of these figures"
+        )
     click.echo(
         f"throughput:  {s['consumed_tokens_per_s']:.0f} consumed tokens/s "
         f"({s['tokens_consumed']} tokens, {s['samples_consumed']} samples)"

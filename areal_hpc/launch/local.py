@@ -184,10 +184,10 @@ def reward_failures(progress: dict) -> dict[str, str]:
 def _sweep(run_dir: RunDir) -> None:
     """mpirun has exited: whatever of the run is still alive (a process that escaped its parent's death) is
     killed, and named in mpirun.log."""
-    killed = sweep(run_dir.root)
-    if killed:
+    ended = sweep(run_dir.root)
+    if ended:  # worded apart from mpirun's own lines on a killed rank, which failure_line looks for
         with open(run_dir.mpirun_log, "a") as f:
-            f.write(f"[areal] killed {len(killed)} processes the run left behind: {'; '.join(killed)}\n")
+            f.write(f"[areal] ended {len(ended)} processes the run left behind: {'; '.join(ended)}\n")
 
 
 def staleness_histogram(run_dir: Path) -> dict[int, int]:

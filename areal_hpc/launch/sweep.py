@@ -111,7 +111,7 @@ def collect(sweep_dir: str | Path) -> pd.DataFrame:
                 "consumed_tokens_per_s": s.get("consumed_tokens_per_s"),
                 "acc_start": s.get("acc_start"),
                 "acc_final": s.get("acc_final"),
-                "heldout_reward_final": s.get("heldout_reward_mean_final"),  # the final evaluation's mean reward
+                "heldout_reward_mean_final": s.get("heldout_reward_mean_final"),  # the final evaluation's mean reward
                 "wall_s": s.get("wall_s"),
                 "rl_wall_s": s.get("rl_wall_s"),
             }

@@ -25,7 +25,8 @@ class _Eval:
     newest: int = -1  # the newest version that sampled any of its tokens
     tool_users: int = 0  # episodes that called a tool
     reward_failures: list[int] = field(default_factory=lambda: [0, 0])  # reward calls timed out, raised
-    deadline: float | None = None  # past it the unfinished episodes are cut (logging.eval_timeout_s)
+    deadline: float | None = None  # past it the unfinished episodes are cut
+    bound_by: str = "logging.eval_timeout_s"  # the setting that set the deadline
 
 
 _NO_FAILURES = {"reward_timeouts": 0, "reward_errors": 0}
@@ -81,8 +82,9 @@ class HeldoutEvals:
             self.report(body | _NO_FAILURES | {"cut": 0})
             return
         now = time.time()
-        bounds = [b for b in (self.timeout_s or None, self.final_s if tag == "final" else None) if b is not None]
-        self.current = _Eval(tag, version, now, deadline=now + min(bounds) if bounds else None)
+        self.current = _Eval(tag, version, now, deadline=now + self.timeout_s if self.timeout_s else None)
+        if tag == "final" and self.final_s is not None:
+            self._stop_bound(self.current)
         for i, p in enumerate(self.problems):
             for s in range(self.k):
                 self.runner.start(str(EvalId(i * self.k + s)), p.row, p.prompt_ids, greedy=self.greedy)
@@ -137,12 +139,16 @@ class HeldoutEvals:
         if ev is None:
             return
         if ev.deadline is not None and now >= ev.deadline:
-            what = "logging.stop_eval_s" if self.final_s is not None and ev.tag == "final" else "logging.eval_timeout_s"
-            self.cut(f"{what} reached")
+            self.cut(f"{ev.bound_by} reached")
         elif now - self._progress_t >= PROGRESS_EVERY_S:
             self._progress_t = now
             done, total = len(ev.rewards), len(self.problems) * self.k
             self.progress({"tag": ev.tag, "done": done, "total": total, "reward_timeouts": ev.reward_failures[0]})
+
+    def _stop_bound(self, ev: _Eval) -> None:
+        """The final evaluation of a run stopping on request ends by logging.stop_eval_s, if that comes first."""
+        if ev.deadline is None or ev.t_start + self.final_s < ev.deadline:
+            ev.deadline, ev.bound_by = ev.t_start + self.final_s, "logging.stop_eval_s"
 
     def stop(self, final_s: float | None) -> None:
         """Rank 0's STOP. On a stop request (final_s: logging.stop_eval_s) the evaluation running now is cut
@@ -155,7 +161,7 @@ class HeldoutEvals:
         if ev is not None and ev.tag != "final":
             self.cut("the run is stopping")
         elif ev is not None:
-            ev.deadline = min(ev.deadline or float("inf"), ev.t_start + final_s)
+            self._stop_bound(ev)
         for tag in [t for t in self.asked if t != "final"]:
             none = {"acc": None, "reward_mean": None, "tool_share": None, "cut": 0}
             self.report({"tag": tag, "version": None, "version_end": None} | none | _NO_FAILURES)

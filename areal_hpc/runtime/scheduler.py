@@ -14,6 +14,7 @@ from areal_hpc.dataset_record import record_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.layout import Layout
+from areal_hpc.runtime.learning_signal import WARNING as NO_SIGNAL
 from areal_hpc.runtime.protocol import Tag
 from areal_hpc.runtime.resume import (
     clean_temporaries,
@@ -243,7 +244,9 @@ class Scheduler(RoleLoop):
         """Once per start, under Slurm: a version plus a checkpoint took longer than slurm.signal_s, so the time
         limit's signal would come too late to save the version in flight."""
         sc, need = self.cfg.slurm, self.version_s + self.ckpt_s
-        if self.report.warning or not (os.environ.get("SLURM_JOB_ID") and sc.requeue) or need <= sc.signal_s:
+        # progress.json has one warning: this one takes it from a no-learning-signal warning (that one is logged)
+        held = self.report.warning and not self.report.warning.startswith(NO_SIGNAL)
+        if held or not (os.environ.get("SLURM_JOB_ID") and sc.requeue) or need <= sc.signal_s:
             return
         self.report.warning = (
             f"a version plus a checkpoint took {need:.0f} s ({self.version_s:.0f} + {self.ckpt_s:.0f}), more than "

@@ -125,6 +125,7 @@ def test_a_hanging_reward_then_sigterm_stops_at_the_last_version_with_a_summary(
             proc.kill()
     assert proc.returncode == 0, err[-2000:]
     assert "versions:" in out and "held-out:" in out  # the summary, printed
+    assert "held-out episodes cut unfinished" in out  # the cut evaluations, said so
     assert "eval=start 0/20" in err  # the progress bar showed the evaluation: episodes done / total
     s = json.loads((run / "summary.json").read_text())
     # every group scored 0 (uniform): version 1 could never complete, and the stop did not wait for it
