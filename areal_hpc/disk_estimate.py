@@ -10,7 +10,7 @@ from pathlib import Path
 from areal_hpc.store.shards import OFFSETS_DTYPE, TOKEN_FIELDS, TRAJ_FIELDS
 
 # Bytes a shard stores per token (input_ids, behav_logprobs, versions, loss_mask: 13) and per trajectory
-# (its per-trajectory columns and its offset: 104), uncompressed (store.compression=none)
+# (its per-trajectory columns and its offset: 112), uncompressed (store.compression=none)
 TOKEN_BYTES = sum(dt.itemsize for dt in TOKEN_FIELDS.values())
 TRAJ_BYTES = sum(dt.itemsize for dt in TRAJ_FIELDS.values()) + OFFSETS_DTYPE.itemsize
 ADAM_BYTES = 8  # exp_avg and exp_avg_sq, fp32, one each per parameter
