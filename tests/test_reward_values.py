@@ -68,17 +68,21 @@ def test_a_reward_that_is_not_a_number_is_an_error_counted_and_logged_once_with_
     assert "raised KeyError: 'no_such_field'" in lines[1]
 
 
-def test_reward_args_are_keyword_arguments_and_a_list_is_a_logged_weighted_sum(tmp_path):
+def test_reward_args_are_keyword_arguments_and_a_list_is_a_logged_weighted_sum(tmp_path, caplog):
     cfg = _cfg(tmp_path, "reward.fn={f}:reward", "reward.args={{bonus: 0.25}}")
     with reward_pool_for(cfg) as pool:
         assert list(pool.submit(["right"], [{"q": "x"}]).result(timeout=120)) == [1.25]
     cfg = _cfg(tmp_path, "reward.fn=[{f}:reward,{f}:form]", "reward.weights=[1.0,2.0]", "reward.args={{bonus: 1}}")
-    with reward_pool_for(cfg) as pool:
-        s = pool.submit(["ok", "nope", "none"], [{"q": "x"}] * 3).result(timeout=120)
-    assert list(s) == [2.0 + 2.0 * 1.0, 2.0 + 0.0, 0.0]
+    with caplog.at_level(logging.WARNING, "areal_hpc.reward.pool"), reward_pool_for(cfg) as pool:
+        s = pool.submit(["ok", "nope", "none", "raise"], [{"q": "x"}] * 4).result(timeout=120)
+    assert list(s) == [2.0 + 2.0 * 1.0, 2.0 + 0.0, 0.0, 0.0]
     assert s.extras[0] == {"reward": 2.0, "form": 1.0, "form/chars": 2.0}
     assert s.extras[1] == {"reward": 2.0, "form": 0.0, "form/chars": 4.0}
-    assert s.statuses == ["ok", "ok", "error"]  # one function of the list returned None: the call is an error
+    # one function of the list returned None, or raised: the call is an error, and the log names the function
+    assert s.statuses == ["ok", "ok", "error", "error"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("reward returned None" in ln for ln in lines), lines
+    assert any("reward raised KeyError: 'no_such_field'" in ln for ln in lines), lines
     # with no weights every function counts once; a built-in can be one of them
     cfg = _cfg(tmp_path, "reward.fn=[math,{f}:form]", "data.answer_key=answer")
     with reward_pool_for(cfg) as pool:

@@ -88,6 +88,8 @@ class WeightedRewards:
                 score, extras = as_reward(part(completion, row))
             except RewardValueError as e:
                 raise RewardValueError(f"{name} {e}") from None  # which function of the list
+            except Exception as e:  # a time-out is no Exception: it passes through as itself
+                raise RuntimeError(f"{name} raised {type(e).__name__}: {e}") from None
             out["score"] += w * score
             out[name] = score
             out.update((f"{name}/{k}", v) for k, v in extras.items())
