@@ -151,9 +151,7 @@ class RewardPool:
                 src.clear()
                 src.extend(kept)
         for job, idx in gone:
-            failures, job.failures = job.failures, None  # not a failure of the reward function: not logged
-            job.put(idx, 0.0, ERROR, "was discarded")
-            job.failures = failures
+            job.put(idx, 0.0, ERROR, "was discarded", log=False)  # not a failure of the reward function
 
     def score(self, completions: Sequence[str], references: Sequence[str]) -> list[float]:
         """Blocking convenience: submit(...).result()."""

@@ -64,11 +64,14 @@ class ScoringJob:
         self.remaining = len(completions)
         self.failures = failures
 
-    def put(self, idx: int, value: float, status: str = OK, message: str = "", extras: dict | None = None) -> None:
+    def put(
+        self, idx: int, value: float, status: str = OK, message: str = "", extras: dict | None = None, log=True
+    ) -> None:
+        """One item's result; `log=False`: a failure that is not the reward function's (a discarded item)."""
         self.scores[idx] = value
         self.scores.statuses[idx] = status
         self.scores.extras[idx] = dict(extras or {})
-        if status != OK and self.failures is not None:
+        if status != OK and log and self.failures is not None:
             self.failures.note(status, message)
         self.remaining -= 1
         if self.remaining == 0 and not self.future.done():

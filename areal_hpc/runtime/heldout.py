@@ -72,8 +72,7 @@ class HeldoutEvals:
         tag = self.asked.pop(0)
         while tag.startswith("v") and self.asked:
             # asked faster than they run: a later evaluation supersedes a periodic one
-            none = {"acc": None, "reward_mean": None, "tool_share": None, "cut": 0}
-            self.report({"tag": tag, "version": None, "version_end": None} | none | _NO_FAILURES)
+            self._not_run(tag)
             tag = self.asked.pop(0)
         if not self.problems:
             nan = float("nan")
@@ -88,6 +87,11 @@ class HeldoutEvals:
         for i, p in enumerate(self.problems):
             for s in range(self.k):
                 self.runner.start(str(EvalId(i * self.k + s)), p.row, p.prompt_ids, greedy=self.greedy)
+
+    def _not_run(self, tag: str) -> None:
+        """An evaluation asked for and never started (superseded by a later one, or a stop): rank 0 hears so."""
+        none = {"acc": None, "reward_mean": None, "tool_share": None, "cut": 0}
+        self.report({"tag": tag, "version": None, "version_end": None} | none | _NO_FAILURES)
 
     def episode_done(self, index: int, ep: FinishedEpisode) -> None:
         """A held-out episode's reward (a rejected one scores 0); the result goes to rank 0 once all are in."""
@@ -163,6 +167,5 @@ class HeldoutEvals:
         elif ev is not None:
             self._stop_bound(ev)
         for tag in [t for t in self.asked if t != "final"]:
-            none = {"acc": None, "reward_mean": None, "tool_share": None, "cut": 0}
-            self.report({"tag": tag, "version": None, "version_end": None} | none | _NO_FAILURES)
+            self._not_run(tag)
         self.asked = [t for t in self.asked if t == "final"]
