@@ -13,6 +13,9 @@ from areal_hpc.store.shards import OFFSETS_DTYPE, TOKEN_FIELDS, TRAJ_FIELDS
 # (its per-trajectory columns and its offset: 112), uncompressed (store.compression=none)
 TOKEN_BYTES = sum(dt.itemsize for dt in TOKEN_FIELDS.values())
 TRAJ_BYTES = sum(dt.itemsize for dt in TRAJ_FIELDS.values()) + OFFSETS_DTYPE.itemsize
+# store.compression's size reduction of the token columns: the worst case docs/run-dir.md measured (token ids
+# uniform over a 151k vocabulary; text's Zipf-like ids gave 2.27 and 2.57), so the estimate stays an upper bound
+COMPRESSION_RATIOS = {"none": 1.0, "lzf": 2.15, "gzip": 2.39}
 ADAM_BYTES = 8  # exp_avg and exp_avg_sq, fp32, one each per parameter
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -107,6 +110,7 @@ class DiskEstimate:
     weights_bytes: int  # one published weights folder (sync.method=disk), else 0
     weights_kept: int  # sync.keep_versions with sync.method=disk, else 0 (one more between publish and prune)
     upper_bound: bool  # every answer assumed max_new_tokens long (no mean length was given)
+    compression: str = "none"  # store.compression, counted in rollout_bytes_per_version
 
     @property
     def checkpoints_total(self) -> int:
@@ -133,8 +137,10 @@ class DiskEstimate:
         if self.checkpoints_peak > n:
             parts[0] += f" (+{_size(ck)} while the next is written)"
         per100 = self.rollout_bytes_per_version * 100
+        packed = f", {self.compression}" if self.compression != "none" else ""
         parts.append(
-            f"rollouts {about}{_size(per100)} per 100 versions ({_size(self.rollouts_total)} for {self.versions})"
+            f"rollouts {about}{_size(per100)} per 100 versions ({_size(self.rollouts_total)} for {self.versions}"
+            f"{packed})"
         )
         if self.weights_kept:
             parts.append(f"weights {self.weights_kept} x {_size(self.weights_bytes)} = {_size(self.weights_total)}")
@@ -147,7 +153,7 @@ def estimate_disk(
     prompt_tokens: float | None = None,
     new_tokens: float | None = None,
     groups_per_version: float | None = None,
-    compression_ratio: float = 1.0,
+    compression_ratio: float | None = None,
 ) -> DiskEstimate:
     """What a run of `cfg` (a loaded Config) will write.
 
@@ -156,7 +162,8 @@ def estimate_disk(
     new_tokens: mean answer length (default rollout.max_new_tokens: an upper bound, said with "<=").
     groups_per_version: groups stored per version (default rollout.batch_prompts; the store also keeps the
     groups rank 0 rejects as uniform and drops as stale, so B / (1 - rejected share) is closer when many are).
-    compression_ratio: the store's size reduction with store.compression (1: none; benchmarks/store_io.py).
+    compression_ratio: the store's size reduction of the token columns (default: store.compression's in
+    COMPRESSION_RATIOS, the worst case benchmarks/store_io.py --compression measured; 1: none).
     """
     if shape is None:
         shape = read_model_shape(cfg.model.path)
@@ -171,6 +178,8 @@ def estimate_disk(
     prompt = prompt_tokens if prompt_tokens is not None else (cfg.data.max_prompt_tokens or 512)
     answer = new_tokens if new_tokens is not None else rc.max_new_tokens
     groups = groups_per_version if groups_per_version is not None else rc.batch_prompts
+    if compression_ratio is None:
+        compression_ratio = COMPRESSION_RATIOS[cfg.store.compression]
     per_traj = (prompt + answer) * TOKEN_BYTES / compression_ratio + TRAJ_BYTES
     disk = sc.method == "disk"
     sent = shape.adapter(tc.lora_rank) if tc.lora_rank else shape.params + shape.tied  # clones untie the head
@@ -185,4 +194,5 @@ def estimate_disk(
         weights_bytes=weights,
         weights_kept=sc.keep_versions if disk else 0,
         upper_bound=new_tokens is None,
+        compression=cfg.store.compression,
     )

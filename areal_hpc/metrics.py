@@ -39,7 +39,8 @@ class MetricsLogger:
             with open(self.csv_path, newline="") as f:
                 reader = csv.DictReader(f)
                 self.fields = list(reader.fieldnames or [])
-                self.rows = [r for r in reader if r.get("version") and float(r["version"]) <= keep_upto]
+                # as logged: a reloaded row's numbers are numbers again (progress.json and status format them)
+                self.rows = [row for r in reader if (row := typed_row(r)).get("version", keep_upto + 1) <= keep_upto]
             self._rewrite()
         settings = tracker_settings(config) if config is not None else TrackerSettings()
         self.trackers = Trackers(RunDir(run_dir), list(trackers), settings, self.rows, keep_upto)
@@ -65,6 +66,23 @@ class MetricsLogger:
         if summary is not None:
             self.trackers.log_summary(summary)
         self.trackers.close()
+
+
+def typed_row(row: dict) -> dict:
+    """A row read back from metrics.csv as it was logged: numbers as int or float, other text as text, and an
+    empty cell (a column this row never had) left out, as it was."""
+    out = {}
+    for k, v in row.items():
+        if k is None or v is None or v == "":
+            continue
+        for cast in (int, float):
+            try:
+                v = cast(v)
+                break
+            except ValueError:
+                pass
+        out[k] = v
+    return out
 
 
 def tracker_settings(cfg) -> TrackerSettings:

@@ -85,6 +85,17 @@ class RunDir:
         return self.root / "dataset.json"
 
     @property
+    def model(self) -> Path:
+        """The run's model by fingerprint (config.json's and the weights' sha256), written at its first start:
+        a later start or a resume may point model.path at the same files moved, never at another model."""
+        return self.root / "model.json"
+
+    @property
+    def model_hashes(self) -> Path:
+        """A cache of model files' sha256 by path, size and mtime: an unchanged model is hashed once."""
+        return self.root / "model-hashes.json"
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
 
@@ -275,6 +286,11 @@ class RunDir:
         return self.slurm / "job.json"
 
     @property
+    def job_claim(self) -> Path:
+        """The Slurm job that owns the run (one job per run dir): taken by the job at start-up, before prepare."""
+        return self.slurm / "claim.json"
+
+    @property
     def submitit(self) -> Path:
         return self.slurm / "submitit"
 
@@ -324,8 +340,10 @@ class RunDir:
         return None
 
     def before_start(self) -> None:
-        """Every start (fresh, resumed or requeued): no stale stop request or error files."""
+        """Every start (fresh, resumed or requeued): no stale stop request, error files or heartbeat (the job
+        script's watchdog must time this start's rank 0, not an earlier job's)."""
         self.stop.unlink(missing_ok=True)
+        self.heartbeat.unlink(missing_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         for old in self.logs.glob("error-rank*.txt"):
             old.unlink()

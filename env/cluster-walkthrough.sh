@@ -12,7 +12,8 @@ bash "$ROOT/env/slurm-up.sh" >/dev/null
 mkdir -p "$WORK/jobs" && cp "$ROOT/jobs/demo.yaml" "$WORK/jobs/" && cd "$WORK"
 say() { printf "\n$ %s\n" "$*" >&2; "$@"; }
 wait_for() {  # wait_for RUN_DIR TEXT: until status prints TEXT (3 minutes at most)
-  for _ in $(seq 360); do "$AREAL" status "$1" 2>/dev/null | grep -q "$2" && return 0; sleep 0.5; done
+  # status read whole first: grep -q on the pipe would leave before status's last line, failing it (pipefail)
+  for _ in $(seq 360); do grep -q "$2" <<<"$("$AREAL" status "$1" 2>/dev/null)" && return 0; sleep 0.5; done
   echo "status never said '$2'"; "$AREAL" status "$1"; return 1
 }
 
@@ -37,10 +38,13 @@ wait_for runs/guide "progress: version [3-9]"
 say "$AREAL" status runs/guide
 say "$AREAL" cancel runs/guide
 wait_for runs/guide "CANCELLED"
-say "$AREAL" resume runs/guide trainer.versions=40
+say "$AREAL" status runs/guide
+# trainer.versions is the run's total: where the cancel stopped it (status's version), plus 40 more
+stopped=$("$AREAL" status runs/guide | sed -n 's|.*version \([0-9][0-9]*\)/.*|\1|p' | head -1)
+say "$AREAL" resume runs/guide trainer.versions=$((stopped + 40))
 wait_for runs/guide "COMPLETED"
 say "$AREAL" status runs/guide
-say "$AREAL" export runs/guide/checkpoints/v00000040 runs/guide-hf
+say "$AREAL" export "runs/guide/checkpoints/v$(printf %08d $((stopped + 40)))" runs/guide-hf
 say "$AREAL" eval runs/guide-hf --config runs/guide/config.yaml
 # -- the split, sized from this run; TensorBoard reads the same folder (--inspect: a summary, no server)
 say "$AREAL" simulate --calibrate runs/guide --sweep cluster.n_generators=1,2,3

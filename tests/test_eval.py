@@ -113,3 +113,20 @@ def test_eval_renders_a_checked_one_node_slurm_job(demo_run):
     run_line = [ln for ln in script.splitlines() if "areal_hpc.cli eval" in ln][-1]
     assert f"eval {ckpt} --data heldout --n-samples 8 --temperature 1.0" in run_line
     assert "--slurm" not in run_line and run_line.endswith("slurm.gpus_per_node=0")
+
+
+def test_eval_prints_only_its_answer_unless_verbose(demo_run):
+    """vLLM logs ~40 lines from Python, C++ and progress bars, to stdout and stderr: a real process, not
+    CliRunner, shows what a user's terminal gets."""
+    import subprocess
+    import sys
+
+    ckpt = RunDir(demo_run.run_dir).trainer_checkpoint(demo_run.versions)
+    cmd = [sys.executable, "-m", "areal_hpc.cli", "eval", str(ckpt), "--engine", "vllm"]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    heads = [ln.split(":")[0] for ln in quiet.stdout.splitlines()]
+    assert heads == ["model", "data", "pass@1", "reward", "answers", "time"] and quiet.stderr == "", quiet
+    loud = subprocess.run([*cmd, "--verbose"], capture_output=True, text=True, timeout=600)
+    assert loud.returncode == 0 and "Initializing a V1 LLM engine" in loud.stdout + loud.stderr
+    assert quiet.stdout.splitlines()[2] in loud.stdout  # the same answer

@@ -137,6 +137,46 @@ def test_disk_estimate_matches_a_real_checkpoint(demo_run):
     assert 0 < files - est.rollouts_total < 24_000 * len(summaries), (files, est.rollouts_total, len(summaries))
 
 
+def test_disk_estimate_counts_store_compression(demo_run, tmp_path):
+    """The demo's own shards written again with each filter: the estimate at store.compression divides the token
+    columns by the filter's worst-case ratio, an upper bound for what they take (the demo's ids compress
+    better); the rest of each file is HDF5's structure, as uncompressed (above), plus the chunk index."""
+    import dataclasses
+
+    import h5py
+
+    from areal_hpc.disk_estimate import COMPRESSION_RATIOS, TOKEN_BYTES, TRAJ_BYTES
+    from areal_hpc.store.shards import TOKEN_FIELDS, parse_shard_name, read_shard, write_shard
+
+    def token_bytes(paths):  # what the token datasets take on disk, after the filter
+        out = 0
+        for p in paths:
+            with h5py.File(p, "r") as f:
+                out += sum(f[k].id.get_storage_size() for k in TOKEN_FIELDS)
+        return out
+
+    run, cfg = demo_run
+    shards = list_shards(run.rollouts)
+    summaries = [read_shard_summary(p) for p in shards]
+    n = sum(s.n_trajectories for s in summaries)
+    tokens = sum(int(s.prompt_len.sum() + s.gen_len.sum()) for s in summaries)
+    assert token_bytes(shards) == tokens * TOKEN_BYTES
+    lengths = dict(prompt_tokens=0, new_tokens=tokens / n, groups_per_version=n / 8 / VERSIONS)
+    unpacked = estimate_disk(cfg, **lengths)
+    for name in ("lzf", "gzip"):
+        for p in shards:
+            write_shard(tmp_path / name, read_shard(p), *parse_shard_name(p.name), compression=name)
+        packed = list_shards(tmp_path / name)
+        stored, files = token_bytes(packed), sum(p.stat().st_size for p in packed)
+        cfg_packed = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, compression=name))
+        est = estimate_disk(cfg_packed, **lengths)
+        ratio = COMPRESSION_RATIOS[name]
+        print(f"\n[disk] {name}: demo token columns {tokens * TOKEN_BYTES / stored:.2f}x smaller (estimate {ratio}x)")
+        assert est.rollouts_total == pytest.approx(n * TRAJ_BYTES + tokens * TOKEN_BYTES / ratio, abs=VERSIONS)
+        assert stored < est.rollouts_total - n * TRAJ_BYTES < unpacked.rollouts_total / 2
+        assert 0 < files - est.rollouts_total < 30_000 * len(shards) and f"{VERSIONS}, {name})" in est.describe()
+
+
 def test_qwen2p5_1p5b_shape_and_the_recipe_estimate():
     qwen = {
         "model_type": "qwen2",

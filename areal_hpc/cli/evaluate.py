@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
+
 import click
 
 from areal_hpc.config import ConfigError
@@ -22,9 +27,21 @@ from areal_hpc.config import ConfigError
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the figures as JSON here.")
 @click.option("--slurm", is_flag=True, help="Print this evaluation as an sbatch script instead of running it.")
 @click.option("--submit", is_flag=True, help="With --slurm: submit it with sbatch.")
+@click.option("--verbose", is_flag=True, help="Show the engine's own log (vLLM's); by default only the answer.")
 @click.argument("overrides", nargs=-1)
 def eval_cmd(
-    model_path, data, config_path, n_samples, temperature, max_new_tokens, engine, json_path, slurm, submit, overrides
+    model_path,
+    data,
+    config_path,
+    n_samples,
+    temperature,
+    max_new_tokens,
+    engine,
+    json_path,
+    slurm,
+    submit,
+    verbose,
+    overrides,
 ):
     """Evaluate RUN_DIR/checkpoints/vN or a Hugging Face folder: pass@1 as avg@k (+- standard error), pass@k, the
     mean reward (correct: reward >= logging.eval_threshold)."""
@@ -38,7 +55,9 @@ def eval_cmd(
             _eval_job(target, model_path, data, config_path, json_path, submit, overrides, opts)
             return
         try:
-            out = ce.run_eval(target, data, n_samples, temperature, max_new_tokens, engine)
+            refusals = (ConfigError, ModelFolderError, OSError, ValueError)
+            with contextlib.nullcontext() if verbose else _engine_log_aside(refusals):
+                out = ce.run_eval(target, data, n_samples, temperature, max_new_tokens, engine)
         finally:
             target.close()
     except (ConfigError, ModelFolderError, OSError, ValueError) as err:
@@ -48,6 +67,35 @@ def eval_cmd(
     if json_path:
         ce.write_json(out, json_path)
         click.echo(f"wrote {json_path}")
+
+
+@contextlib.contextmanager
+def _engine_log_aside(refusals: tuple[type[Exception], ...]):
+    """Everything written to file descriptors 1 and 2 meanwhile goes to a temporary file: vLLM logs from Python,
+    C++ and its progress bars, to stdout and stderr alike, and only the descriptors catch all of it. The file is
+    deleted, unless something other than a refusal (one of `refusals`, the user's one line) went wrong."""
+    log = tempfile.NamedTemporaryFile("wb", prefix="areal-eval-", suffix=".log", delete=False)
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    keep = False
+    try:
+        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+        yield
+    except refusals:
+        raise
+    except BaseException:
+        keep = True
+        raise
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        log.close()
+        if keep:
+            print(f"the engine's log (eval --verbose shows it): {log.name}", file=sys.stderr)
+        else:
+            os.unlink(log.name)
 
 
 def _eval_job(target, model_path, data, config_path, json_path, submit, overrides, opts) -> None:

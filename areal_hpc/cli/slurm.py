@@ -16,20 +16,17 @@ from areal_hpc.rundir import RunDir
 @click.option("--check/--no-check", default=True, help="Check the request against the cluster (sinfo) first.")
 def render_cmd(config_path: str, overrides: tuple[str, ...], check: bool) -> None:
     """Print the heterogeneous-job sbatch script for CONFIG_PATH [KEY=VALUE ...] (submit it with sbatch)."""
-    from areal_hpc.launch.sizing import SizingError, check_sizing
-    from areal_hpc.launch.slurm import SlurmError, check_render_target, check_request, render_sbatch, which_slurm
+    from areal_hpc.launch.request_checks import check_all
+    from areal_hpc.launch.slurm import SlurmError, render_sbatch, which_slurm
 
     cfg = load_or_fail(config_path, overrides)
     try:
-        check_render_target(cfg)
-        if check and which_slurm():
-            check_request(cfg)
-        check_sizing(cfg)
+        check_all(cfg, "render", cluster=check and which_slurm(), target=True)  # every problem, nothing written
         script = render_sbatch(cfg, " ".join([config_path, *overrides]))
-        # sbatch opens the job's output file in RUN_DIR/logs before the script runs: it must exist
-        RunDir(Path(cfg.store.run_dir).resolve()).logs.mkdir(parents=True, exist_ok=True)
-    except (SlurmError, SizingError) as err:
+    except SlurmError as err:
         raise click.ClickException(str(err)) from None
+    # sbatch opens the job's output file in RUN_DIR/logs before the script runs: it must exist
+    RunDir(Path(cfg.store.run_dir).resolve()).logs.mkdir(parents=True, exist_ok=True)
     click.echo(script, nl=False)
     click.echo(disk_line(cfg), err=True)  # stderr: stdout is the script
 
@@ -40,6 +37,7 @@ def render_cmd(config_path: str, overrides: tuple[str, ...], check: bool) -> Non
 def submit_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
     """Submit CONFIG_PATH [KEY=VALUE ...] as a heterogeneous Slurm job through submitit."""
     from areal_hpc.launch.local import RunFailed
+    from areal_hpc.launch.request_checks import refusal_text
     from areal_hpc.launch.slurm import SlurmError
     from areal_hpc.launch.submit import submit
 
@@ -47,7 +45,7 @@ def submit_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
     try:
         job = submit(cfg)
     except (SlurmError, RunFailed, ValueError, OSError) as err:
-        raise click.ClickException(str(err).splitlines()[0]) from None
+        raise click.ClickException(refusal_text(err)) from None
     click.echo(f"submitted job {job.job_id}")
     click.echo(f"run dir: {cfg.store.run_dir}")
     click.echo(f"watch:   areal-hpc status {cfg.store.run_dir}")
@@ -62,13 +60,14 @@ def resume_cmd(run_dir: str, overrides: tuple[str, ...], via: str | None) -> Non
     """Submit the run in RUN_DIR again from its newest checkpoint, with KEY=VALUE overrides that are safe to change
     (more versions, time, nodes, eval settings); the default is how the run was submitted before."""
     from areal_hpc.launch.local import RunFailed
+    from areal_hpc.launch.request_checks import refusal_text
     from areal_hpc.launch.resume import describe_changes, resume
     from areal_hpc.launch.slurm import SlurmError
 
     try:
         job_id, changes, ckpt = resume(run_dir, list(overrides), via)
     except (SlurmError, RunFailed, ValueError, OSError) as err:
-        raise click.ClickException(str(err).splitlines()[0]) from None
+        raise click.ClickException(refusal_text(err)) from None
     start = f"checkpoint v{ckpt}" if ckpt is not None else "the beginning (no complete checkpoint)"
     click.echo(f"submitted job {job_id}: resumes from {start}; {describe_changes(changes)}")
     click.echo(f"watch:   areal-hpc status {Path(run_dir).resolve()}")
@@ -132,35 +131,35 @@ def status_cmd(run_dir: str) -> None:
         raise click.ClickException(str(err)) from None
     why = f" ({pending_reason(job['job_id'])})" if state == "PENDING" else ""
     click.echo(f"job {job['job_id']}: {state}{why}")
-    from areal_hpc.launch.restarts import restarts_line
+    from areal_hpc.launch.jobs import other_jobs_lines
 
-    if line := restarts_line(Path(run_dir)):
+    for line in other_jobs_lines(Path(run_dir), str(job["job_id"])):  # every other active job of the run
         click.echo(line)
-    if (p := RunDir(run_dir).read_progress()) is None:
-        click.echo("progress: none yet (the run has not published its first version)")
-        return
-    if p.get("warning"):
-        click.echo(f"warning: {p['warning']}")
-    reward = "n/a" if p.get("reward_mean") is None else f"{p['reward_mean']:.3f}"
-    acc = "n/a" if p.get("heldout_acc") is None else f"{p['heldout_acc']:.1%}"
-    click.echo(
-        f"progress: version {p['version']}/{p['versions']} ({p['state']}), reward {reward}, held-out {acc}, "
-        f"{p['consumed_tokens_per_s']:.0f} consumed tokens/s, {p['elapsed_s']:.0f} s since start"
-    )
+    from areal_hpc.launch.restarts import error_line, restarts_line
+
+    if line := restarts_line(Path(run_dir), str(job["job_id"])):  # this job's, not an earlier job's
+        click.echo(line)
+    if line := error_line(Path(run_dir), str(job["job_id"])):  # the latest world's error, or why the job gave up
+        click.echo(f"error: {line}")
+    from areal_hpc.launch.progress_view import progress_lines
+
+    # this start's progress only ("starting (resumed from v200)" until it writes its own), never a traceback
+    for line in progress_lines(Path(run_dir), str(job["job_id"]), state):
+        click.echo(line)
 
 
 @click.command("cancel")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 def cancel_cmd(run_dir: str) -> None:
-    """Cancel the Slurm job of the run in RUN_DIR (its checkpoints stay: go on with areal-hpc resume RUN_DIR)."""
-    from areal_hpc.launch.slurm import SlurmError, cancel, load_job
+    """Cancel every Slurm job of the run in RUN_DIR (its checkpoints stay: go on with areal-hpc resume RUN_DIR)."""
+    from areal_hpc.launch.jobs import cancel_run
+    from areal_hpc.launch.slurm import SlurmError
 
     try:
-        job = load_job(Path(run_dir))
-        cancel(job["job_id"])
+        ids = cancel_run(Path(run_dir))
     except SlurmError as err:
         raise click.ClickException(str(err)) from None
-    click.echo(f"cancelled job {job['job_id']}")
+    click.echo("cancelled " + ", ".join(f"job {j}" for j in ids))
 
 
 @click.command("prepare", hidden=True)

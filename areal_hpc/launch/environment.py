@@ -24,3 +24,10 @@ def rank_env(local_mpirun: bool = False) -> dict[str, str]:
     for key, value in {**RANK_ENV, **(LOCAL_MPIRUN_ENV if local_mpirun else {})}.items():
         env.setdefault(key, value)
     return env
+
+
+def slurm_job_id() -> str:
+    """This job's id as squeue, sacct and scancel name it ('' outside Slurm): JOBID_TASK for a task of a job
+    array, whose own SLURM_JOB_ID is a number of its own that the array's record does not know."""
+    task, array = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_JOB_ID")
+    return f"{array}_{task}" if task and array else os.environ.get("SLURM_JOB_ID", "")

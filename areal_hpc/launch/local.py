@@ -52,6 +52,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     """A new run dir (refusing one that holds a run) or an existing one with a checkpoint to resume."""
     from areal_hpc.config import save_config
     from areal_hpc.model import ensure_model
+    from areal_hpc.model_record import model_mismatch, record_model
     from areal_hpc.runtime.build import check_model_fits
     from areal_hpc.runtime.resume import CheckpointError, check_resumable
     from areal_hpc.warm_start import check_warm_start
@@ -61,6 +62,8 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     if not resume:  # a resumed run's weights are past the warm start
         check_warm_start(cfg)  # rows lacking what the warm start trains on: one line, before the run dir is written
     run = RunDir(Path(cfg.store.run_dir).resolve())
+    if resume and (why := model_mismatch(run.root, cfg.model.path)):  # before anything is rewritten or built
+        raise RunFailed(why)
     try:
         if resume:
             check_resumable(run.root)  # one line on a damaged checkpoint, before the config is rewritten
@@ -70,6 +73,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     except (RunDirError, CheckpointError) as err:
         raise RunFailed(str(err)) from None
     check_model_fits(cfg, ensure_model(cfg.model))  # built once here, never by several ranks at once
+    record_model(run.root, cfg.model.path)  # RUN_DIR/model.json at the first start
     run.before_start()
     return run
 
@@ -92,7 +96,8 @@ def failure_line(run_dir: Path, returncode: int) -> str:
         if (m := re.search(r"process rank (\d+) .*exited on signal", ln)) and int(m.group(1)) not in erred
     ]
     if errors and not signalled:
-        return f"{errors[0].read_text().strip()} (log: {run.log_of_error(errors[0]) or run.logs})"
+        first = run.rank_error_lines()[0]  # the file's first line (its second is the error's kind)
+        return f"{first} (log: {run.log_of_error(errors[0]) or run.logs})"
     hints = signalled or [ln.strip() for ln in lines if "exited on signal" in ln or "killed" in ln.lower()]
     hint = f": {hints[0]}" if hints else ""
     return f"mpirun exited with code {returncode}{hint} (logs: {run.logs})"

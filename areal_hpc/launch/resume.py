@@ -9,7 +9,9 @@ from pathlib import Path
 import yaml
 
 from areal_hpc.config import Config, load_config, save_config, to_yaml
-from areal_hpc.launch.slurm import SlurmError, job_state, load_job, render_sbatch, save_job
+from areal_hpc.launch.jobs import run_jobs
+from areal_hpc.launch.slurm import SlurmError, load_job, render_sbatch, save_job
+from areal_hpc.model_record import model_fingerprint, model_mismatch, read_model_record
 from areal_hpc.rundir import RunDir
 from areal_hpc.utils import atomic_write_text
 
@@ -24,9 +26,9 @@ FIXED = {
     "trainer.engine": "the checkpoint is in this engine's format",
     "trainer.zero_stage": "the checkpoint's shards are laid out for this ZeRO stage",
 }
-# the same files, moved: a resume may point at them again (the checkpoint's shapes are checked when it loads)
+# the same files, moved: a resume may point at them again (model.path: checked against RUN_DIR/model.json, see
+# model_problem; data.path: against dataset.json when rank 0 starts)
 MOVABLE = {"model.path", "data.path"}
-ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "CONFIGURING", "COMPLETING", "RESIZING", "REQUEUE_HOLD"}
 
 
 class ResumeError(ValueError):
@@ -84,13 +86,14 @@ def plan_resume(run_dir: str | Path, overrides: list[str]) -> tuple[Config, dict
         raise ResumeError(why)
     if run.job_file.exists() or run.logs.exists():
         try:
-            job = load_job(run.root)
+            active = run_jobs(run.root)
         except SlurmError:
-            job = None
-        if job is not None and (state := job_state(job["job_id"])) in ACTIVE:
-            raise ResumeError(
-                f"job {job['job_id']} of this run is still {state}: cancel it first (areal-hpc cancel {run.root})"
-            )
+            active = []
+        if active:
+            jobs = ", ".join(f"job {j} of this run is still {state}" for j, state in active)
+            raise ResumeError(f"{jobs}: cancel it first (areal-hpc cancel {run.root})")
+    if (why := model_problem(run, old, new)) is not None:
+        raise ResumeError(why)
     ckpt = run.latest_checkpoint()
     if ckpt is not None and new.trainer.versions <= ckpt:
         raise ResumeError(
@@ -98,6 +101,19 @@ def plan_resume(run_dir: str | Path, overrides: list[str]) -> tuple[Config, dict
             f"to train; ask for more, e.g. trainer.versions={ckpt + max(1, new.trainer.versions)}"
         )
     return new, changed_keys(old, new), ckpt
+
+
+def model_problem(run: RunDir, old: Config, new: Config) -> str | None:
+    """One line if new.model.path is not the run's model: RUN_DIR/model.json's, or for a run that has none (it
+    started before runs recorded their model) the old model.path's files while they exist. A folder that does
+    not exist is refused, build_tiny or not: a resume would build another model there."""
+    rec = read_model_record(run.root)
+    old_path, new_path = Path(old.model.path), Path(new.model.path)
+    if rec is None and new_path.resolve() != old_path.resolve() and (old_path / "config.json").is_file():
+        rec = model_fingerprint(old_path)
+    if rec is None and not new_path.exists():
+        return f"model.path={str(new_path)!r} does not exist; a resume needs the run's model files (moved, not rebuilt)"
+    return model_mismatch(run.root, new_path, rec) if rec is not None else None
 
 
 def record_history(run: RunDir, changes: dict[str, dict], ckpt: int | None, command: str) -> None:
@@ -124,13 +140,11 @@ def submit_sbatch(cfg: Config, run: RunDir, source: str) -> str:
 def resume(run_dir: str | Path, overrides: list[str], via: str | None = None) -> tuple[str, dict, int | None]:
     """Submit the run in RUN_DIR again (via 'sbatch' or 'submitit'; default: how it was submitted before).
     Returns (job id, the config's changes, the checkpoint it resumes from)."""
-    from areal_hpc.launch.sizing import check_sizing
-    from areal_hpc.launch.slurm import check_request
+    from areal_hpc.launch.request_checks import check_all
 
     run = RunDir(Path(run_dir).resolve())
     cfg, changes, ckpt = plan_resume(run.root, overrides)
-    check_request(cfg)
-    check_sizing(cfg)
+    check_all(cfg, "resume")  # every problem of the request at once
     if via is None:
         try:
             via = "submitit" if load_job(run.root).get("submitted_by") == "submitit" else "sbatch"

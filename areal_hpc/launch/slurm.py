@@ -19,7 +19,7 @@ import jinja2
 
 from areal_hpc.config import Config, SlurmConfig, to_yaml
 from areal_hpc.engines import EngineNotInstalled, require_installed
-from areal_hpc.launch.environment import RANK_ENV
+from areal_hpc.launch.environment import RANK_ENV, slurm_job_id
 from areal_hpc.rundir import RunDir
 from areal_hpc.trackers import TrackerNotInstalled, require_trackers
 
@@ -122,21 +122,22 @@ def render_sbatch(cfg: Config, source: str = "") -> str:
 
 
 # -- checks before anything is queued ------------------------------------------------------------------
-def check_render_target(cfg: Config) -> None:
+def render_target_problem(cfg: Config) -> str | None:
     """A rendered script writes its config only where none is (so a requeue finds its run): rendering a different
     config over a run would be silently ignored. Point to resume instead."""
     run = RunDir(Path(cfg.store.run_dir).resolve())
     if run.holds_run() or (run.config.is_file() and run.config.read_text() != to_yaml(_as_rendered(cfg, run))):
-        raise SlurmError(
+        return (
             f"run dir {str(run.root)!r} already holds a run; to go on with it: areal-hpc resume {run.root} "
             "[KEY=VALUE ...]; for a new run pick another run_name=... or store.run_dir=..."
         )
     # a script rendered earlier and still queued has written nothing yet: a second job would share the folder
     if run.logs.is_dir() and which_slurm() and (job := queued_job(run.root)) is not None:
-        raise SlurmError(
+        return (
             f"job {job} of run dir {str(run.root)!r} is still queued; cancel it (areal-hpc cancel {run.root}) "
             "before rendering another, or pick another run_name=... or store.run_dir=..."
         )
+    return None
 
 
 def _as_rendered(cfg: Config, run: RunDir) -> Config:
@@ -189,14 +190,27 @@ def _fs_type(path: Path) -> str:
 
 
 def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
-    """One clear line per impossible request, before anything is queued (het=False: one allocation for all ranks)."""
+    """One SlurmError line for the first impossible request (request_problems lists them all)."""
+    part, problems = request_problems(cfg, het)
+    if problems:
+        raise SlurmError(problems[0])
+    return part
+
+
+def request_problems(cfg: Config, het: bool = True) -> tuple[PartitionInfo | None, list[str]]:
+    """One clear line per impossible request, before anything is queued (het=False: one allocation for all ranks).
+    No partition (it does not exist): the checks against its nodes are left out."""
     from areal_hpc.model import ModelFolderError, check_model_folder
 
-    sc = cfg.slurm
-    part = partition_info(sc.partition)
+    sc, problems = cfg.slurm, []
+    try:
+        part = partition_info(sc.partition)
+    except SlurmError as err:
+        part = None
+        problems.append(str(err))
     nodes = sc.train_nodes + sc.gen_nodes
-    if nodes > part.nodes:
-        raise SlurmError(
+    if part is not None and nodes > part.nodes:
+        problems.append(
             f"the job asks for {nodes} nodes (slurm.train_nodes={sc.train_nodes} + slurm.gen_nodes="
             f"{sc.gen_nodes}) but partition {part.name!r} has {part.nodes}"
         )
@@ -206,49 +220,48 @@ def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
     )
     if not het:
         comps = (("job", 1 + cfg.cluster.n_trainers + cfg.cluster.n_generators, nodes),)
-    for comp, tasks, n in comps:
+    for comp, tasks, n in comps if part is not None else ():
         per_node = part.cpus_per_node // sc.cpus_per_task  # a task's CPUs must all be on one node
         if tasks > n * per_node:
-            raise SlurmError(
+            problems.append(
                 f"the {comp} component needs {tasks} tasks x slurm.cpus_per_task={sc.cpus_per_task} CPUs "
                 f"but {n} node(s) of {part.name!r} ({part.cpus_per_node} CPUs each) fit {n * per_node} such tasks"
             )
-    if sc.gpus_per_node > part.gpus_per_node:
-        raise SlurmError(
+    if part is not None and sc.gpus_per_node > part.gpus_per_node:
+        problems.append(
             f"slurm.gpus_per_node={sc.gpus_per_node} but nodes of partition {part.name!r} "
             f"have {part.gpus_per_node} GPUs"
         )
     run_dir = Path(cfg.store.run_dir).resolve()
     if any(c.isspace() for c in str(run_dir)):
-        raise SlurmError(
+        problems.append(
             f"store.run_dir={str(run_dir)!r} contains whitespace, which #SBATCH lines cannot carry; pick a path without"
         )
-    local_only = part.hosts <= {os.uname().nodename.split(".")[0], os.uname().nodename}
-    if nodes > 1 and not local_only:
-        fs = _fs_type(run_dir)
-        if fs not in SHARED_FS:
-            raise SlurmError(
-                f"store.run_dir={str(run_dir)!r} is on a local filesystem ({fs}); with {nodes} nodes it must be "
-                f"on a shared one ({', '.join(sorted(SHARED_FS)[:6])}, ...)"
-            )
+    local_only = part is None or part.hosts <= {os.uname().nodename.split(".")[0], os.uname().nodename}
+    if nodes > 1 and not local_only and (fs := _fs_type(run_dir)) not in SHARED_FS:
+        problems.append(
+            f"store.run_dir={str(run_dir)!r} is on a local filesystem ({fs}); with {nodes} nodes it must be "
+            f"on a shared one ({', '.join(sorted(SHARED_FS)[:6])}, ...)"
+        )
     if not sc.venv or Path(sc.venv).resolve() == Path(sys.prefix).resolve():  # else the nodes' venv may differ
         try:
             require_installed(cfg.rollout.engine, cfg.trainer.engine)
             require_trackers(cfg.logging.trackers)
         except (EngineNotInstalled, TrackerNotInstalled) as err:
-            raise SlurmError(str(err)) from None
+            problems.append(str(err))
     if not cfg.model.build_tiny:
         try:
             check_model_folder(cfg.model.path)
         except ModelFolderError as err:
-            raise SlurmError(str(err).splitlines()[0]) from None
-    return part
+            problems.append(str(err).splitlines()[0])
+    return part, problems
 
 
 def prepare_run_dir(run_dir: Path) -> str:
     """Run by the batch script before srun: model folder ready, no stale stop request; says fresh or resume."""
     from areal_hpc.config import load_config
     from areal_hpc.model import ensure_model
+    from areal_hpc.model_record import model_mismatch, record_model
     from areal_hpc.runtime.build import check_model_fits
     from areal_hpc.warm_start import check_warm_start
     from areal_hpc.workflow import check_user_code
@@ -256,17 +269,20 @@ def prepare_run_dir(run_dir: Path) -> str:
     run = RunDir(run_dir)
     cfg = load_config(run.config)
     check_user_code(cfg)  # the user's reward.fn and rollout.workflow import here as they will on every node
+    if why := model_mismatch(run.root, cfg.model.path):  # before ensure_model: a missing model is never rebuilt
+        raise ValueError(why)
     check_model_fits(cfg, ensure_model(cfg.model))  # one line in the job's log before srun starts any rank
     if run.latest_checkpoint() is None:  # a resumed run's weights are past the warm start
         check_warm_start(cfg)
+    record_model(run.root, cfg.model.path)  # RUN_DIR/model.json at the first start
     run.before_start()
-    if os.environ.get("SLURM_JOB_ID"):
-        info = {"job_id": os.environ["SLURM_JOB_ID"], "submitted_by": "sbatch"}
+    if job_id := slurm_job_id():  # a sweep's point as JOBID_TASK
+        info = {"submitted_by": "sbatch"}  # unless submit or resume said otherwise (submitit): resume goes the same way
         try:
-            info = {**load_job(run_dir), **info}
+            info |= load_job(run_dir)
         except SlurmError:
             pass
-        save_job(run_dir, info)
+        save_job(run_dir, info | {"job_id": job_id})
     n = run.latest_checkpoint()
     if n is not None:
         from areal_hpc.runtime.resume import check_resumable

@@ -74,6 +74,12 @@ class AsyncRun(submitit.helpers.Checkpointable):
     def __call__(self) -> dict:
         if int(os.environ.get("SLURM_PROCID", "0")) != 0:
             return {}  # one launcher per job: component 0's other tasks have nothing to do
+        from areal_hpc.launch.environment import slurm_job_id
+        from areal_hpc.launch.jobs import take_claim
+
+        # one job per run dir; a sweep's point claims as JOBID_TASK, the id its job.json and status give
+        if refused := take_claim(self.run_dir, slurm_job_id()):
+            raise RuntimeError(refused)
         print(f"[areal] {prepare_run_dir(Path(self.run_dir))}", flush=True)
         self._proc = subprocess.Popen(self.cmd, env=rank_env())
         summary = RunDir(self.run_dir).summary
@@ -183,11 +189,9 @@ def new_run_dir(cfg: Config) -> Path:
 
 def submit(cfg: Config) -> submitit.Job:
     """Check the request, create RUN_DIR and submit; returns submitit's Job (job.job_id, job.result())."""
-    from areal_hpc.launch.sizing import check_sizing
-    from areal_hpc.launch.slurm import check_request
+    from areal_hpc.launch.request_checks import check_all
 
-    check_request(cfg)
-    check_sizing(cfg)
+    check_all(cfg, "submit")  # every problem of the request at once
     run_dir = new_run_dir(cfg)
     try:
         return queue(cfg, run_dir)

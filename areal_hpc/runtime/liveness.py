@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -77,4 +78,31 @@ class Liveness:
             )
 
     def _write_heartbeat(self) -> None:
-        atomic_write_text(self.heartbeat_file, json.dumps({"time": time.time(), "pid": os.getpid()}))
+        write_heartbeat(self.heartbeat_file)
+
+
+_write_lock = threading.Lock()  # the start-up thread's last beat may meet the loop's first (one tmp file per pid)
+
+
+def write_heartbeat(path: Path) -> None:
+    with _write_lock:
+        atomic_write_text(path, json.dumps({"time": time.time(), "pid": os.getpid()}))
+
+
+def beat_during_startup(path: Path, timeout_s: float, loop_started: threading.Event) -> None:
+    """Rank 0's heartbeat file from a thread, now and every timeout / 4 until its role loop runs.
+
+    The job script counts a world whose rank 0 writes no heartbeat for cluster.hang_timeout_s as hung, from
+    the world's start on. Rank 0's start-up (data, a resume's shard checks) can outlast that and is not timed,
+    like every rank's; a thread still shows that the process runs (a stopped or dead rank 0 writes nothing).
+    Once the loop runs it beats from there, so a loop stuck in a collective goes quiet.
+    """
+    if not timeout_s:
+        return
+
+    def beat() -> None:
+        while not loop_started.is_set():
+            write_heartbeat(path)
+            loop_started.wait(timeout_s / 4)
+
+    threading.Thread(target=beat, name="startup-heartbeat", daemon=True).start()

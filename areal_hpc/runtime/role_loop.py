@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from areal_hpc.config import Config
 from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.failures import loop_started
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.liveness import Liveness
 from areal_hpc.runtime.protocol import Mailbox, Tag
@@ -75,6 +76,7 @@ class RoleLoop:
         return got
 
     def loop(self) -> None:
+        loop_started.set()  # what fails from here on is not a start-up error; rank 0 beats from here
         working, next_drain = False, 0.0
         while not self.finished():
             got = False

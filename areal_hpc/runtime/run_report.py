@@ -16,6 +16,7 @@ from areal_hpc.runtime.generated import GeneratedEpisodes
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.learning_signal import WARNING, UniformGroups
 from areal_hpc.runtime.scheduler_core import SchedulerCore
+from areal_hpc.runtime.throughput import Throughput
 from areal_hpc.utils import atomic_write_text
 
 log = logging.getLogger("areal_hpc.scheduler")
@@ -40,7 +41,8 @@ class RunReport:
         self.resumed = False
         self.t0 = time.time()
         self.t_rl: float | None = None  # when the starting weights were published
-        self.tokens_consumed = 0
+        self.tokens_consumed = 0  # the whole run's, from the checkpoint on a resume
+        self.throughput = Throughput()  # tokens over running time, this start's and the run's, on the same span
         self.samples_consumed = 0
         self.tokens_generated = 0
         self.aborted_requests = 0  # requests generators interrupted for new weights (and resumed)
@@ -58,6 +60,7 @@ class RunReport:
         self.sync_bytes = 0
         self.evals: dict[str, float] = {}  # evaluation tag -> held-out accuracy (reward >= logging.eval_threshold)
         self.eval_rewards: dict[str, float] = {}  # evaluation tag -> held-out mean reward
+        self.eval_versions: dict[str, int] = {}  # evaluation tag -> the weights version it measured
         self.heldout_reward_failures = [0, 0]  # reward calls of held-out evaluations that timed out, raised
         self.generated = GeneratedEpisodes()  # every training episode's counts, from GROUPS_DONE
         self.eval_tool_share: dict[str, float] = {}  # evaluation tag -> share of its episodes that called a tool
@@ -73,14 +76,16 @@ class RunReport:
         if state is not None:
             self.tokens_consumed = state.get("tokens_consumed", 0)
             self.samples_consumed = state.get("samples_consumed", 0)
-            self.evals = dict(state.get("evals", {}))
-            self.eval_rewards = dict(state.get("eval_rewards", {}))  # absent in checkpoints of older runs
+            self.throughput = Throughput(state.get("throughput"))  # absent in checkpoints of older runs
+            self._restore_evals(start_version, state)
             self.dropped_on_resume = state.get("dropped_on_resume", 0)
             self.uniform.load(state.get("uniform_groups", {}))
             self.generated = GeneratedEpisodes(state.get("generated"))
         self.metrics = MetricsLogger(
             self.run_dir, self.cfg.logging.trackers, keep_upto=start_version if resumed else None, config=self.cfg
         )
+        if resumed:
+            self._adopt_final_eval(start_version)
         if resumed and state is not None:
             # rows the checkpointed launch had not written yet (it died waiting for a weight load or an
             # evaluation): written now with the parts they have, so no trained version lacks its row
@@ -96,11 +101,37 @@ class RunReport:
             "samples_consumed": self.samples_consumed,
             "evals": self.evals,
             "eval_rewards": self.eval_rewards,
+            "eval_versions": self.eval_versions,
+            "throughput": self.throughput.state(upto, self.t_rl or self.t0),
             "dropped_on_resume": self.dropped_on_resume,
             "generated": self.generated.total,
             "uniform_groups": self.uniform.summary(),
             "rows": {str(v): r for v, r in self.rows.items() if v <= upto and "train" in self.row_got.get(v, ())},
         }
+
+    def _restore_evals(self, n: int, state: dict) -> None:
+        """The checkpoint's held-out figures, less those of weights past version n (an evaluation that ended
+        while the checkpoint was being written): a resume shows the figures of the weights it has."""
+        versions = dict(state.get("eval_versions", {}))  # absent in checkpoints of older runs
+        for tag in state.get("evals", {}):
+            if tag not in versions and tag.startswith("v"):
+                versions[tag] = int(tag[1:])
+        keep = [t for t in state.get("evals", {}) if versions.get(t, -1) <= n]
+        self.evals = {t: state["evals"][t] for t in keep}
+        self.eval_rewards = {t: v for t, v in state.get("eval_rewards", {}).items() if t in keep}
+        self.eval_versions = {t: v for t, v in versions.items() if t in keep}
+
+    def _adopt_final_eval(self, n: int) -> None:
+        """The checkpoint's own held-out figure: the previous start's final evaluation, when it measured the
+        weights of checkpoint n (a stop for the time limit checkpoints, then evaluates): kept as v<n>'s."""
+        try:
+            prev = json.loads(self.run_dir.summary.read_text())
+        except (OSError, ValueError):
+            return
+        if prev.get("acc_final") is not None and prev.get("heldout_version_final") == n:
+            self.evals.setdefault(f"v{n}", prev["acc_final"])
+            self.eval_rewards.setdefault(f"v{n}", prev.get("heldout_reward_mean_final"))
+            self.eval_versions.setdefault(f"v{n}", n)
 
     # -- the parts of a row -----------------------------------------------------------------------
     def expect(self, v: int, parts: set) -> None:
@@ -157,6 +188,7 @@ class RunReport:
         if acc is not None:  # None: superseded by a later evaluation before it started
             self.evals[tag] = acc
             self.eval_rewards[tag] = body["reward_mean"]
+            self.eval_versions[tag] = body["version"]
             self.eval_tool_share[tag] = body["tool_share"]
             # a held-out score of 0 from a hung or failing reward function must not pass for a wrong answer
             self.heldout_reward_failures[0] += body["reward_timeouts"]
@@ -187,6 +219,7 @@ class RunReport:
         self.tokens_consumed += tokens
         self.samples_consumed += n
         now = time.time()
+        self.throughput.trained(v, tokens, now)
         elapsed = now - (self.t_rl or self.t0)
         w = sum(x.get("loss_tokens", 0) for x in s) or 1
         row = {
@@ -206,7 +239,7 @@ class RunReport:
             "grad_norm": s[0].get("grad_norm", math.nan),
             # share of the token positions the trainers' forwards computed that were padding
             "pad_frac": sum(x.get("fwd_padding", 0) for x in s) / max(sum(x.get("fwd_positions", 0) for x in s), 1),
-            "consumed_tokens_per_s": self.tokens_consumed / max(elapsed, 1e-9),
+            "consumed_tokens_per_s": self.throughput.start_rate(now - elapsed, now),  # this start's tokens and time
             "gen_tokens_per_s": self.tokens_generated / max(elapsed, 1e-9),
         }
         for k in _PER_LOSS_TOKEN:
@@ -249,17 +282,19 @@ class RunReport:
 
     def write_progress(self, state: str = "running") -> None:
         now = time.time()
-        elapsed = now - (self.t_rl or self.t0)
         last = self.metrics.rows[-1] if self.metrics and self.metrics.rows else {}
+        since, tag = self.t_rl or self.t0, self.last_eval_tag()
         doc = {
             "state": state,
             "version": self.core.version,
             "versions": self.cfg.trainer.versions,
             "start_version": self.start_version,
             "reward_mean": last.get("reward_mean"),
-            "heldout_acc": self.evals.get(self.last_eval_tag()),
-            "heldout_reward_mean": self.eval_rewards.get(self.last_eval_tag()),
-            "consumed_tokens_per_s": self.tokens_consumed / max(elapsed, 1e-9),
+            "heldout_acc": self.evals.get(tag),
+            "heldout_reward_mean": self.eval_rewards.get(tag),
+            "heldout_version": self.eval_versions.get(tag),  # the weights version the held-out figures measured
+            "consumed_tokens_per_s": self.throughput.start_rate(since, now),  # this start's tokens over its time
+            "run_consumed_tokens_per_s": self.throughput.run_rate(since, now),  # every start's (gaps left out)
             "elapsed_s": now - self.t0,
             "dropped_stale": self.core.dropped_stale,
             "rejected_uniform": self.core.rejected,
@@ -297,6 +332,7 @@ class RunReport:
             "acc_init": self.evals.get("init"),
             "acc_start": self.evals.get("start"),
             "acc_final": self.evals.get("final"),
+            "heldout_version_final": self.eval_versions.get("final"),  # the weights version it measured
             # held-out episodes cut unfinished (logging.eval_timeout_s, a stop), in all evaluations and in the final
             "heldout_cut": sum(self.eval_cut.values()),
             "heldout_cut_final": self.eval_cut.get("final", 0),
@@ -315,7 +351,9 @@ class RunReport:
             "rl_wall_s": rl,
             "tokens_consumed": self.tokens_consumed,
             "samples_consumed": self.samples_consumed,
-            "consumed_tokens_per_s": self.tokens_consumed / max(rl, 1e-9),
+            # consumed tokens/s over the whole run (every start's tokens over their running time, the gaps
+            # between starts left out: gap_s), and this start's (start_*): docs/run-dir.md
+            **self.throughput.summary(self.t_rl or self.t0, now),
             "dropped_stale": self.core.dropped_stale,
             "rejected_uniform": self.core.rejected,
             "uniform_groups": self.uniform.summary(),  # every group whose samples all scored alike, by that reward

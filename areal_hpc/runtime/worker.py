@@ -6,7 +6,9 @@ resumes when the run dir has a complete checkpoint and starts fresh otherwise (a
 
 Each rank writes RUN_DIR/logs/rank{r}-{role}.log (its stdout and stderr too) and a pid file. A rank that
 fails writes one line naming itself and the error to RUN_DIR/logs/error-rank{r}.txt, then aborts the MPI
-job, so no rank is left waiting on a dead peer.
+job, so no rank is left waiting on a dead peer. The file's second line is the error's kind (runtime/failures.py):
+raised before the role loop ran by the rank's own set-up (the job does not restart a world for that), a lost
+peer, or the rank's own failure. Rank 0 writes its heartbeat file from its start (runtime/liveness.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 
 from areal_hpc.lifetime import MARKER
 from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.failures import error_file_text, kind_of, loop_started
+from areal_hpc.utils import atomic_write_text
 
 
 def _redirect_output(path: Path) -> None:
@@ -117,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         from areal_hpc.runtime.layout import GENERATOR, SCHEDULER, TRAINER, Layout
 
         cfg = load_config(run_dir.config)
+        if rank == 0:  # the job script's watchdog counts from the world's start: beat before the slow parts
+            from areal_hpc.runtime.liveness import beat_during_startup
+
+            beat_during_startup(run_dir.heartbeat, cfg.cluster.hang_timeout_s, loop_started)
         from areal_hpc.workflow import check_user_code
 
         check_user_code(cfg)  # every rank imports the user's code itself, before any engine loads
@@ -212,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             traceback.print_exc()
             sys.stderr.flush()
-            p = run_dir.rank_error(rank)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(line + "\n")
+            # with its kind: a start-up error that would repeat is not restarted; a lost peer's echo is no cause
+            text = error_file_text(line, kind_of(err, loop_started.is_set(), (MPI.Exception,)))
+            atomic_write_text(run_dir.rank_error(rank), text)
         finally:
             # MPI_Abort can hang when a peer is stopped (PMIx's abort agent times out): leave anyway, and
             # srun (--kill-on-bad-exit) or mpirun ends the rest on this rank's non-zero exit

@@ -205,18 +205,21 @@ def calibrate(run_dir, overrides: list[str] | None = None) -> tuple[SimConfig, d
 
 
 def trained_span_tokens_per_s(run_dir) -> float:
-    """A run's consumed tokens/s over the span the simulator models: from the starting weights published
-    to the last version trained. The summary's figure runs to the end of the run, so it also counts the
-    final evaluation and the shutdown (on the emulated cluster the final evaluation's long answers add
-    8% to an 8-version run)."""
+    """The last start's consumed tokens/s over the span the simulator models: from its starting weights
+    published to the last version it trained. The summary's figure runs to the end of the run, so it also
+    counts the final evaluation and the shutdown (on the emulated cluster the final evaluation's long answers
+    add 8% to an 8-version run)."""
     run = RunDir(run_dir)
     summary = json.loads(run.summary.read_text())
     m = pd.read_csv(run.metrics)
-    # a resumed run's rows from earlier launches count wall_s from their own start: only this launch's
-    m = m[m["version"] >= summary.get("start_version", 0)].drop_duplicates("version", keep="last")
-    span = float(m["wall_s"].iloc[-1] - m["wall_s"].iloc[0]) if len(m) > 1 else 0.0
+    # the versions this start trained: a resumed run's row of its starting version, and every row before it,
+    # are an earlier start's, with wall_s counted from that start's beginning
+    m = m[m["version"] > summary.get("start_version", 0)].drop_duplicates("version", keep="last")
+    # the span begins at this start's publish of its starting weights (wall_s counts from its beginning, t0)
+    published = float(summary["wall_s"]) - float(summary["rl_wall_s"])
+    span = float(m["wall_s"].iloc[-1]) - published if len(m) else 0.0
     if span <= 0:
-        return float(summary["consumed_tokens_per_s"])
+        return float(summary["consumed_tokens_per_s"])  # a start that trained nothing: the run's figure
     return float(m["tokens"].sum() / span)
 
 

@@ -1,0 +1,85 @@
+"""A rank's failure as its error file records it: one line for the user, and what kind of failure it was."""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_hpc.rundir import RunDir
+
+PEER = "peer"
+"""A collective or a connection to a peer failed: the echo of another rank's death, not a cause."""
+STARTUP = "start-up"
+"""Raised by the rank's own set-up before its role loop ran (config, data, model or checkpoint load, layout),
+and not a fault of the machine: a new world would fail the same way, so the job does not restart it."""
+OWN = "own"
+"""Anything else of the rank's own: a failure mid-run, or a transient fault (disk, memory, a device) at start-up."""
+
+# what a failed collective or a lost connection says, in the exception's type name or message (gloo, NCCL, MPI,
+# torch.distributed's Dist*Error, socket errors) and the weight sync's own line when its broadcast failed
+_PEER_WORDS = re.compile(
+    r"\b(Dist\w*Error|Connection\w*Error|BrokenPipeError|TimeoutError|gloo|nccl|pmix|MPI_ERR\w*)\b"
+    r"|connection (reset|closed|refused|aborted)|closed by peer|\btimed out\b|broadcast of version \d+ failed",
+    re.IGNORECASE,
+)
+# a device or the machine running short: may well pass on a new world (another job's memory freed)
+_MACHINE_WORDS = re.compile(r"out of memory|CUDA error|CUBLAS_STATUS|device-side assert|busy or unavailable", re.I)
+_KIND_PREFIX = "kind: "
+loop_started = threading.Event()
+"""Set when this process's role loop starts (RoleLoop.loop): an error before it is a start-up error."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    line: str  # "rank 1 (trainer) failed: RuntimeError: ...": what the user is shown
+    kind: str  # PEER, STARTUP or OWN
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """The error and what it was raised from or during (a wrapper's cause may be the lost connection)."""
+    seen: list[BaseException] = []
+    while err is not None and all(err is not s for s in seen):
+        seen.append(err)
+        err = err.__cause__ or err.__context__
+    return seen
+
+
+def kind_of(err: BaseException, loop_started: bool, peer_errors: tuple[type, ...] = ()) -> str:
+    """The kind of a rank's error; `peer_errors`: exception types that mean a failed exchange (MPI's)."""
+    for e in _chain(err):
+        if isinstance(e, (ConnectionError, TimeoutError, *peer_errors)) or _PEER_WORDS.search(
+            f"{type(e).__name__}: {e}"
+        ):
+            return PEER
+    transient = not isinstance(err, Exception) or isinstance(err, (OSError, MemoryError))  # a signal, the disk
+    if loop_started or transient or _MACHINE_WORDS.search(str(err)):
+        return OWN
+    return STARTUP
+
+
+def error_file_text(line: str, kind: str) -> str:
+    """What a failing rank writes to its error file: the line, then its kind (read by read_failures)."""
+    return f"{line}\n{_KIND_PREFIX}{kind}\n"
+
+
+def _read(path: Path) -> RankFailure:
+    lines = path.read_text(errors="replace").strip().splitlines() or [""]
+    kinds = [ln[len(_KIND_PREFIX) :] for ln in lines[1:] if ln.startswith(_KIND_PREFIX)]
+    if kinds:
+        return RankFailure(lines[0], kinds[0])
+    # written without a kind (rank 0's verdict on a run that ended failed): judged by its words
+    return RankFailure(lines[0], PEER if _PEER_WORDS.search(lines[0]) else OWN)
+
+
+def read_failures(run_dir: Path | RunDir, since: float = 0.0) -> list[RankFailure]:
+    """The error files written since `since` (epoch seconds), first written first."""
+    out = []
+    for p in RunDir(run_dir).rank_errors():
+        try:
+            if p.stat().st_mtime >= since:
+                out.append(_read(p))
+        except OSError:  # removed meanwhile (a new world's start)
+            continue
+    return out
