@@ -243,13 +243,15 @@ class RunDir:
         return self.logs / f"error-rank{rank:03d}.txt"
 
     def rank_errors(self) -> list[Path]:
-        """Error files, first written first: the first is the cause, later ones are peers losing it."""
-        return sorted(self.logs.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
-
-    def rank_error_lines(self, since: float = 0.0) -> list[str]:
-        """The first line of each error file written since `since` (epoch seconds), first written first."""
-        files = [p for p in self.rank_errors() if p.stat().st_mtime >= since]
-        return [(p.read_text(errors="replace").strip().splitlines() or [""])[0] for p in files]
+        """Error files, first written first: the first is the cause, later ones are peers losing it. A file a
+        new world's start removes meanwhile is left out (status reads them while a job runs)."""
+        found = []
+        for p in self.logs.glob("error-rank*.txt"):
+            try:
+                found.append((p.stat().st_mtime_ns, p))
+            except FileNotFoundError:
+                continue
+        return [p for _, p in sorted(found)]
 
     def log_of_error(self, error_file: Path) -> Path | None:
         """The rank log that goes with an error file."""
@@ -269,6 +271,10 @@ class RunDir:
     def slurm_output(self) -> str:
         """The batch script's output, as an #SBATCH --output pattern (%j: the job id)."""
         return str(self.logs / "slurm-%j.out")
+
+    def slurm_output_of(self, job_id: str) -> Path:
+        """Job `job_id`'s batch script output (appended across its requeues)."""
+        return Path(self.slurm_output.replace("%j", str(job_id)))
 
     # -- Slurm ------------------------------------------------------------------------------------
     @property

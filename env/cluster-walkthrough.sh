@@ -39,9 +39,9 @@ say "$AREAL" status runs/guide
 say "$AREAL" cancel runs/guide
 wait_for runs/guide "CANCELLED"
 say "$AREAL" status runs/guide
-# trainer.versions is the run's total: where the cancel stopped it (status's version), plus 40 more
+# +40: 40 versions more than where the cancel stopped it (status's version), the export's number below
 stopped=$("$AREAL" status runs/guide | sed -n 's|.*version \([0-9][0-9]*\)/.*|\1|p' | head -1)
-say "$AREAL" resume runs/guide trainer.versions=$((stopped + 40))
+say "$AREAL" resume runs/guide trainer.versions=+40
 wait_for runs/guide "COMPLETED"
 say "$AREAL" status runs/guide
 say "$AREAL" export "runs/guide/checkpoints/v$(printf %08d $((stopped + 40)))" runs/guide-hf

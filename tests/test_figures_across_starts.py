@@ -107,4 +107,8 @@ def test_a_resumed_run_reports_its_throughput_over_its_own_span_and_typed_figure
     line = progress_line(rd, p, 0.0, "COMPLETED")
     assert "reward " in line and "over the run" in line and "(v10)" in line, line
     # a next start that has not written its own progress yet: the previous start's is not shown as current
-    assert progress_line(rd, p, time.time() + 1, "RUNNING") == "progress: starting (resumed from v10)"
+    later = time.time() + 1
+    for state in ("RUNNING", "CONFIGURING", "SUSPENDED"):
+        assert progress_line(rd, p, later, state) == "progress: starting (resumed from v10)"
+    assert progress_line(rd, p, later, "REQUEUE_HOLD") == "progress: not started yet (resumes from v10)"
+    assert "it ended before its first version" in progress_line(rd, p, later, "FAILED")

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from areal_hpc.launch.restarts import death_cause, error_line
+from areal_hpc.launch.restarts import death_cause, error_line, restarts_line
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.failures import OWN, PEER, STARTUP, error_file_text, kind_of
 
@@ -43,7 +43,14 @@ def test_error_kinds_name_start_up_errors_that_would_repeat_and_lost_peers():
     missing = RuntimeError(MISSING.split("RuntimeError: ")[1])
     assert kind_of(missing, loop_started=False) == STARTUP  # the checkpoint does not fit: it never will
     assert kind_of(missing, loop_started=True) == OWN  # mid-run: restarted as before
-    assert kind_of(ValueError("data.path: no such column 'answer'"), False) == STARTUP
+    from areal_hpc import data
+
+    # this project's check of the user's data (a ValueError raised in areal_hpc)
+    bad_rows = _raised(lambda: data.load_math_dataset(__file__, "jsonl", prompt_template="no fields"))
+    assert isinstance(bad_rows, ValueError) and kind_of(bad_rows, False) == STARTUP
+    # an engine that could not start (the last world may still hold the GPU): restarted
+    free = _raised(lambda: (_ for _ in ()).throw(ValueError("Free memory on device (7.1/79.1 GiB) on startup")))
+    assert kind_of(free, False) == kind_of(RuntimeError("Engine core initialization failed"), False) == OWN
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]")
     assert kind_of(gloo, False) == kind_of(gloo, True) == PEER
     assert kind_of(RuntimeError("weight broadcast of version 4 failed (see the log)"), True) == PEER
@@ -92,15 +99,18 @@ def test_the_job_restarts_no_world_that_failed_at_start_up_and_says_why(tmp_path
     _world(tmp_path, {1: (MISSING, STARTUP)})
     r = _restarts(tmp_path, "1", "137", "0", "", "2")
     assert r.returncode == 2 and r.stdout.strip() == f"not restarting: {MISSING}: it would fail the same way"
-    assert not RunDir(tmp_path).restarts.exists()  # no restart happened
+    (died,) = json.loads(RunDir(tmp_path).restarts.read_text())  # the death and its cause, without a restart
+    assert died["restarted"] is False and died["cause"] == MISSING and died["job_id"] == "7"
+    assert restarts_line(tmp_path, "7") is None  # status counts restarts: there was none
     assert error_line(tmp_path, "7") == MISSING  # what `areal-hpc status` shows as its error line
 
     # the same error in the loop: restarted, and restarts.json names it, with the job
     _world(tmp_path, {1: (MISSING, OWN)})
     r = _restarts(tmp_path, "1", "137", "0", "", "2")
     assert r.returncode == 0 and r.stdout.strip() == f"restart 1 from the start: {MISSING}", r.stdout
-    (entry,) = json.loads(RunDir(tmp_path).restarts.read_text())
-    assert entry["cause"] == MISSING and entry["job_id"] == "7"
+    entry = json.loads(RunDir(tmp_path).restarts.read_text())[-1]
+    assert entry["cause"] == MISSING and entry["job_id"] == "7" and entry["restarted"] is True
+    assert restarts_line(tmp_path, "7").startswith("restarts: 1 (last at ") and MISSING in restarts_line(tmp_path, "7")
     # past slurm.max_restarts: the job gives up with the cause, and status shows that once the files are gone
     r = _restarts(tmp_path, "3", "137", "0", "", "2")
     assert r.returncode == 2

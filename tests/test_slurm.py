@@ -184,6 +184,9 @@ def test_requeue_twice_mid_run_resumes_from_checkpoint_each_time(tmp_path):
         t_requeue, v_requeue, starts = time.time(), _progress(run), _world_starts(run)
         subprocess.run(["scontrol", "requeue", job_id], check=True)
         _start_requeued(run, job_id, starts)
+        # the new start runs: status never shows the stopped start's progress (its "(finished)") as this one's
+        out = _cli("status", str(run))
+        assert out.returncode == 0 and "(finished)" not in out.stdout and "(stopped)" not in out.stdout, out.stdout
         _wait_version(run, v_requeue + 1, job_id, since=time.time())  # progress of the new world only
         print(f"\n[chaos] scontrol requeue at v{v_requeue}: past it again {time.time() - t_requeue:.1f} s later")
     assert wait_for(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED"
@@ -292,11 +295,9 @@ def test_cancel_then_resume_with_more_versions_pending_first(tmp_path):
     assert _files(run) == before
 
     # more versions, through sbatch, held in the queue first: status says PENDING and why
-    more = stopped + 3
+    more = stopped + 3  # "+3": three more than the checkpoint, wherever the cancel stopped the run
     # (signal_s=0: any version and checkpoint outlast it, so rank 0 must warn that the time limit would lose work)
-    out = _cli(
-        "resume", str(run), f"trainer.versions={more}", "slurm.extra_sbatch=[--hold]", "slurm.signal_s=0", "--sbatch"
-    )
+    out = _cli("resume", str(run), "trainer.versions=+3", "slurm.extra_sbatch=[--hold]", "slurm.signal_s=0", "--sbatch")
     assert out.returncode == 0 and f"resumes from checkpoint v{stopped}" in out.stdout, out.stderr
     new_id = out.stdout.split()[2].rstrip(":")
     held = _cli("status", str(run)).stdout

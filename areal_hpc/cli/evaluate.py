@@ -55,7 +55,9 @@ def eval_cmd(
             _eval_job(target, model_path, data, config_path, json_path, submit, overrides, opts)
             return
         try:
-            refusals = (ConfigError, ModelFolderError, OSError, ValueError)
+            # the user's one line, said before any engine ran; a ValueError or OSError from the engine (memory,
+            # max_model_len, its files) keeps its log: the one line alone would not say enough
+            refusals = (ConfigError, ModelFolderError, ce.EvalError)
             with contextlib.nullcontext() if verbose else _engine_log_aside(refusals):
                 out = ce.run_eval(target, data, n_samples, temperature, max_new_tokens, engine)
         finally:
@@ -75,11 +77,12 @@ def _engine_log_aside(refusals: tuple[type[Exception], ...]):
     C++ and its progress bars, to stdout and stderr alike, and only the descriptors catch all of it. The file is
     deleted, unless something other than a refusal (one of `refusals`, the user's one line) went wrong."""
     log = tempfile.NamedTemporaryFile("wb", prefix="areal-eval-", suffix=".log", delete=False)
-    sys.stdout.flush(), sys.stderr.flush()
+    _flush()
     saved = [os.dup(1), os.dup(2)]
     keep = False
     try:
-        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
         yield
     except refusals:
         raise
@@ -87,15 +90,20 @@ def _engine_log_aside(refusals: tuple[type[Exception], ...]):
         keep = True
         raise
     finally:
-        sys.stdout.flush(), sys.stderr.flush()
-        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-        for fd in saved:
-            os.close(fd)
+        _flush()
+        for fd, kept in zip((1, 2), saved):
+            os.dup2(kept, fd)
+            os.close(kept)
         log.close()
         if keep:
             print(f"the engine's log (eval --verbose shows it): {log.name}", file=sys.stderr)
         else:
             os.unlink(log.name)
+
+
+def _flush() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def _eval_job(target, model_path, data, config_path, json_path, submit, overrides, opts) -> None:

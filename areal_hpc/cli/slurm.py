@@ -132,19 +132,19 @@ def status_cmd(run_dir: str) -> None:
     why = f" ({pending_reason(job['job_id'])})" if state == "PENDING" else ""
     click.echo(f"job {job['job_id']}: {state}{why}")
     from areal_hpc.launch.jobs import other_jobs_lines
-
-    for line in other_jobs_lines(Path(run_dir), str(job["job_id"])):  # every other active job of the run
-        click.echo(line)
+    from areal_hpc.launch.progress_view import progress_lines, this_start_began
     from areal_hpc.launch.restarts import error_line, restarts_line
 
-    if line := restarts_line(Path(run_dir), str(job["job_id"])):  # this job's, not an earlier job's
+    run, job_id = Path(run_dir), str(job["job_id"])
+    for line in other_jobs_lines(run, job_id):  # every other active job of the run
         click.echo(line)
-    if line := error_line(Path(run_dir), str(job["job_id"])):  # the latest world's error, or why the job gave up
+    began = this_start_began(run, job_id, state)  # what began earlier is another start's, not shown as this one's
+    if line := restarts_line(run, job_id):  # this job's, not an earlier job's
+        click.echo(line)
+    if line := error_line(run, job_id, began):  # the latest world's error, or why the job gave up
         click.echo(f"error: {line}")
-    from areal_hpc.launch.progress_view import progress_lines
-
     # this start's progress only ("starting (resumed from v200)" until it writes its own), never a traceback
-    for line in progress_lines(Path(run_dir), str(job["job_id"]), state):
+    for line in progress_lines(run, state, began):
         click.echo(line)
 
 

@@ -1,20 +1,37 @@
-"""One Slurm job per run directory: the claim a job takes at start-up, and every job of a run (status, cancel)."""
+"""A run's Slurm jobs: the claim a job takes at start-up (one per run directory), every job of a run (status,
+cancel), and where a job is in its life."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
-from areal_hpc.launch.slurm import SlurmError, job_state, load_job, pending_reason, slurm_command
+from areal_hpc.launch.slurm import SlurmError, job_state, load_job, pending_reason, queued_jobs, slurm_command
 from areal_hpc.rundir import RunDir
 
 # a job in one of these states holds its run: it runs now or will (a requeued job comes back PENDING)
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "CONFIGURING", "COMPLETING", "RESIZING", "REQUEUE_HOLD"}
+NOT_STARTED = {"PENDING", "REQUEUED", "REQUEUE_HOLD"}  # a start is still to come: progress.json is an earlier one's
+
+
+def start_began(job_id: str) -> float | None:
+    """Epoch seconds the job's current start began (sacct's Start: a requeued job's latest), None if unknown."""
+    try:
+        out = slurm_command(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,Start"])
+    except SlurmError:
+        return None
+    starts = []
+    for line in out.splitlines():
+        try:
+            starts.append(datetime.fromisoformat(line.split("|")[1].strip()).timestamp())
+        except (IndexError, ValueError):  # "Unknown", "None": not started
+            pass
+    return min(starts) if starts else None  # the het job's components start together
 
 
 def _owner(path: Path) -> str | None:
@@ -47,6 +64,9 @@ def take_claim(run_dir: os.PathLike | str, job_id: str) -> str | None:
             return None
         except FileExistsError:
             pass
+        except OSError:  # a filesystem without hard links: an exclusive create (the claim is a few bytes)
+            if _create_exclusive(run.job_claim, mine.read_bytes()):
+                return None
         finally:
             mine.unlink(missing_ok=True)
         owner = _owner(run.job_claim)
@@ -54,7 +74,12 @@ def take_claim(run_dir: os.PathLike | str, job_id: str) -> str | None:
             continue  # replaced meanwhile: try again
         if owner == job_id:
             return None
-        state = job_state(owner) if owner else "UNKNOWN"
+        state = _owner_state(owner) if owner else "UNKNOWN"
+        if state is None:
+            return (
+                f"job {job_id} refused to start: Slurm cannot say whether job {owner}, which owns run dir "
+                f"{str(run.root)!r}, is still active (sacct and squeue failed); submit it again once they answer"
+            )
         if state in ACTIVE:
             return (
                 f"job {job_id} refused to start: job {owner} ({state}) owns run dir {str(run.root)!r} "
@@ -75,22 +100,39 @@ def take_claim(run_dir: os.PathLike | str, job_id: str) -> str | None:
     return f"job {job_id} could not claim run dir {str(run.root)!r}: its claim kept changing; submit it again"
 
 
+def _create_exclusive(path: Path, data: bytes) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return True
+
+
+def _owner_state(job_id: str) -> str | None:
+    """A claim owner's state: sacct's, else squeue's (a job it does not know is gone); None when neither answers
+    (accounting down): the caller refuses rather than guess."""
+    try:
+        return job_state(job_id)
+    except SlurmError:
+        pass
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    if out.returncode == 0:
+        return (out.stdout.split() or ["GONE"])[0]
+    return "GONE" if "Invalid job id" in out.stderr else None
+
+
 def run_jobs(run_dir: os.PathLike | str) -> list[tuple[str, str]]:
     """(job id, state) of every active job of the run in RUN_DIR, oldest first: those in the queue whose output
     goes to its logs/ or slurm/submitit/ (a rendered script, submit, resume), and slurm/job.json's job."""
     run = RunDir(Path(run_dir).resolve())
-    out = slurm_command(["squeue", "-h", "--me", "-o", "%i|%j"])
-    ids = {ln.split("|")[0].split("+")[0] for ln in out.splitlines() if "|areal-" in ln}
     recorded = _recorded(run)
-    found = []
-    for job_id in ids | recorded:
-        show = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-        out_file, state = re.search(r"StdOut=(\S+)", show), re.search(r"JobState=(\S+)", show)
-        if state is None or state.group(1) not in ACTIVE:
-            continue
-        if out_file and Path(out_file.group(1)).parent in (run.logs, run.submitit) or job_id in recorded:
-            found.append((job_id, state.group(1)))
-    return sorted(found, key=lambda j: int(re.sub(r"\D.*", "", j[0]) or 0))
+    return [
+        (job_id, state)
+        for job_id, state, out in queued_jobs(recorded)
+        if state in ACTIVE and (job_id in recorded or (out is not None and out.parent in (run.logs, run.submitit)))
+    ]
 
 
 def _recorded(run: RunDir) -> set[str]:
@@ -130,7 +172,9 @@ def cancel_run(run_dir: os.PathLike | str) -> list[str]:
     return ids
 
 
-if __name__ == "__main__":  # the batch script, before prepare: python -m areal_hpc.launch.jobs RUN_DIR JOB_ID
-    if refused := take_claim(sys.argv[1], sys.argv[2]):
+if __name__ == "__main__":  # the batch script, before prepare: python -m areal_hpc.launch.jobs RUN_DIR
+    from areal_hpc.launch.environment import slurm_job_id
+
+    if refused := take_claim(sys.argv[1], slurm_job_id()):
         print(f"[areal] {refused}", flush=True)
         sys.exit(1)

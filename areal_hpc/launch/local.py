@@ -19,6 +19,7 @@ from areal_hpc.engines import require_installed
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.lifetime import MARKER, sweep, tied_to_me
 from areal_hpc.rundir import RunDir, RunDirError
+from areal_hpc.runtime.failures import PEER, read_failures
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.liveness import silence_verdict
 from areal_hpc.trackers import require_trackers
@@ -85,19 +86,20 @@ def failure_line(run_dir: Path, returncode: int) -> str:
     run = RunDir(run_dir)
     if problem := run.storage_problem():  # the ranks' own error lines could not be written there either
         return problem
-    errors = run.rank_errors()
-    if silent := silence_verdict(run.rank_error_lines()):  # mpirun's kill of the stopped rank follows it
+    failures = read_failures(run)
+    if silent := silence_verdict([f.line for f in failures]):  # mpirun's kill of the stopped rank follows it
         return f"{silent} (logs: {run.logs})"
-    erred = {int(re.search(r"(\d+)", p.stem).group(1)) for p in errors}
+    erred = {int(re.search(r"(\d+)", f.path.stem).group(1)) for f in failures}
     lines = run.mpirun_log.read_text(errors="replace").splitlines() if run.mpirun_log.exists() else []
     signalled = [
         ln.strip()
         for ln in lines
         if (m := re.search(r"process rank (\d+) .*exited on signal", ln)) and int(m.group(1)) not in erred
     ]
-    if errors and not signalled:
-        first = run.rank_error_lines()[0]  # the file's first line (its second is the error's kind)
-        return f"{first} (log: {run.log_of_error(errors[0]) or run.logs})"
+    if failures and not signalled:
+        # a rank's own error before the peers' echoes of losing it (runtime/failures.py)
+        first = next((f for f in failures if f.kind != PEER), failures[0])
+        return f"{first.line} (log: {run.log_of_error(first.path) or run.logs})"
     hints = signalled or [ln.strip() for ln in lines if "exited on signal" in ln or "killed" in ln.lower()]
     hint = f": {hints[0]}" if hints else ""
     return f"mpirun exited with code {returncode}{hint} (logs: {run.logs})"

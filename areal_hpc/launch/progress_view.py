@@ -3,30 +3,11 @@
 from __future__ import annotations
 
 import math
-from datetime import datetime
 from pathlib import Path
 
+from areal_hpc.launch.jobs import ACTIVE, NOT_STARTED, start_began
 from areal_hpc.launch.restarts import load_restarts
 from areal_hpc.rundir import RunDir
-
-NOT_STARTED = {"PENDING", "REQUEUED"}  # a start is still to come: whatever progress.json holds is an earlier one's
-
-
-def start_began(job_id: str) -> float | None:
-    """Epoch seconds the job's current start began (sacct's Start: a requeued job's latest), None if unknown."""
-    from areal_hpc.launch.slurm import SlurmError, slurm_command
-
-    try:
-        out = slurm_command(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,Start"])
-    except SlurmError:
-        return None
-    starts = []
-    for line in out.splitlines():
-        try:
-            starts.append(datetime.fromisoformat(line.split("|")[1].strip()).timestamp())
-        except (IndexError, ValueError):  # "Unknown", "None": not started
-            pass
-    return min(starts) if starts else None  # the het job's components start together
 
 
 def this_start_began(run_dir: Path, job_id: str, state: str) -> float:
@@ -60,7 +41,7 @@ def progress_line(run: RunDir, p: dict | None, began: float, state: str) -> str:
         return "progress: none yet (the run has not published its first version)"
     if state in NOT_STARTED:
         return f"progress: not started yet ({resumed.replace('resumed', 'resumes')})"
-    if state == "RUNNING":
+    if state in ACTIVE:  # running, configuring, suspended: this start is under way
         return f"progress: starting ({resumed})"
     return f"progress: this start wrote none: it ended before its first version ({resumed})"
 
@@ -95,12 +76,11 @@ def _current(p: dict) -> str:
     )
 
 
-def progress_lines(run_dir: Path, job_id: str, state: str) -> list[str]:
+def progress_lines(run_dir: Path, state: str, began: float) -> list[str]:
     """status's lines on progress: this start's warning and progress line, or what this start is doing yet."""
     run = RunDir(run_dir)
     p = run.read_progress()
     try:
-        began = this_start_began(run.root, job_id, state)
         current = isinstance(p, dict) and _time(p) >= began
         warning = [f"warning: {p['warning']}"] if current and p.get("warning") else []
         return [*warning, progress_line(run, p, began, state)]

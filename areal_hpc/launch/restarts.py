@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from areal_hpc.launch.environment import slurm_job_id
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.failures import PEER, STARTUP, read_failures
 from areal_hpc.runtime.liveness import silence_verdict
@@ -82,10 +83,12 @@ def load_restarts(run_dir: Path) -> list[dict]:
         return []
 
 
-def record_restart(run_dir: Path, attempt: int, code: int, since: float, cause: str) -> dict:
-    """Append one restart to RUN_DIR/restarts.json (rewritten atomically) and return it."""
+def record_restart(run_dir: Path, attempt: int, code: int, since: float, cause: str, restarted: bool = True) -> dict:
+    """Append one world's death to RUN_DIR/restarts.json (rewritten atomically) and return it: restarted, or
+    not (a start-up error that would repeat, past slurm.max_restarts, a run directory that cannot be written)."""
     entry = {
-        "job_id": os.environ.get("SLURM_JOB_ID"),  # status shows the restarts of the job it reports on
+        "job_id": slurm_job_id(),  # status shows the restarts of the job it reports on
+        "restarted": restarted,
         "attempt": attempt,
         "time": time.time(),
         "world_started": since,
@@ -105,16 +108,12 @@ def _resumed_from(entry: dict) -> str:
 def restarts_line(run_dir: Path, job_id: str | None = None) -> str | None:
     """`areal-hpc status`'s line on the restarts of job `job_id` (all of them: None), None when there were none."""
     rs = [r for r in load_restarts(run_dir) if job_id is None or r.get("job_id") in (None, job_id)]
+    rs = [r for r in rs if r.get("restarted", True)]  # a death without a restart is status' error line
     if not rs:
         return None
     last = rs[-1]
     when = time.strftime("%H:%M:%S", time.localtime(last["time"]))
     return f"restarts: {len(rs)} (last at {when}, {_resumed_from(last)}: {last['cause']})"
-
-
-def job_output_of(run_dir: Path, job_id: str) -> Path:
-    """The batch script's output of job `job_id` (appended across requeues)."""
-    return Path(RunDir(run_dir).slurm_output.replace("%j", job_id))
 
 
 # the job's own last word: why it restarts no more, or why a start never began (prepare's refusal, as click
@@ -124,12 +123,14 @@ _GAVE_UP = re.compile(
 )
 
 
-def error_line(run_dir: Path, job_id: str | None) -> str | None:
-    """`areal-hpc status`'s error line: why the latest world died, from its rank error files (they stay until
-    the next world starts) and its part of the job output; else the job's own last word when it gave up."""
-    out = job_output_of(run_dir, job_id) if job_id else None
-    if read_failures(run_dir):
-        return _cause(run_dir, None, 0.0, out, "")[0]
+def error_line(run_dir: Path, job_id: str | None, since: float = 0.0) -> str | None:
+    """`areal-hpc status`'s error line: why the latest world of the start that began at `since` died, from its
+    rank error files (they stay until the next world starts) and its part of the job output; else the job's
+    own last word when it gave up. An earlier job's error files, left until this job's first world, are not
+    this start's (5 s of slack: the file server's clock)."""
+    out = RunDir(run_dir).slurm_output_of(job_id) if job_id else None
+    if read_failures(run_dir, since - 5):
+        return _cause(run_dir, None, since - 5, out, "")[0]
     if out is None or not out.is_file():
         return None
     said = [
@@ -148,16 +149,21 @@ def main(argv: list[str]) -> int:
     run_dir, attempt, code, since = Path(argv[0]), int(argv[1]), int(argv[2]), float(argv[3])
     watchdog = argv[4] if len(argv) > 4 else ""
     max_restarts = int(argv[5]) if len(argv) > 5 else None
-    if problem := RunDir(run_dir).storage_problem():
-        print(f"not restarting: {problem}")  # a new world would die the same way
+    run = RunDir(run_dir)
+    if problem := run.storage_problem():
+        print(f"not restarting: {problem}")  # a new world would die the same way (and restarts.json cannot be written)
         return 2
-    cause, repeats = _cause(run_dir, code, since, job_output_of(run_dir, os.environ.get("SLURM_JOB_ID", "")), watchdog)
-    if repeats:
-        print(f"not restarting: {cause}: it would fail the same way")
-        return 2
-    if max_restarts is not None and attempt > max_restarts:
-        times = "once" if attempt == 1 else f"{attempt} times"
-        print(f"giving up: the world died {times} (slurm.max_restarts={max_restarts}); the last time: {cause}")
+    # the error files are this world's (each world's start clears them): a minute of slack for the file server's clock
+    cause, repeats = _cause(
+        run_dir, code, since - 60, run.slurm_output_of(os.environ.get("SLURM_JOB_ID", "")), watchdog
+    )
+    if repeats or (max_restarts is not None and attempt > max_restarts):
+        record_restart(run_dir, attempt, code, since, cause, restarted=False)
+        if repeats:
+            print(f"not restarting: {cause}: it would fail the same way")
+        else:
+            times = "once" if attempt == 1 else f"{attempt} times"
+            print(f"giving up: the world died {times} (slurm.max_restarts={max_restarts}); the last time: {cause}")
         return 2
     entry = record_restart(run_dir, attempt, code, since, cause)
     print(f"restart {attempt} {_resumed_from(entry)}: {entry['cause']}")

@@ -81,6 +81,7 @@ def plan_resume(run_dir: str | Path, overrides: list[str]) -> tuple[Config, dict
     if not run.config.is_file():
         raise ResumeError(f"{str(run.root)!r} holds no run (no config.yaml); start one with areal-hpc submit or render")
     old = load_config(run.config)
+    overrides = more_versions(overrides, run.latest_checkpoint())
     new = load_config(run.config, [*overrides, f"store.run_dir={run.root}"])  # the folder may have moved
     if (why := refused_change(old, new)) is not None:
         raise ResumeError(why)
@@ -101,6 +102,21 @@ def plan_resume(run_dir: str | Path, overrides: list[str]) -> tuple[Config, dict
             f"to train; ask for more, e.g. trainer.versions={ckpt + max(1, new.trainer.versions)}"
         )
     return new, changed_keys(old, new), ckpt
+
+
+def more_versions(overrides: list[str], ckpt: int | None) -> list[str]:
+    """`trainer.versions=+N`: N versions more than the checkpoint the run resumes from (trainer.versions is the
+    run's total, and where a cancel stopped it is not known in advance)."""
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() == "trainer.versions" and value.strip().startswith("+"):
+            n = value.strip()[1:]
+            if not n.isdigit() or int(n) < 1:
+                raise ResumeError(f"trainer.versions={value.strip()}: +N asks for N more versions, N >= 1")
+            o = f"trainer.versions={(ckpt or 0) + int(n)}"
+        out.append(o)
+    return out
 
 
 def model_problem(run: RunDir, old: Config, new: Config) -> str | None:

@@ -124,7 +124,13 @@ def model_checkpoint_bytes(cfg: Config) -> int | None:
 def sizing_problems(cfg: Config) -> list[str]:
     """Every sizing problem, one line each: GPUs per rank, and with a time-limit signal, slurm.signal_s against
     one version + checkpoint (simulated for GPU configs) and slurm.time against slurm.signal_s."""
-    problems = gpu_problems(cfg)
+    return gpu_problems(cfg) + timing_problems(cfg)
+
+
+def timing_problems(cfg: Config) -> list[str]:
+    """slurm.signal_s against one version + checkpoint, and slurm.time against slurm.signal_s (a sweep's points,
+    one allocation each, need these too)."""
+    problems: list[str] = []
     if not cfg.slurm.requeue:  # no signal asked for: nothing to simulate
         return problems
     version_s, ckpt = version_seconds(cfg), model_checkpoint_bytes(cfg)

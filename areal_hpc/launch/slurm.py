@@ -325,16 +325,24 @@ def load_job(run_dir: Path) -> dict:
 
 
 def queued_job(run_dir: Path) -> str | None:
-    """The id of a job in the queue that writes its Slurm output into RUN_DIR/logs (None if there is none)."""
+    """The id of the newest job in the queue that writes its Slurm output into RUN_DIR/logs (None if none)."""
     logs = RunDir(Path(run_dir).resolve()).logs
+    mine = [job_id for job_id, _, out in queued_jobs() if out is not None and out.parent == logs]
+    return mine[-1] if mine else None
+
+
+def queued_jobs(also: set[str] = frozenset()) -> list[tuple[str, str, Path | None]]:
+    """(job id, state, output file) of this user's areal jobs in the queue, and of the jobs in `also`, oldest
+    first (scontrol's view: a job that left the queue is not listed)."""
     out = slurm_command(["squeue", "-h", "--me", "-o", "%i|%j"])
-    ids = {ln.split("|")[0].split("+")[0] for ln in out.splitlines() if "|areal-" in ln}
-    for job_id in sorted(ids, key=lambda i: int(i) if i.isdigit() else 0, reverse=True):
+    ids = {ln.split("|")[0].split("+")[0] for ln in out.splitlines() if "|areal-" in ln} | set(also)
+    found = []
+    for job_id in ids:
         show = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-        m = re.search(r"StdOut=(\S+)", show)
-        if m and Path(m.group(1)).parent == logs:
-            return job_id
-    return None
+        out_file, state = re.search(r"StdOut=(\S+)", show), re.search(r"JobState=(\S+)", show)
+        if state is not None:
+            found.append((job_id, state.group(1), Path(out_file.group(1)) if out_file else None))
+    return sorted(found, key=lambda j: int(re.sub(r"\D.*", "", j[0]) or 0))
 
 
 def pending_reason(job_id: str) -> str:

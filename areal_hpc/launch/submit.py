@@ -82,18 +82,23 @@ class AsyncRun(submitit.helpers.Checkpointable):
             raise RuntimeError(refused)
         print(f"[areal] {prepare_run_dir(Path(self.run_dir))}", flush=True)
         self._proc = subprocess.Popen(self.cmd, env=rank_env())
-        summary = RunDir(self.run_dir).summary
-        before, finished_at = _file_stamp(summary), None  # a requeued run has an older summary
+        run = RunDir(self.run_dir)
+        before, finished_at, erred_at = _file_stamp(run.summary), None, None  # a requeued run has an older summary
         # poll, not wait(): a blocking wait() would keep checkpoint() (a signal handler) from reaping srun
         while (rc := self._proc.poll()) is None:
             time.sleep(0.5)
-            if finished_at is None and _file_stamp(summary) not in (None, before):
+            if finished_at is None and _file_stamp(run.summary) not in (None, before):
                 finished_at = time.time()  # rank 0 of this launch wrote it
-            elif finished_at is not None and time.time() - finished_at > self.exit_grace_s:
-                # Seen once in CI: both het components' steps ended, yet srun never returned. The run
-                # is complete (rank 0 writes summary.json last), so end srun rather than hang the job.
+            if erred_at is None and run.rank_errors():  # prepare removed the last launch's
+                erred_at = time.time()
+            # Seen once in CI: both het components' steps ended, yet srun never returned. A finished run
+            # (rank 0 writes summary.json last) or a dead one (a rank wrote its error, then aborted) must not
+            # hold the allocation: srun gets a grace, then is ended (the batch script does the same).
+            since = finished_at if finished_at is not None else erred_at
+            if since is not None and time.time() - since > self.exit_grace_s:
+                why = "the run finished" if finished_at is not None else "a rank failed"
                 print(
-                    f"[areal] srun still running {self.exit_grace_s:.0f} s after the run finished; ending it",
+                    f"[areal] srun still running {self.exit_grace_s:.0f} s after {why}; ending it",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -102,13 +107,13 @@ class AsyncRun(submitit.helpers.Checkpointable):
                     self._proc.wait(10)
                 except subprocess.TimeoutExpired:
                     self._proc.kill()
-                rc = 0
+                rc = 0 if finished_at is not None else 1
                 break
         if rc != 0:
             from areal_hpc.launch.local import failure_line
 
             raise RuntimeError(failure_line(Path(self.run_dir), rc))
-        return json.loads(summary.read_text())
+        return json.loads(run.summary.read_text())
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         RunDir(self.run_dir).stop.touch()

@@ -10,6 +10,7 @@ import pandas as pd
 import submitit
 
 from areal_hpc.config import Config, load_config
+from areal_hpc.launch.sizing import timing_problems
 from areal_hpc.launch.slurm import SlurmError, check_request, job_state
 from areal_hpc.launch.submit import AsyncRun, forget_run_dir, make_executor, new_run_dir, record_job, srun_command
 from areal_hpc.rundir import RunDir, SweepDir
@@ -65,6 +66,8 @@ def sweep(
         cfgs.append(load_config(base_config, ov))
     for cfg in cfgs:  # every point is checked before anything is queued
         check_request(cfg, het=False)
+        if timing := timing_problems(cfg):
+            raise SlurmError(timing[0])
     run_dirs = [new_run_dir(cfg) for cfg in cfgs]
     ex = make_executor(cfgs[0], sweep_dir.submitit, het=False, array_parallelism=max_parallel or len(cfgs))
     calls = [AsyncRun(str(d), srun_command(cfg, d, het=False)) for cfg, d in zip(cfgs, run_dirs)]
