@@ -18,7 +18,8 @@ def this_start_began(run_dir: Path, job_id: str, state: str) -> float:
     began = start_began(job_id)
     if began is None:
         return 0.0
-    restarts = [r.get("time", 0.0) for r in load_restarts(run_dir) if isinstance(r, dict)]
+    # a restart began a new world; a death without one (restarted: false) began nothing
+    restarts = [r.get("time", 0.0) for r in load_restarts(run_dir) if isinstance(r, dict) and r.get("restarted", True)]
     return max([began, *[t for t in restarts if isinstance(t, (int, float))]])
 
 
