@@ -25,7 +25,8 @@ class ModelConfig:
     path: str = MISSING  # a local Hugging Face folder (config.json, safetensors, tokenizer files)
     build_tiny: bool = False  # build a tiny model + tokenizer into `path` if it does not exist
     arch: str = "llama"  # tiny-model architecture: llama | qwen2
-    vocab: str = "arith"  # tiny-model vocabulary: arith | arith_tool (with the tool demo's code and output fences)
+    # tiny-model vocabulary: arith | arith_tool (the tool demo's code fences) | arith_agent (the agent demo's calls)
+    vocab: str = "arith"
     hidden_size: int = 128  # tiny model: hidden width (a multiple of num_heads)
     intermediate_size: int = 512  # tiny model: MLP width
     num_layers: int = 2  # tiny model: transformer layers
@@ -286,6 +287,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     fn = cfg.reward.fn
     cfg.reward.fn = [absolute_spec(f) for f in fn] if isinstance(fn, list) else absolute_spec(fn)
     cfg.rollout.workflow = absolute_spec(cfg.rollout.workflow)
+    cfg.workflow.agent = absolute_spec(cfg.workflow.agent) if cfg.workflow.agent else ""
     for dotted in PATH_KEYS:
         section, key = dotted.split(".")
         sub = getattr(cfg, section)

@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 _CHOICES = {
     "model.arch": ("llama", "qwen2"),
     "model.dtype": ("float32", "bfloat16"),
-    "model.vocab": ("arith", "arith_tool"),
+    "model.vocab": ("arith", "arith_tool", "arith_agent"),
     "data.operator": ("+", "*"),
     "workflow.tool": ("python", "calculator"),
     "data.kind": ("arithmetic", "jsonl", "parquet", "code"),
@@ -74,6 +74,8 @@ _LOWER = {
     "workflow.turn_discount": (0, True),
     "workflow.max_tool_calls": (0, True),
     "workflow.tool_timeout_s": (0, False),
+    "workflow.agent_timeout_s": (0, False),
+    "workflow.max_request_kb": (1, True),
     "store.shard_max_groups": (1, True),
     "store.shard_max_wait_s": (0, True),
     "rollout.kv_cache_gib": (0, False),
@@ -146,7 +148,34 @@ def slurm_time_minutes(t: str) -> float:
     return parts[0] * 60 + parts[1] + parts[2] / 60
 
 
-BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool")  # rollout.workflow by name (areal_hpc.workflow)
+BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool", "agent")  # rollout.workflow by name (areal_hpc.workflow)
+
+
+def _check_agent(cfg) -> None:
+    """The agent settings' form (importing the agent waits for start-up, as reward.fn's does)."""
+    wc = cfg.workflow
+    if cfg.rollout.workflow != "agent":
+        if wc.agent or wc.agent_command:
+            raise ConfigError(
+                f"config workflow.agent / workflow.agent_command name an agent, but rollout.workflow="
+                f"{cfg.rollout.workflow!r}; set rollout.workflow=agent"
+            )
+        return
+    if bool(wc.agent) == bool(wc.agent_command):
+        raise ConfigError(
+            "config rollout.workflow=agent needs exactly one of workflow.agent (path/to/file.py:fn or "
+            "package.module:fn) and workflow.agent_command (a command run per episode)"
+            + ("; both are set" if wc.agent else "")
+        )
+    if wc.agent and not is_import_path(wc.agent):
+        raise ConfigError(
+            f"config workflow.agent={wc.agent!r} is not an import path ('package.module:function' or "
+            "'path/to/file.py:function')"
+        )
+    if wc.agent:
+        _check_plugin(wc.agent, "workflow.agent", ())
+    if not wc.endpoint_host.strip():
+        raise ConfigError("config workflow.endpoint_host is empty; 127.0.0.1 (the default) serves this node only")
 
 
 def _check_plugin(value: str, key: str, builtins: tuple[str, ...]) -> None:
@@ -304,6 +333,7 @@ def validate(cfg: Config) -> Config:
         )
     _check_reward(cfg.reward)
     _check_plugin(cfg.rollout.workflow, "rollout.workflow", BUILTIN_WORKFLOWS)
+    _check_agent(cfg)
     if cfg.data.min_operand > cfg.data.max_operand:
         raise ConfigError(
             f"config data.min_operand={cfg.data.min_operand} is above data.max_operand={cfg.data.max_operand}"

@@ -74,6 +74,13 @@ class WorkflowConfig:
     max_tool_calls: int = 4  # tool: code blocks run per episode
     tool: str = "python"  # tool: python (python3 in the sandbox) | calculator (print(<arithmetic>), in-process)
     tool_timeout_s: float = 5.0  # tool: the sandbox's wall limit per call
-    # tool: the share of warm-start examples written with a tool call (the rest answer directly)
+    # tool, agent: the share of warm-start examples written with a tool call (the rest answer directly)
     warm_start_tool_share: float = 0.5
     args: dict = field(default_factory=dict)  # anything a workflow of your own reads, as episode.args
+    # agent (docs/agents.md): an OpenAI-API agent run once per episode against this generator's endpoint
+    agent: str = ""  # path/to/file.py:fn or package.module:fn, `async def fn(client, row) -> float | str | None`
+    agent_command: str = ""  # or a command run per episode: the row as JSON on stdin, its result on stdout
+    agent_timeout_s: float = 60.0  # agent: the wall limit of one episode's agent (both forms)
+    tool_parser: str = "hermes"  # agent: the vLLM tool parser reading the model's tool calls; none: never parsed
+    endpoint_host: str = "127.0.0.1"  # agent: the address the endpoint binds (loopback: only this node's agents)
+    max_request_kb: int = 1024  # agent: a request body larger than this is refused (413)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -22,6 +23,29 @@ ARITH_CHAT_TEMPLATE = (
     "{% if m['role'] == 'system' %}<system>{{ m['content'] }}"
     "{% elif m['role'] == 'user' %}<user>{{ m['content'] }}"
     "{% else %}<assistant>{{ m['content'] }}<eos>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+# The agent demo's extra tokens (model.vocab=arith_agent): a Hermes-style calculator call, as vLLM's hermes parser
+# reads it, `<tool_call>{"name":"calculator","arguments":{"expression":"12*34"}}</tool_call>`; the JSON around the
+# expression is one token each side, so a call is 10 tokens with its EOS.
+AGENT_CALL_HEAD = '{"name":"calculator","arguments":{"expression":"'
+AGENT_CALL_TAIL = '"}}'
+AGENT_SYMBOLS = ["*", "<tool_call>", "</tool_call>", AGENT_CALL_HEAD, AGENT_CALL_TAIL]
+AGENT_ROLES = ["<tool>"]  # a tool's result, as the endpoint renders it after an assistant turn
+# The arith template, plus an assistant message's tool calls (arguments a JSON string or a mapping) and tool
+# results. It renders nothing for the request's `tools`: the tiny model has no room for a schema, and the agent's
+# first request then renders as the dataset's own prompt does (`<user>12*34=<assistant>`).
+ARITH_AGENT_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}<system>{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<user>{{ m['content'] }}"
+    "{% elif m['role'] == 'tool' %}<tool>{{ m['content'] }}"
+    "{% else %}<assistant>{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}{% set f = c['function'] if 'function' in c else c %}"
+    '<tool_call>{"name": {{ f[\'name\'] | tojson }}, "arguments": '
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}"
+    "}</tool_call>{% endfor %}<eos>{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
@@ -46,23 +70,25 @@ class ModelFolderError(ValueError):
     """A model folder that transformers cannot load; one line saying what is missing."""
 
 
-def build_arith_tokenizer(tool: bool = False):
-    """A word-level tokenizer over the arithmetic vocabulary (with `tool`: the tool demo's tokens too);
-    decoding concatenates tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def build_arith_tokenizer(tool: bool = False, vocab: str = ""):
+    """A word-level tokenizer over the arithmetic vocabulary (model.vocab: arith, arith_tool with the tool demo's
+    tokens, arith_agent with the agent demo's; `tool`: arith_tool); decoding concatenates tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ARITH_SPECIALS + ARITH_SYMBOLS + ARITH_ROLES + (TOOL_SYMBOLS if tool else [])
-    vocab = {tok: i for i, tok in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    if not tool:  # every symbol is its own token; whitespace is dropped
+    vocab = vocab or ("arith_tool" if tool else "arith")
+    extra = {"arith": [], "arith_tool": TOOL_SYMBOLS, "arith_agent": AGENT_SYMBOLS}[vocab]
+    roles = ARITH_ROLES + (AGENT_ROLES if vocab == "arith_agent" else [])
+    words = ARITH_SPECIALS + ARITH_SYMBOLS + roles + extra
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    if vocab == "arith":  # every symbol is its own token; whitespace is dropped
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
                 pre_tokenizers.WhitespaceSplit(),
                 pre_tokenizers.Split(Regex(r"\\boxed\{|[0-9]|\+|=|\}"), behavior="isolated"),
             ]
         )
-    else:  # the code fences keep their newline (the tool's stop string is "```\n"); spaces are dropped
+    elif vocab == "arith_tool":  # the code fences keep their newline (the tool's stop string is "```\n")
         symbols = r"```python\n|```output\n|```\n|print\(|\\boxed\{|[0-9]|\+|\*|=|\}|\)|\n"
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -70,6 +96,11 @@ def build_arith_tokenizer(tool: bool = False):
                 pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
             ]
         )
+    else:  # whitespace goes before splitting, so json.dumps's `{"name": "calculator", ...}` is the compact call
+        tok.normalizer = normalizers.Replace(Regex(r"\s+"), "")
+        json_pieces = "|".join(re.escape(w) for w in (AGENT_CALL_HEAD, AGENT_CALL_TAIL, "<tool_call>", "</tool_call>"))
+        symbols = json_pieces + r"|\\boxed\{|[0-9]|\+|\*|=|\}"
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(symbols), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -78,8 +109,9 @@ def build_arith_tokenizer(tool: bool = False):
         bos_token="<bos>",
         eos_token="<eos>",
     )
-    fast.add_special_tokens({"additional_special_tokens": ARITH_ROLES})  # role markers are never split
-    fast.chat_template = ARITH_CHAT_TEMPLATE
+    fast.add_special_tokens({"additional_special_tokens": roles})  # role markers are never split
+    # <tool_call> and </tool_call> stay ordinary tokens: decoding with skip_special_tokens keeps them for the parser
+    fast.chat_template = ARITH_AGENT_CHAT_TEMPLATE if vocab == "arith_agent" else ARITH_CHAT_TEMPLATE
     return fast
 
 
@@ -170,7 +202,7 @@ def ensure_model(model_cfg) -> Path:
             intermediate_size=model_cfg.intermediate_size,
             num_layers=model_cfg.num_layers,
             num_heads=model_cfg.num_heads,
-            tokenizer=build_arith_tokenizer(tool=model_cfg.vocab == "arith_tool"),
+            tokenizer=build_arith_tokenizer(vocab=model_cfg.vocab),
             if_absent=True,
         )
     return check_model_folder(p)

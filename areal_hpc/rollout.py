@@ -52,13 +52,15 @@ def group_summary(trajs: list[Trajectory], prompt_id: int, group_id: int) -> dic
 
 
 # what GROUPS_DONE carries of a group's episodes, whatever becomes of the group: rank 0 adds them up
-GROUP_COUNTS = ("episodes", "turns", "tool_calls", "reward_timeouts", "reward_errors")
+GROUP_COUNTS = ("episodes", "turns", "tool_calls", "reward_timeouts", "reward_errors", "branches", "agent_failures")
 
 
-def group_counts(stats: list) -> dict:
+def group_counts(stats: list, rejected: list = ()) -> dict:
     """The counts of a group's episodes (their EpisodeStats) and, per number they logged (reward/<key>,
-    episode/<name>), its sum and how many episodes logged it."""
+    episode/<name>), its sum and how many episodes logged it. `rejected`: the stats of episodes the workflow
+    rejected and ran again, whose reward failures, branches and agent failures count too."""
     logged: dict[str, tuple[float, int]] = {}
+    every = [*stats, *rejected]
     for st in stats:
         for k, v in st.logged.items():
             total, n = logged.get(k, (0.0, 0))
@@ -67,8 +69,10 @@ def group_counts(stats: list) -> dict:
         "episodes": len(stats),
         "turns": sum(st.turns for st in stats),
         "tool_calls": sum(st.tool_calls for st in stats),
-        "reward_timeouts": sum(st.reward_timeouts for st in stats),
-        "reward_errors": sum(st.reward_errors for st in stats),
+        "reward_timeouts": sum(st.reward_timeouts for st in every),
+        "reward_errors": sum(st.reward_errors for st in every),
+        "branches": sum(st.branches for st in every),
+        "agent_failures": sum(st.agent_failures for st in every),
         "logged": logged,
     }
 

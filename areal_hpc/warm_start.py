@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 from areal_hpc.data import Problem, fill_template, read_dataset, rows_need_answer, template_fields
@@ -28,16 +29,32 @@ def target_text(template: str, p: Problem, data_cfg) -> tuple[str | None, str]:
     return text, missing
 
 
-def warm_start_segments(p: Problem, target: str, cfg, rng: random.Random) -> list[tuple[str, bool]]:
+def calculator_call(expression: str) -> str:
+    """A Hermes-style call of the agent demo's calculator tool, as vLLM's hermes parser reads it and the tiny
+    model's arith_agent vocabulary spells it (json.dumps's spaces are dropped there)."""
+    call = {"name": "calculator", "arguments": {"expression": expression}}
+    return "<tool_call>" + json.dumps(call) + "</tool_call>"
+
+
+def warm_start_segments(p: Problem, target: str, cfg, rng: random.Random, tokenizer=None) -> list[tuple[str, bool]]:
     """The reference episode of one problem as (text, trained) segments: its target, or for the arithmetic task
-    under the `tool` workflow (a share workflow.warm_start_tool_share of them) a tool call whose output is not
-    trained, then the target."""
-    tool = cfg.data.kind == "arithmetic" and cfg.rollout.workflow == "tool"
-    if not tool or rng.random() >= cfg.workflow.warm_start_tool_share:
+    under the `tool` or `agent` workflow (a share workflow.warm_start_tool_share of them) a tool call whose output
+    is not trained, then the target. `agent` needs the tokenizer: its tool result is rendered by the chat template
+    as the endpoint renders it after an assistant turn."""
+    workflow = cfg.rollout.workflow if cfg.data.kind == "arithmetic" else ""
+    if workflow not in ("tool", "agent") or rng.random() >= cfg.workflow.warm_start_tool_share:
         return [(target, True)]
+    expression = p.row["question"].rstrip("=")
+    if workflow == "agent":
+        from areal_hpc.workflow.runner import render_turn
+
+        # the call turn ends with EOS (the endpoint returns the call there); the result turn ends in the next prompt
+        turn = render_turn(tokenizer, "tool", p.answer, chat=True)
+        result = tokenizer.decode(turn, clean_up_tokenization_spaces=False)  # encoded again to these ids
+        return [(calculator_call(expression) + tokenizer.eos_token, True), (result, False), (target, True)]
     from areal_hpc.workflow.builtin import tool_observation
 
-    code = f"```python\nprint({p.row['question'].rstrip('=')})\n```\n"
+    code = f"```python\nprint({expression})\n```\n"
     return [(code, True), (tool_observation(p.answer), False), (target, True)]
 
 

@@ -30,9 +30,10 @@ fi
 [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # torch first and alone, so nothing later can drag in a CUDA build; then the package and its deps, with the
-# test and trackers extras (W&B and MLflow for logging.trackers; tests read both back).
+# test, trackers and agents extras (W&B and MLflow for logging.trackers, tests read both back; the OpenAI
+# Agents SDK for the framework-written agent the tests run).
 "$VENV/bin/python" -m pip install -q -r "$REQ"
-"$VENV/bin/python" -m pip install -q -e "$ROOT[test,trackers]"
+"$VENV/bin/python" -m pip install -q -e "$ROOT[test,trackers,agents]"
 # production training engine, CPU build: after torch, without build isolation (the sdist imports torch)
 "$VENV/bin/python" -m pip install -q --no-build-isolation -r "$ENGINES"
 # production generation engine, CPU build; then drop the CUDA vision/audio packages it drags in

@@ -179,7 +179,7 @@ def warm_start(trainer: TrainEngine, tokenizer, dataset: MathDataset, cfg: Confi
         seqs, masks = [], []
         for p in batch:
             seq, mask = list(p.prompt_ids), [0] * len(p.prompt_ids)  # built as every rollout's prompt is
-            for text, trained in warm_start_segments(p, targets[p.prompt_id], cfg, rng):
+            for text, trained in warm_start_segments(p, targets[p.prompt_id], cfg, rng, tokenizer):
                 ids = tokenizer.encode(text, add_special_tokens=False)
                 seq += ids
                 mask += [int(trained)] * len(ids)

@@ -31,6 +31,8 @@ class GeneratedEpisodes:
             "episodes_generated": self.since["episodes"],
             "reward_timeouts": self.since["reward_timeouts"],
             "reward_errors": self.since["reward_errors"],
+            "branches": self.since["branches"],
+            "agent_failures": self.since["agent_failures"],
         }
         row |= {name: total / n for name, (total, n) in sorted(self.logged.items()) if n}
         self.since = dict.fromkeys(GROUP_COUNTS, 0)
@@ -44,6 +46,8 @@ class GeneratedEpisodes:
             "episodes_generated": t["episodes"],
             "reward_timeouts": t["reward_timeouts"],
             "reward_errors": t["reward_errors"],
+            "branches": t["branches"],
+            "agent_failures": t["agent_failures"],
             "turns_per_episode": t["turns"] / n if t["episodes"] else None,
             "tool_calls_per_episode": t["tool_calls"] / n if t["episodes"] else None,
         }

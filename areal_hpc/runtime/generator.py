@@ -38,6 +38,7 @@ class _Group:
     t_start: float  # granted (its episodes start at the next poll)
     episodes: dict[int, FinishedEpisode] = field(default_factory=dict)  # sample -> its finished episode
     rejected: dict[int, int] = field(default_factory=dict)  # sample -> episodes the workflow rejected in a row
+    rejected_stats: list = field(default_factory=list)  # their EpisodeStats: their failures count too
 
 
 class Generator(RoleLoop):
@@ -272,6 +273,7 @@ class Generator(RoleLoop):
             return  # its group was dropped by a stop
         if ep.reward is None:  # rejected: the same sample runs again
             g.rejected[key.sample] = g.rejected.get(key.sample, 0) + 1
+            g.rejected_stats.append(ep.stats)
             if g.rejected[key.sample] >= MAX_REJECTED:
                 raise rejected_too_often(f"prompt {g.problem.prompt_id}", MAX_REJECTED)
             self.runner.start(ep.key, g.problem.row, g.problem.prompt_ids)
@@ -293,7 +295,8 @@ class Generator(RoleLoop):
         trajs = [t for s, e in enumerate(episodes) for t in to_trajectories(e, SampleId(gid, s), pid, self.rank, row)]
         if not self.scored:
             self.scored_since = time.time()
-        counts = group_counts([e.stats for e in episodes])  # rank 0 counts them whatever becomes of the group
+        # rank 0 counts them whatever becomes of the group (and the failures of its rejected episodes)
+        counts = group_counts([e.stats for e in episodes], g.rejected_stats)
         self.scored.append((trajs, group_summary(trajs, g.problem.prompt_id, key.group_id) | counts))
 
     def _write_scored(self) -> None:

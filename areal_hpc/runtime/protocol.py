@@ -117,7 +117,8 @@ FIELDS: dict[Tag, tuple[str, ...]] = {
 # The keys of each entry of GROUPS_DONE's "groups".
 GROUP_FIELDS = (
     ("indices", "prompt_id", "group_id", "n_tokens", "gen_tokens", "version_start", "uniform")
-    + ("episodes", "turns", "tool_calls", "reward_timeouts", "reward_errors", "logged")  # rollout.group_counts
+    + ("episodes", "turns", "tool_calls", "reward_timeouts", "reward_errors", "branches", "agent_failures")
+    + ("logged",)  # rollout.group_counts
 )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from areal_hpc.plugins import check_signature, resolve
+from pathlib import Path
+
+from areal_hpc.plugins import PluginError, check_signature, resolve
 from areal_hpc.workflow.builtin import BUILTIN, multi_turn, single_turn, tool
 from areal_hpc.workflow.episode import Episode
 from areal_hpc.workflow.records import Completion, Segment, ToolResult
@@ -31,6 +33,10 @@ def load_workflow(name: str) -> Workflow:
     """rollout.workflow: a built-in by name, or an `async def f(episode)` by import path (one line if unusable)."""
     if name in BUILTIN:
         return BUILTIN[name]
+    if name == "agent":
+        from areal_hpc.workflow.agent import agent
+
+        return agent
     fn = resolve(name, "rollout.workflow")
     check_signature(fn, name, "rollout.workflow", ("episode",), is_async=True)
     return fn
@@ -47,6 +53,9 @@ def runner_settings(cfg, tokenizer, model_dir) -> RunnerSettings:
         chat=chat_enabled(tokenizer, cfg.data.chat_template, cfg.data.system_prompt),
         tool_memory_mb=cfg.reward.code_memory_mb,
         sandbox=cfg.reward.sandbox,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        model_name=Path(cfg.model.path).name or "policy",
     )
 
 
@@ -57,3 +66,10 @@ def check_user_code(cfg) -> None:
 
     check_reward_fn(cfg)
     load_workflow(cfg.rollout.workflow)
+    if cfg.rollout.workflow == "agent":
+        from areal_hpc.workflow.agent import check_agent_config
+
+        try:
+            check_agent_config(cfg.workflow)
+        except ValueError as e:
+            raise PluginError(str(e)) from None

@@ -61,3 +61,4 @@ async def tool(ep: Episode) -> float:
 
 
 BUILTIN = {"single_turn": single_turn, "multi_turn": multi_turn, "tool": tool}
+# "agent" (workflow/agent.py) is looked up by load_workflow: it brings the endpoint's imports along

@@ -49,6 +49,8 @@ class EpisodeStats:
     tool_s: float = 0.0
     reward_timeouts: int = 0
     reward_errors: int = 0
+    branches: int = 0  # transcripts given up for a rewritten history (the agent endpoint counts them)
+    agent_failures: int = 0  # agents that raised, hung or returned something else (their episodes ran again)
     reward_span: tuple[float, float] | None = None  # first reward call to the last answer (the timeline's span)
     tool_spans: list[tuple[float, float]] = field(default_factory=list)  # each tool call's start and end
     # numbers to average per version: reward/<key> (a reward's extras: the last call's that returned them) and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -33,6 +34,9 @@ class RunnerSettings:
     tool_memory_mb: int = 1024
     sandbox: str = "bwrap"  # reward.sandbox: the isolation tool calls run under
     tool_threads: int = 4  # tool calls waiting at once (each a sandboxed python3 process)
+    temperature: float = 1.0  # rollout.temperature and top_p: what the agent endpoint serves, never another
+    top_p: float = 1.0
+    model_name: str = "policy"  # what the agent endpoint lists as its model
 
 
 @dataclass
@@ -93,6 +97,7 @@ class EpisodeRunner:
         self._rewards: list[tuple[str, dict, asyncio.Future]] = []  # reward calls not sent to the pool yet
         self._scoring: dict = {}  # the pool's future of each batch sent -> the episodes' futures waiting for it
         self._rewards_since = 0.0
+        self._shared: dict[str, object] = {}  # what a workflow keeps per runner (`shared`), closed with it
 
     # -- the generator's side ----------------------------------------------------------------------
     def start(self, key: str, row: dict, prompt_ids: list[int], greedy: bool = False) -> None:
@@ -149,6 +154,8 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self.cancel()
+        for thing in self._shared.values():
+            thing.close()
         if self._tools is not None:
             self._tools.shutdown(wait=False, cancel_futures=True)
         self.loop.close()
@@ -229,7 +236,7 @@ class EpisodeRunner:
             return
         job = self.pool.submit([c for c, _, _ in batch], [r for _, r, _ in batch])
         futures = self._scoring[job] = [f for _, _, f in batch]
-        job.add_done_callback(lambda j: self._call_in_loop(self._settle, futures, j.result(), j))
+        job.add_done_callback(lambda j: self.call_in_loop(self._settle, futures, j.result(), j))
 
     def _settle(self, futures: list[asyncio.Future], scores, job=None) -> None:
         """In the loop: a reward batch is back; each waiting episode gets (its reward, how its call ended, the
@@ -249,13 +256,36 @@ class EpisodeRunner:
                 fut.set_result(job.result())
         self.due = True
 
-    def _call_in_loop(self, fn, *args) -> None:
-        """From another thread: run fn at the next poll (nothing, once the runner is closed)."""
+    def call_in_loop(self, fn, *args) -> None:
+        """From another thread: run fn at the next poll (nothing, once the runner is closed). What fn wakes or
+        starts (a task of its own: an agent's call) runs at the poll after."""
+
+        def run():
+            fn(*args)
+            self.due = True
+
         try:
-            self.loop.call_soon_threadsafe(fn, *args)
+            self.loop.call_soon_threadsafe(run)
             self.due = True  # set after the callback is queued: the poll that sees it runs it
         except RuntimeError:  # the loop is closed: no episode waits any more
             pass
+
+    def shared(self, name: str, make: Callable[[], object]):
+        """What a workflow keeps for all its episodes on this runner (the agent workflow's endpoint): made once by
+        `make()`, closed (its `close()`) when the runner closes."""
+        if name not in self._shared:
+            self._shared[name] = make()
+        return self._shared[name]
+
+    async def wait(self, job: concurrent.futures.Future):
+        """The result of work running on another thread (an agent on the endpoint's loop); cancelling the episode
+        cancels the job."""
+        done = self.loop.create_future()
+        job.add_done_callback(lambda j: self.call_in_loop(self._settle_tool, done, j))
+        try:
+            return await self._parked(done)
+        finally:
+            job.cancel()
 
     async def run_python(self, ep: Episode, code: str, timeout_s: float | None) -> ToolResult:
         if self._tools is None:
@@ -264,7 +294,7 @@ class EpisodeRunner:
         call = (code, wall, self.settings.tool_memory_mb, self.settings.sandbox)
         done, t0 = self.loop.create_future(), time.time()
         job = self._tools.submit(sandboxed_python, *call)
-        job.add_done_callback(lambda j: self._call_in_loop(self._settle_tool, done, j))
+        job.add_done_callback(lambda j: self.call_in_loop(self._settle_tool, done, j))
         result = await self._parked(done)
         ep.stats.add_tool_call(result, t0, time.time())
         return result

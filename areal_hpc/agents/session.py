@@ -1,0 +1,108 @@
+"""One episode's session: each chat request becomes one generate call on the episode's exact token transcript."""
+
+from __future__ import annotations
+
+import asyncio
+
+from areal_hpc.agents.protocol import Answer, ChatRequest, OpenAIError, normal_message, same_turn
+from areal_hpc.agents.transcript import ChatRenderer, ToolCallReader, template_messages
+
+
+class AgentSession:
+    """The conversation an agent holds with the endpoint under one key, on top of its episode (`ep`: an
+    areal_hpc.workflow Episode). The transcript is the episode's: a request that extends the history gets
+    only its new messages rendered and appended (not trained); earlier assistant turns are recognised as the
+    answers this session returned, and their sampled tokens stay as they were. A request that does not
+    extend the history starts a branch (`ep.branch`): the transcript so far is kept as a sample of its own.
+    Runs on the episode runner's event loop."""
+
+    def __init__(self, ep, key: str, renderer: ChatRenderer, reader: ToolCallReader, max_context: int | None):
+        self.ep, self.key = ep, key
+        self.renderer, self.reader = renderer, reader
+        self.max_context = max_context
+        self.history: list[dict] = []  # normalised messages so far; assistant turns as this session returned them
+        self.last_sampled: list[int] = []  # the tokens of the last answer (what closes its turn depends on them)
+        self.tools_key: str | None = None  # the tools the transcript was rendered with
+        self.calls = 0
+        self.branches = 0
+        self.closed = False
+        self._lock: asyncio.Lock | None = None  # one call at a time: a transcript grows in one line
+        self.tasks: set[asyncio.Task] = set()  # calls in flight (cancelled when the episode ends)
+
+    def _context(self, req: ChatRequest) -> tuple[str, list[int]]:
+        """("extend", the tokens to append) or ("branch", a whole new context)."""
+        msgs, h = req.messages, self.history
+        tools_key = repr(req.tools)
+        extends = (
+            h
+            and len(msgs) > len(h)
+            and tools_key == self.tools_key
+            and all(same_turn(a, b) for a, b in zip(h, msgs))
+            and msgs[len(h)]["role"] != "assistant"
+        )
+        if extends:
+            new = template_messages(msgs[len(h) :])
+            return "extend", self.renderer.glue(self.last_sampled) + self.renderer.extension(new, req.tools)
+        return "branch", self.renderer.prompt(template_messages(msgs), req.tools)
+
+    def _check_length(self, n_prompt: int, req: ChatRequest) -> None:
+        limit = self.max_context
+        if limit is None:
+            return
+        asked = req.max_tokens or 1
+        if n_prompt + asked > limit:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + asked} tokens ({n_prompt} in the messages, {asked} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                "messages",
+                "context_length_exceeded",
+            )
+
+    async def answer(self, req: ChatRequest, on_submit=None) -> Answer:
+        """One call: the context updated, one generate call, the answer read for tool calls. `on_submit()` runs
+        as the request goes to the engine (the endpoint's latency figure)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.closed:
+                raise OpenAIError(401, "this episode has ended; its key is no longer valid", code="invalid_api_key")
+            kind, ids = self._context(req)
+            n_prompt = len(ids) + (len(self.ep.tokens) if kind == "extend" else 0)
+            self._check_length(n_prompt, req)
+            if kind == "extend":
+                self.ep.append_tokens(ids)
+            else:
+                self.branches += bool(self.history)  # the first call starts the transcript: not a branch
+                self.ep.branch(ids)
+            self.tools_key = repr(req.tools)
+            self.calls += 1
+            if on_submit is not None:
+                on_submit()
+            out = await self.ep.generate(max_new_tokens=req.max_tokens, stop=req.stop or None)
+            self.last_sampled = list(out.ids)
+            text = out.text
+            for s in req.stop:  # the API leaves a stop sequence out of the content (the transcript keeps it)
+                if text.endswith(s):
+                    text = text[: -len(s)]
+                    break
+            tools = req.tools if req.tool_choice != "none" else None
+            content, calls = self.reader.read(text, tools)
+            message: dict = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+                self.ep.stats.tool_calls += len(calls)  # the agent runs them; the episode counts them
+                self.ep.stats.tool_calls += 1  # a turn that calls tools (held-out tool share, tool_calls/episode)
+            finish = "tool_calls" if calls else out.finish_reason
+            self.history = req.messages + [normal_message(message, len(req.messages))]
+            lps = None
+            if req.logprobs:
+                toks = self.ep.tokenizer.convert_ids_to_tokens(list(out.ids))
+                lps = list(zip(toks, (float(x) for x in out.logprobs)))
+            return Answer(message, finish, n_prompt, len(out.ids), lps)
+
+    def close(self) -> None:
+        self.closed = True
+        for t in self.tasks:
+            t.cancel()

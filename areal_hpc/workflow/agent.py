@@ -1,0 +1,187 @@
+"""The `agent` workflow: an agent written against the OpenAI API runs once per episode on this generator's endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import shlex
+import signal
+from dataclasses import dataclass
+
+from areal_hpc.agents.endpoint import Endpoint, EndpointSettings
+from areal_hpc.agents.protocol import RunSampling
+from areal_hpc.agents.transcript import tool_parser_class
+from areal_hpc.plugins import check_signature, resolve
+
+log = logging.getLogger("areal_hpc.workflow")
+
+# what an agent's failure costs: its episode, counted and run again (MAX_REJECTED in a row stop the run)
+
+
+@dataclass
+class AgentOutcome:
+    value: object = None  # a float (the reward), a str (the final answer) or None (rejected)
+    failure: str = ""  # why the agent failed: its episode is lost, not scored
+
+
+def load_agent(wc):
+    """workflow.agent's function, checked as `async def fn(client, row)`; PluginError (one line) if unusable."""
+    fn = resolve(wc.agent, "workflow.agent")
+    check_signature(fn, wc.agent, "workflow.agent", ("client", "row"), is_async=True)
+    return fn
+
+
+def check_agent_config(wc) -> None:
+    """One line unless exactly one of workflow.agent and workflow.agent_command names the agent."""
+    if bool(wc.agent) == bool(wc.agent_command):
+        raise ValueError(
+            "rollout.workflow=agent needs exactly one of workflow.agent (path/to/file.py:fn or package.module:fn) "
+            "and workflow.agent_command (a command run per episode)" + ("; both are set" if wc.agent else "")
+        )
+    if wc.agent:
+        load_agent(wc)
+    else:
+        if not shlex.split(wc.agent_command):
+            raise ValueError("workflow.agent_command is empty")
+    if wc.tool_parser != "none":
+        tool_parser_class(wc.tool_parser)
+
+
+class AgentRunner:
+    """Runs one episode's agent on the endpoint's loop: in this process (`workflow.agent`) with an AsyncOpenAI
+    client on the episode's key, or as a command (`workflow.agent_command`) with OPENAI_BASE_URL and
+    OPENAI_API_KEY in its environment. Both within workflow.agent_timeout_s."""
+
+    def __init__(self, endpoint: Endpoint, wc):
+        self.endpoint, self.wc = endpoint, wc
+        self.fn = load_agent(wc) if wc.agent else None
+        self._http = None  # one connection pool for every in-process agent's client
+
+    async def run(self, key: str, row: dict) -> AgentOutcome:
+        try:
+            if self.fn is not None:
+                value = await asyncio.wait_for(self._in_process(key, row), self.wc.agent_timeout_s)
+            else:
+                value = await self._command(key, row)
+        except TimeoutError:
+            return AgentOutcome(failure=f"it ran past workflow.agent_timeout_s={self.wc.agent_timeout_s:g} s")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            return AgentOutcome(failure=f"it raised {type(e).__name__}: {e}")
+        return _checked(value)
+
+    async def _in_process(self, key: str, row: dict):
+        import openai
+
+        if self._http is None:
+            self._http = openai.DefaultAsyncHttpxClient()
+        client = openai.AsyncOpenAI(base_url=self.endpoint.base_url, api_key=key, max_retries=0, http_client=self._http)
+        return await self.fn(client, dict(row))
+
+    async def _command(self, key: str, row: dict):
+        env = dict(os.environ, OPENAI_BASE_URL=self.endpoint.base_url, OPENAI_API_KEY=key)
+        proc = await asyncio.create_subprocess_exec(
+            *shlex.split(self.wc.agent_command),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # its own process group: a time-out kills whatever it started too
+        )
+        data = json.dumps(row, default=str).encode()
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(data), self.wc.agent_timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            _kill_group(proc.pid)
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output on stderr"]
+            raise RuntimeError(f"the command exited with status {proc.returncode}: {tail[0][:300]}")
+        lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.strip()]
+        last = lines[-1] if lines else ""
+        try:
+            result = json.loads(last)
+        except ValueError:
+            result = None
+        if not isinstance(result, dict) or not ({"reward", "answer"} & set(result)):
+            raise ValueError(f'its last line of output {last[:200]!r} is not {{"reward": x}} or {{"answer": "..."}}')
+        return result.get("reward") if "reward" in result else _answer(result["answer"])
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+
+def _answer(value):
+    if not isinstance(value, str):
+        raise ValueError(f'"answer" must be a string, not {type(value).__name__}')
+    return value
+
+
+def _checked(value) -> AgentOutcome:
+    """A float is the reward, a string the final answer, None a rejection; anything else is a failure."""
+    if value is None or isinstance(value, str):
+        return AgentOutcome(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return AgentOutcome(float(value))
+    return AgentOutcome(failure=f"it returned {value!r} ({type(value).__name__}); return a float, a str or None")
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class AgentEndpoint:
+    """The runner's endpoint and agent runner together (one per episode runner, closed with it)."""
+
+    def __init__(self, runner, wc):
+        s = runner.settings
+        sampling = RunSampling(s.temperature, s.top_p, s.max_new_tokens, s.model_name)
+        settings = EndpointSettings(sampling, wc.endpoint_host, wc.max_request_kb, wc.tool_parser, s.max_context)
+        self.endpoint = Endpoint(runner.tokenizer, settings, runner.call_in_loop)
+        self.agents = AgentRunner(self.endpoint, wc)
+        self.failures_logged: set[str] = set()
+        log.info("agent endpoint at %s", self.endpoint.base_url)
+
+    def close(self) -> None:
+        try:
+            self.endpoint.submit(self.agents.close()).result(timeout=10)
+        except Exception:
+            pass
+        self.endpoint.shutdown()
+
+
+async def agent(ep) -> float | None:
+    """rollout.workflow=agent: the episode's session is opened, the agent runs against it, and its result
+    becomes the episode's reward: a float as it is, a string scored by reward.fn with the row, None rejects
+    the episode. An agent that fails (raises, hangs past workflow.agent_timeout_s, returns or prints something
+    else) costs its episode only: counted (agent_failures), the first failure of each kind logged once, and
+    the episode run again."""
+    runner = ep._runner  # noqa: SLF001 (a built-in workflow: the endpoint lives as long as the runner)
+    shared: AgentEndpoint = runner.shared("agent-endpoint", lambda: AgentEndpoint(runner, ep.config))
+    session = shared.endpoint.open(ep)
+    try:
+        outcome: AgentOutcome = await runner.wait(shared.endpoint.submit(shared.agents.run(session.key, ep.row)))
+    finally:
+        shared.endpoint.close(session)
+    ep.stats.branches += session.branches
+    if outcome.failure:
+        ep.stats.agent_failures += 1
+        kind = outcome.failure.split(" ", 2)[1]  # raised / ran / returned / ...
+        if kind not in shared.failures_logged:
+            shared.failures_logged.add(kind)
+            log.warning(
+                "an agent failed in episode %s: %s (its episode runs again; logged once)", ep.key, outcome.failure
+            )
+        return None
+    if isinstance(outcome.value, str):
+        return await ep.reward(outcome.value)
+    return outcome.value
