@@ -10,15 +10,16 @@ the calculator, as both demos' policies do after RL), built once into --out.
 
 1. Throughput: rounds of --episodes episodes, `tool` (calculator) and `agent` (jobs/examples/calculator_agent.py)
    alternated (tool, agent, tool, agent, ...), admitted as a generator admits groups (the demos' 8 samples a
-   prompt, 16 groups in the engine, 256 slots). Sampled tokens per second of a round's wall (the engine's
-   tokens: both vocabularies spell a calculator call in 10 tokens, so the ratio is also one of work done),
-   agent over tool per pair and overall; transcript tokens/s (prompt, tool results and samples) beside it.
+   prompt, 16 groups in the engine, 256 slots; at most 16 groups in flight, standing in for rank 0's staleness
+   bound). Sampled tokens per second of a round's wall (the engine's tokens: both vocabularies spell a calculator
+   call in 10 tokens, so the ratio is also one of work done), agent over tool per pair and overall; transcript
+   tokens/s (prompt, tool results and samples) beside it.
 2. Latency: --sessions agents in flight at once (calculator_agent, no tool wait) on as many slots; the endpoint's
    `latencies_ms` (request received by the HTTP handler -> request handed to the engine), p50 and p99.
-3. Occupancy: --sessions agents whose every tool call first awaits --tool-ms (asyncio.sleep), on --slots slots;
-   the share of slot-time the engine held a sequence, sum(rows x step time) / (slots x wall), as
-   benchmarks/workflows.py measures it, over the steady part (from the first --sessions episodes' end to the last
-   episode's start).
+3. Occupancy: --occupancy-sessions agents whose every tool call first awaits --tool-ms (asyncio.sleep), on
+   --slots slots; the share of slot-time the engine held a sequence, sum(rows x step time) / (slots x wall), as
+   benchmarks/workflows.py measures it, over the steady part (from the end of the first sessions' worth of
+   episodes to the last episode's start).
 
     .venv/bin/python benchmarks/agent_endpoint.py              # about 4 minutes on 2 cores
     .venv/bin/python benchmarks/agent_endpoint.py --pairs 2 --episodes 256
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import platform
 import sys
@@ -95,6 +97,40 @@ def warm_model(workflow: str, args) -> Path:
     return dest
 
 
+class GcPauses:
+    """Python's garbage collections while it is installed: count and milliseconds per generation. A collection
+    holds the GIL, so it stops the engine's loop and the endpoint alike."""
+
+    def __init__(self):
+        self.n, self.ms, self._t = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.n[info["generation"]] += 1
+            self.ms[info["generation"]] += 1e3 * (time.perf_counter() - self._t)
+
+    def start(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self)
+
+    def figures(self, wall: float) -> dict:
+        return {
+            "gc_collections": self.n,
+            "gc_ms": [round(x, 1) for x in self.ms],
+            "gc_share": sum(self.ms) / 1e3 / wall,
+        }
+
+
+async def _thread_time() -> float:
+    """The CPU time of the thread this runs on (the endpoint's, submitted there)."""
+    return time.thread_time()
+
+
 class Drive:
     """One engine and one episode runner, driven as a generator rank drives them (Generator.tick, RoleLoop's
     back-off); episodes are admitted as groups (`n` samples of a prompt, at most `max_groups` groups with a
@@ -153,7 +189,10 @@ class Drive:
         else:
             load = self.engine.num_running + self.engine.num_waiting
             want = -(-(self.engine.capacity + self.n - load) // self.n)
-            k = self.n * min(want, self.max_groups - len(self.on_engine), -(-left // self.n))
+            # rank 0's staleness bound stands in as a cap on groups in flight: episodes between two calls hold
+            # no engine request, so the generator's rule alone would admit groups without end here
+            free = self.max_groups - max(len(self.on_engine), -(-len(self.runner.tasks) // self.n))
+            k = self.n * min(want, free, -(-left // self.n))
         for _ in range(max(k, 0) // self.n):
             self._start_group()
         return max(k, 0) // self.n * self.n
@@ -164,9 +203,11 @@ class Drive:
         ep = self.endpoint()
         lat0 = len(ep.latencies_ms) if ep else 0
         backoff, steps, done = Backoff(), [], []
-        self.rerun = 0
+        self.rerun, in_flight, napped = 0, [], 0.0
+        cpu0 = (time.thread_time(), ep.submit(_thread_time()).result() if ep else 0.0)
         started, t0 = 0, time.time()
         t_last_start, t_turnover = t0, None
+        gcp = GcPauses().start()
         while len(done) < episodes:
             if started < episodes:
                 k = self._admit(episodes - started)
@@ -185,14 +226,28 @@ class Drive:
             busy = self._poll(done) or busy
             if t_turnover is None and len(done) >= max(self.sessions, 1):
                 t_turnover = time.time()
+            in_flight.append(len(self.runner.tasks))
             if busy:
                 backoff.reset()
             else:
+                napped -= time.time()
                 backoff.sleep()
+                napped += time.time()
         wall = time.time() - t0
-        return self._figures(
-            done, steps, wall, (t_turnover or t0, t_last_start), self.rerun, list(ep.latencies_ms)[lat0:] if ep else []
-        )
+        gcp.stop()
+        cpu = (time.thread_time() - cpu0[0], ep.submit(_thread_time()).result() - cpu0[1] if ep else 0.0)
+        lat = list(ep.latencies_ms)[lat0:] if ep else []
+        out = self._figures(done, steps, wall, (t_turnover or t0, t_last_start), lat)
+        out |= {
+            "in_flight_mean": sum(in_flight) / len(in_flight),
+            "in_flight_max": max(in_flight),
+            "loop_idle_share": napped / wall,  # the generator's loop asleep: nothing to step, nothing came back
+            "loop_cpu_s": cpu[0],
+            "endpoint_thread_cpu_s": cpu[1],  # the HTTP server and the in-process agents' clients
+            "endpoint_thread_cpu_ms_per_call": 1e3 * cpu[1] / len(lat) if lat else 0.0,
+            **gcp.figures(wall),
+        }
+        return out
 
     def _poll(self, done: list) -> bool:
         idle = not (self.engine.num_running or self.engine.num_waiting)
@@ -209,7 +264,7 @@ class Drive:
         shared = self.runner._shared.get("agent-endpoint")  # noqa: SLF001 (the endpoint the agent workflow made)
         return shared.endpoint if shared else None
 
-    def _figures(self, done, steps, wall, window, retried, lat) -> dict:
+    def _figures(self, done, steps, wall, window, lat) -> dict:
         import numpy as np
 
         sampled = sum(len(s.ids) for e in done for s in e.sampled)
@@ -220,7 +275,7 @@ class Drive:
         cap = self.engine.capacity
         out = {
             "episodes": len(done),
-            "rejected_and_rerun": retried,
+            "rejected_and_rerun": self.rerun,
             "wall_s": wall,
             "sampled_tokens": sampled,
             "sampled_tokens_per_s": sampled / wall,
@@ -250,12 +305,21 @@ class Drive:
         self.engine.close()
 
 
+def freeze(args) -> None:
+    """With --gc-freeze: what exists now (modules, the model, the engine) leaves the collector's view, so a full
+    collection walks only what the episodes made since (gc.freeze)."""
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+
+
 def throughput(args, models: dict) -> dict:
     drives = {w: Drive(demo_config(w, args), models[w], w) for w in ("tool", "agent")}
     runs: dict[str, list[dict]] = {"tool": [], "agent": []}
     try:
         for d in drives.values():  # a short round each first: imports, the endpoint, the first prefill shapes
             d.round(args.n_samples * 2)
+        freeze(args)
         for i in range(args.pairs):
             for w, d in drives.items():
                 print(f"[bench] throughput pair {i + 1}/{args.pairs}: {w} ...", flush=True)
@@ -271,14 +335,15 @@ def throughput(args, models: dict) -> dict:
     }
 
 
-def sessions_run(args, model: Path, slots: int, tool_s: float) -> dict:
-    """--sessions agents in flight on `slots` slots; with tool_s, each tool call awaits that long first."""
+def sessions_run(args, model: Path, sessions: int, slots: int, tool_s: float) -> dict:
+    """`sessions` agents in flight on `slots` slots; with tool_s, each tool call awaits that long first."""
     ov = [f"rollout.max_num_seqs={slots}"]
     if tool_s:
         ov.append(f"workflow.agent={Path(__file__).resolve()}:slow_tool_agent")
-    d = Drive(demo_config("agent", args, ov), model, "agent", args.sessions, {"tool_s": tool_s} if tool_s else None)
+    d = Drive(demo_config("agent", args, ov), model, "agent", sessions, {"tool_s": tool_s} if tool_s else None)
     try:
-        d.round(args.sessions)  # the first calls: imports, connections
+        d.round(sessions)  # the first calls: imports, connections
+        freeze(args)
         return d.round(args.session_episodes)
     finally:
         d.close()
@@ -287,14 +352,17 @@ def sessions_run(args, model: Path, slots: int, tool_s: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=3, help="interleaved (tool, agent) throughput rounds")
-    ap.add_argument("--episodes", type=int, default=512, help="episodes per throughput round (a multiple of 8)")
-    ap.add_argument("--sessions", type=int, default=64, help="agents in flight for the latency and occupancy runs")
-    ap.add_argument("--session-episodes", type=int, default=512, help="episodes of each of those runs")
+    ap.add_argument("--episodes", type=int, default=2048, help="episodes per throughput round (a multiple of 8)")
+    ap.add_argument("--sessions", type=int, default=64, help="agents in flight in the latency run (as many slots)")
+    ap.add_argument("--session-episodes", type=int, default=2048, help="episodes of the latency and occupancy runs")
     ap.add_argument("--slots", type=int, default=8, help="engine slots of the occupancy run")
+    ap.add_argument("--occupancy-sessions", type=int, default=64, help="agents in flight in the occupancy run")
     ap.add_argument("--tool-ms", type=float, default=200.0)
     ap.add_argument("--tool-share", type=float, default=1.0, help="workflow.warm_start_tool_share of the models")
     ap.add_argument("--warm-steps", type=int, default=200)
     ap.add_argument("--parts", default="throughput,latency,occupancy")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the engines are up (see GcPauses)")
+    ap.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (0: Python's, 5 ms)")
     ap.add_argument("--out", type=Path, default=RESULTS / "agent_endpoint")
     args = ap.parse_args()
     args.n_samples = 8
@@ -302,45 +370,52 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # a generator rank's (cluster.threads_per_rank=1): the other core serves the rest
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     parts = set(args.parts.split(","))
     models = {w: warm_model(w, args) for w in ("tool", "agent")}
     result = {"benchmark": "agent_endpoint", "host": platform.node(), "time": time.time(), "args": vars(args) | {}}
     result["args"]["out"] = str(args.out)
     if "throughput" in parts:
         tp = result["throughput"] = throughput(args, models)
-        print(
-            f"\n{'run':<7}{'sampled tok/s':>15}{'transcript tok/s':>18}{'episodes/s':>12}{'turns/ep':>10}"
-            f"{'tools/ep':>10}{'reward':>8}{'step share':>12}"
-        )
+        head = ("sampled tok/s", "transcript tok/s", "episodes/s", "tools/ep", "reward", "in flight", "loop idle")
+        print(f"\n{'run':<7}" + "".join(f"{h:>17}" for h in head) + f"{'endpoint ms/call':>17}{'gc share':>10}")
         for w, rs in tp["runs"].items():
             for r in rs:
-                print(
-                    f"{w:<7}{r['sampled_tokens_per_s']:>15.0f}{r['transcript_tokens_per_s']:>18.0f}"
-                    f"{r['episodes_per_s']:>12.1f}{r['turns_per_episode']:>10.2f}{r['tool_calls_per_episode']:>10.2f}"
-                    f"{r['reward_mean']:>8.2f}{r['step_share']:>12.3f}"
-                )
+                keys = ("sampled_tokens_per_s", "transcript_tokens_per_s", "episodes_per_s", "tool_calls_per_episode")
+                keys += ("reward_mean", "in_flight_mean", "loop_idle_share", "endpoint_thread_cpu_ms_per_call")
+                print(f"{w:<7}" + "".join(f"{r[k]:>17.2f}" for k in keys) + f"{r['gc_share']:>10.3f}")
         pairs = ", ".join(f"{x:.3f}" for x in tp["pair_ratios"])
         print(f"agent / tool, sampled tokens/s: {tp['agent_over_tool']:.3f} (pairs: {pairs})\n")
     if "latency" in parts:
         print(f"[bench] latency: {args.sessions} sessions on {args.sessions} slots ...", flush=True)
-        r = result["latency"] = sessions_run(args, models["agent"], args.sessions, 0.0)
+        r = result["latency"] = sessions_run(args, models["agent"], args.sessions, args.sessions, 0.0)
         print(
             f"endpoint latency, {args.sessions} sessions in flight ({r['latency_calls']} calls): "
-            f"p50 {r['latency_p50_ms']:.2f} ms, p99 {r['latency_p99_ms']:.2f} ms, max {r['latency_max_ms']:.2f} ms"
+            f"p50 {r['latency_p50_ms']:.2f} ms, p99 {r['latency_p99_ms']:.2f} ms, max {r['latency_max_ms']:.2f} ms "
+            f"(garbage collections {r['gc_share']:.3f} of the wall; gen 2: {r['gc_collections'][2]}, "
+            f"{r['gc_ms'][2]:.0f} ms)"
         )
     if "occupancy" in parts:
-        print(f"[bench] occupancy: {args.sessions} sessions, {args.tool_ms:g} ms tools, {args.slots} slots ...")
-        r = result["occupancy"] = sessions_run(args, models["agent"], args.slots, args.tool_ms / 1000)
         print(
-            f"engine occupancy, {args.sessions} agents waiting on {args.tool_ms:g} ms tools, {args.slots} slots: "
+            f"[bench] occupancy: {args.occupancy_sessions} sessions, {args.tool_ms:g} ms tools, {args.slots} slots ..."
+        )
+        r = result["occupancy"] = sessions_run(
+            args, models["agent"], args.occupancy_sessions, args.slots, args.tool_ms / 1000
+        )
+        print(
+            f"engine occupancy, {args.occupancy_sessions} agents, {args.tool_ms:g} ms tools, {args.slots} slots: "
             f"{r['occupancy']:.3f} (stepping {r['stepping_share_window']:.3f} of {r['occupancy_window_s']:.1f} s; "
             f"{r['sampled_tokens_per_s']:.0f} sampled tok/s, {r['tool_calls_per_episode']:.2f} tool calls/ep, "
-            f"latency p50 {r.get('latency_p50_ms', float('nan')):.2f} ms)"
+            f"latency p50 {r.get('latency_p50_ms', float('nan')):.2f} ms, garbage collections {r['gc_share']:.3f})"
         )
     from areal_hpc.utils import atomic_write_text
 
-    atomic_write_text(args.out / "agent_endpoint.json", json.dumps(result, indent=1))
-    print(f"wrote {args.out / 'agent_endpoint.json'}")
+    name = "agent_endpoint" + ("_gc_freeze" if args.gc_freeze else "")
+    name += f"_switch{args.switch_interval * 1e3:g}ms" if args.switch_interval else ""
+    name += ".json"
+    atomic_write_text(args.out / name, json.dumps(result, indent=1))
+    print(f"wrote {args.out / name}")
 
 
 if __name__ == "__main__":

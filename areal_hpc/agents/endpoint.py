@@ -80,7 +80,7 @@ class Endpoint:
         from aiohttp import web
 
         asyncio.set_event_loop(self.loop)
-        app = web.Application(client_max_size=self.settings.max_request_kb * 1024, middlewares=[self._guard])
+        app = web.Application(client_max_size=self.settings.max_request_kb * 1024, middlewares=[self._guard()])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         runner = web.AppRunner(app, access_log=None)
@@ -117,11 +117,12 @@ class Endpoint:
             raise OpenAIError(401, f"{what}: each episode's agent gets its own key", code="invalid_api_key")
         return session
 
-    async def _guard(self, app, handler):
+    def _guard(self):
         """Every route needs an open session's key; every failure is an OpenAI-style error body."""
         from aiohttp import web
 
-        async def guarded(request):
+        @web.middleware
+        async def guard(request, handler):
             try:
                 request["session"] = self._session_of(request)
                 return await handler(request)
@@ -132,7 +133,7 @@ class Endpoint:
                 self.refused[e.status] += 1
                 return self._error(OpenAIError(e.status, e.reason))
 
-        return guarded
+        return guard
 
     async def _models(self, request):
         from aiohttp import web

@@ -93,7 +93,6 @@ class AgentSession:
             if calls:
                 message["tool_calls"] = calls
                 self.ep.stats.tool_calls += len(calls)  # the agent runs them; the episode counts them
-                self.ep.stats.tool_calls += 1  # a turn that calls tools (held-out tool share, tool_calls/episode)
             finish = "tool_calls" if calls else out.finish_reason
             self.history = req.messages + [normal_message(message, len(req.messages))]
             lps = None

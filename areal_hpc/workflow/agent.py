@@ -21,6 +21,10 @@ log = logging.getLogger("areal_hpc.workflow")
 # what an agent's failure costs: its episode, counted and run again (MAX_REJECTED in a row stop the run)
 
 
+class AgentFailed(Exception):
+    """A command agent that exited non-zero or printed no result: its message starts "it <kind> ..."."""
+
+
 @dataclass
 class AgentOutcome:
     value: object = None  # a float (the reward), a str (the final answer) or None (rejected)
@@ -70,6 +74,8 @@ class AgentRunner:
             return AgentOutcome(failure=f"it ran past workflow.agent_timeout_s={self.wc.agent_timeout_s:g} s")
         except asyncio.CancelledError:
             raise
+        except AgentFailed as e:
+            return AgentOutcome(failure=str(e))
         except Exception as e:
             return AgentOutcome(failure=f"it raised {type(e).__name__}: {e}")
         return _checked(value)
@@ -101,7 +107,7 @@ class AgentRunner:
             raise
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output on stderr"]
-            raise RuntimeError(f"the command exited with status {proc.returncode}: {tail[0][:300]}")
+            raise AgentFailed(f"it exited with status {proc.returncode}: {tail[0][:300]}")
         lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.strip()]
         last = lines[-1] if lines else ""
         try:
@@ -109,7 +115,7 @@ class AgentRunner:
         except ValueError:
             result = None
         if not isinstance(result, dict) or not ({"reward", "answer"} & set(result)):
-            raise ValueError(f'its last line of output {last[:200]!r} is not {{"reward": x}} or {{"answer": "..."}}')
+            raise AgentFailed(f'it printed {last[:200]!r} last, not {{"reward": x}} or {{"answer": "..."}}')
         return result.get("reward") if "reward" in result else _answer(result["answer"])
 
     async def close(self) -> None:
@@ -119,7 +125,7 @@ class AgentRunner:
 
 def _answer(value):
     if not isinstance(value, str):
-        raise ValueError(f'"answer" must be a string, not {type(value).__name__}')
+        raise AgentFailed(f'it printed an "answer" that is a {type(value).__name__}, not a string')
     return value
 
 
@@ -149,6 +155,11 @@ class AgentEndpoint:
         self.endpoint = Endpoint(runner.tokenizer, settings, runner.call_in_loop)
         self.agents = AgentRunner(self.endpoint, wc)
         self.failures_logged: set[str] = set()
+        # The openai client's HTTP layer logs every request at INFO, and vLLM's parsers log a traceback for every
+        # answer that does not parse (returned as content, as meant): tens of thousands of lines a run otherwise.
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
         log.info("agent endpoint at %s", self.endpoint.base_url)
 
     def close(self) -> None:
@@ -175,7 +186,7 @@ async def agent(ep) -> float | None:
     ep.stats.branches += session.branches
     if outcome.failure:
         ep.stats.agent_failures += 1
-        kind = outcome.failure.split(" ", 2)[1]  # raised / ran / returned / ...
+        kind = outcome.failure.split(" ", 2)[1]  # raised / ran / returned / exited / printed
         if kind not in shared.failures_logged:
             shared.failures_logged.add(kind)
             log.warning(
