@@ -8,67 +8,94 @@ The models are the demos' (jobs/demo_tool.yaml: arith_tool vocabulary, jobs/demo
 warm-started as its demo does but with workflow.warm_start_tool_share (default 1.0: nearly every episode calls
 the calculator, as both demos' policies do after RL), built once into --out.
 
-1. Throughput: rounds of --episodes episodes, `tool` (calculator) and `agent` (jobs/examples/calculator_agent.py)
-   alternated (tool, agent, tool, agent, ...), admitted as a generator admits groups (the demos' 8 samples a
-   prompt, 16 groups in the engine, 256 slots; at most 16 groups in flight, standing in for rank 0's staleness
-   bound). Sampled tokens per second of a round's wall (the engine's tokens: both vocabularies spell a calculator
-   call in 10 tokens, so the ratio is also one of work done), agent over tool per pair and overall; transcript
-   tokens/s (prompt, tool results and samples) beside it.
-2. Latency: --sessions agents in flight at once (calculator_agent, no tool wait) on as many slots; the endpoint's
+1. Throughput on the tool-demo task: rounds of --episodes episodes, `tool` (calculator) and `agent`
+   (jobs/examples/calculator_agent.py) alternated (tool, agent, tool, agent, ...), admitted as a generator admits
+   groups (the demos' 8 samples a prompt, 16 groups in the engine, 256 slots; at most 16 groups in flight,
+   standing in for rank 0's staleness bound). Sampled tokens per second of a round's wall (the engine's tokens:
+   both vocabularies spell a calculator call in 10 tokens, so the ratio is also one of work done), agent over
+   tool per pair and overall; transcript tokens/s (prompt, tool results and samples) in the JSON.
+2. Long turns: the same on the agent demo's model before its warm start, one answer of up to --long-tokens
+   tokens per episode: `single_turn` against an agent making one call (`one_call_agent`). The agent path costs
+   a fixed amount per call, so the ratio depends on the tokens per call; this is its second point.
+3. Latency: --sessions agents in flight at once (calculator_agent, no tool wait) on as many slots; the endpoint's
    `latencies_ms` (request received by the HTTP handler -> request handed to the engine), p50 and p99.
-3. Occupancy: --occupancy-sessions agents whose every tool call first awaits --tool-ms (asyncio.sleep), on
+4. Occupancy: --occupancy-sessions agents whose every tool call first awaits --tool-ms (asyncio.sleep), on
    --slots slots; the share of slot-time the engine held a sequence, sum(rows x step time) / (slots x wall), as
    benchmarks/workflows.py measures it, over the steady part (from the end of the first sessions' worth of
    episodes to the last episode's start).
+Every round also says where the generator process's time went: the loop asleep (nothing to step), the endpoint
+thread's CPU per call (HTTP server and the in-process agents' openai clients), Python's garbage collections.
 
-    .venv/bin/python benchmarks/agent_endpoint.py              # about 4 minutes on 2 cores
-    .venv/bin/python benchmarks/agent_endpoint.py --pairs 2 --episodes 256
+    .venv/bin/python benchmarks/agent_endpoint.py   # about 2 minutes on 2 cores (3 the first time: warm starts)
+    .venv/bin/python benchmarks/agent_endpoint.py --parts throughput,latency --pairs 2 --episodes 512
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
+import importlib.util
 import json
 import platform
 import sys
 import time
 from pathlib import Path
 
+from _agent_drive import Drive  # benchmarks/ is on the path when a benchmark runs as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 AGENT = ROOT / "jobs" / "examples" / "calculator_agent.py"
+PARTS = "throughput,long,heavy,latency,occupancy"
+
+
+@functools.cache
+def calculator_agent():
+    """jobs/examples/calculator_agent.py as a module (its tool and its settings)."""
+    spec = importlib.util.spec_from_file_location("calculator_agent", AGENT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 async def slow_tool_agent(client, row: dict) -> str:
     """calculator_agent with a tool that takes row["tool_s"] seconds (awaited: the engine's slot is free meanwhile)."""
-    sys.path.insert(0, str(AGENT.parent))
-    from calculator_agent import CALCULATOR, MAX_CALLS, MODEL, run_tool
-
+    ca = calculator_agent()
     messages = [{"role": "user", "content": row["question"]}]
-    for _ in range(MAX_CALLS):
-        reply = await client.chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR])
+    for _ in range(ca.MAX_CALLS):
+        reply = await client.chat.completions.create(model=ca.MODEL, messages=messages, tools=[ca.CALCULATOR])
         message = reply.choices[0].message
         if not message.tool_calls:
             return message.content or ""
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
             await asyncio.sleep(row["tool_s"])
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call)})
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": ca.run_tool(call)})
     return ""
 
 
+async def one_call_agent(client, row: dict) -> str:
+    """One chat completion, no tools: the endpoint's cost per call against single_turn's."""
+    reply = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["question"]}]
+    )
+    return reply.choices[0].message.content or ""
+
+
 def demo_config(workflow: str, args, overrides: list[str] = ()):
+    """jobs/demo_tool.yaml for `tool`, else jobs/demo_agent.yaml (its model) under `workflow`."""
     from areal_hpc.config import load_config
 
-    job = {"tool": "demo_tool.yaml", "agent": "demo_agent.yaml"}[workflow]
+    job, model = ("demo_tool.yaml", "tool") if workflow == "tool" else ("demo_agent.yaml", "agent")
     ov = [
-        f"model.path={args.out / ('base-' + workflow)}",
+        f"model.path={args.out / ('base-' + model)}",
+        f"rollout.workflow={workflow}",
         f"workflow.warm_start_tool_share={args.tool_share}",
         f"trainer.warm_start_steps={args.warm_steps}",
         "logging.progress=false",
-        *([f"workflow.agent={AGENT}:agent"] if workflow == "agent" else []),
+        f"workflow.agent={AGENT}:agent" if workflow == "agent" else 'workflow.agent=""',  # demo_agent.yaml names it
         *overrides,
     ]
     return load_config(ROOT / "jobs" / job, ov)
@@ -97,242 +124,55 @@ def warm_model(workflow: str, args) -> Path:
     return dest
 
 
-class GcPauses:
-    """Python's garbage collections while it is installed: count and milliseconds per generation. A collection
-    holds the GIL, so it stops the engine's loop and the endpoint alike."""
-
-    def __init__(self):
-        self.n, self.ms, self._t = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t = time.perf_counter()
-        else:
-            self.n[info["generation"]] += 1
-            self.ms[info["generation"]] += 1e3 * (time.perf_counter() - self._t)
-
-    def start(self) -> GcPauses:
-        gc.callbacks.append(self)
-        return self
-
-    def stop(self) -> None:
-        gc.callbacks.remove(self)
-
-    def figures(self, wall: float) -> dict:
-        return {
-            "gc_collections": self.n,
-            "gc_ms": [round(x, 1) for x in self.ms],
-            "gc_share": sum(self.ms) / 1e3 / wall,
-        }
-
-
-async def _thread_time() -> float:
-    """The CPU time of the thread this runs on (the endpoint's, submitted there)."""
-    return time.thread_time()
-
-
-class Drive:
-    """One engine and one episode runner, driven as a generator rank drives them (Generator.tick, RoleLoop's
-    back-off); episodes are admitted as groups (`n` samples of a prompt, at most `max_groups` groups with a
-    request in the engine, one group queued beyond the slots) or, with `sessions`, `sessions` at a time."""
-
-    def __init__(self, cfg, model_dir: Path, workflow, sessions: int = 0, row_extra: dict | None = None):
-        from areal_hpc.config import concurrent_groups
-        from areal_hpc.data import load_run_dataset
-        from areal_hpc.model import load_tokenizer
-        from areal_hpc.reward import reward_pool_for
-        from areal_hpc.runtime.build import build_generation_engine
-        from areal_hpc.workflow import EpisodeRunner, load_workflow, runner_settings
-
-        self.cfg, self.sessions, self.row_extra = cfg, sessions, row_extra or {}
-        self.engine = build_generation_engine(cfg, model_dir, seed=cfg.trainer.seed)
-        tok = load_tokenizer(model_dir)
-        self.pool = reward_pool_for(cfg)
-        self.runner = EpisodeRunner(
-            load_workflow(workflow), tok, self.pool, self._submit, runner_settings(cfg, tok, model_dir)
-        )
-        self.problems = load_run_dataset(cfg, tok).train
-        self.n = 1 if sessions else cfg.rollout.n_samples
-        self.max_groups = concurrent_groups(cfg.rollout)
-        self.next_group = 0
-        self.on_engine: dict[str, int] = {}  # group -> its requests in the engine
-
-    def _submit(self, reqs) -> None:
-        for r in reqs:
-            g = r.request_id.split(":")[0]
-            self.on_engine[g] = self.on_engine.get(g, 0) + 1
-        self.engine.add(reqs)
-
-    def _delivered(self, out) -> None:
-        g = out.request_id.split(":")[0]
-        self.on_engine[g] -= 1
-        if not self.on_engine[g]:
-            del self.on_engine[g]
-        self.runner.deliver(out)
-
-    def _problem(self, key: str):
-        return self.problems[int(key.split(":")[0]) % len(self.problems)]
-
-    def _start(self, key: str) -> None:
-        p = self._problem(key)
-        self.runner.start(key, {**p.row, **self.row_extra}, p.prompt_ids)
-
-    def _start_group(self) -> None:
-        for s in range(self.n):
-            self._start(f"{self.next_group}:{s}")
-        self.next_group += 1
-
-    def _admit(self, left: int) -> int:
-        """Start what the admission rule allows (at most `left` episodes); the number started."""
-        if self.sessions:
-            k = min(self.sessions - len(self.runner.tasks), left)
-        else:
-            load = self.engine.num_running + self.engine.num_waiting
-            want = -(-(self.engine.capacity + self.n - load) // self.n)
-            # rank 0's staleness bound stands in as a cap on groups in flight: episodes between two calls hold
-            # no engine request, so the generator's rule alone would admit groups without end here
-            free = self.max_groups - max(len(self.on_engine), -(-len(self.runner.tasks) // self.n))
-            k = self.n * min(want, free, -(-left // self.n))
-        for _ in range(max(k, 0) // self.n):
-            self._start_group()
-        return max(k, 0) // self.n * self.n
-
-    def round(self, episodes: int) -> dict:
-        from areal_hpc.runtime.protocol import Backoff
-
-        ep = self.endpoint()
-        lat0 = len(ep.latencies_ms) if ep else 0
-        backoff, steps, done = Backoff(), [], []
-        self.rerun, in_flight, napped = 0, [], 0.0
-        cpu0 = (time.thread_time(), ep.submit(_thread_time()).result() if ep else 0.0)
-        started, t0 = 0, time.time()
-        t_last_start, t_turnover = t0, None
-        gcp = GcPauses().start()
-        while len(done) < episodes:
-            if started < episodes:
-                k = self._admit(episodes - started)
-                started += k
-                if k and started >= episodes:
-                    t_last_start = time.time()
-            busy = self._poll(done)
-            if self.engine.num_running or self.engine.num_waiting:
-                a = time.time()
-                outs = self.engine.step()
-                b = time.time()
-                steps.append((a, b, min(self.engine.capacity, self.engine.num_running + len(outs))))
-                for o in outs:
-                    self._delivered(o)
-                busy = True
-            busy = self._poll(done) or busy
-            if t_turnover is None and len(done) >= max(self.sessions, 1):
-                t_turnover = time.time()
-            in_flight.append(len(self.runner.tasks))
-            if busy:
-                backoff.reset()
-            else:
-                napped -= time.time()
-                backoff.sleep()
-                napped += time.time()
-        wall = time.time() - t0
-        gcp.stop()
-        cpu = (time.thread_time() - cpu0[0], ep.submit(_thread_time()).result() - cpu0[1] if ep else 0.0)
-        lat = list(ep.latencies_ms)[lat0:] if ep else []
-        out = self._figures(done, steps, wall, (t_turnover or t0, t_last_start), lat)
-        out |= {
-            "in_flight_mean": sum(in_flight) / len(in_flight),
-            "in_flight_max": max(in_flight),
-            "loop_idle_share": napped / wall,  # the generator's loop asleep: nothing to step, nothing came back
-            "loop_cpu_s": cpu[0],
-            "endpoint_thread_cpu_s": cpu[1],  # the HTTP server and the in-process agents' clients
-            "endpoint_thread_cpu_ms_per_call": 1e3 * cpu[1] / len(lat) if lat else 0.0,
-            **gcp.figures(wall),
-        }
-        return out
-
-    def _poll(self, done: list) -> bool:
-        idle = not (self.engine.num_running or self.engine.num_waiting)
-        got = self.runner.poll(engine_idle=idle)
-        for e in got:
-            if e.reward is None:  # rejected (an agent that failed): the same sample runs again, as in a run
-                self.rerun += 1
-                self._start(e.key)
-            else:
-                done.append(e)
-        return bool(got)
-
-    def endpoint(self):
-        shared = self.runner._shared.get("agent-endpoint")  # noqa: SLF001 (the endpoint the agent workflow made)
-        return shared.endpoint if shared else None
-
-    def _figures(self, done, steps, wall, window, lat) -> dict:
-        import numpy as np
-
-        sampled = sum(len(s.ids) for e in done for s in e.sampled)
-        transcript = sum(len(s.ids) for e in done for t in e.transcripts for s in t)
-        st = np.array(steps) if steps else np.zeros((0, 3))
-        lo, hi = window
-        dur = np.clip(np.minimum(st[:, 1], hi) - np.maximum(st[:, 0], lo), 0, None)
-        cap = self.engine.capacity
-        out = {
-            "episodes": len(done),
-            "rejected_and_rerun": self.rerun,
-            "wall_s": wall,
-            "sampled_tokens": sampled,
-            "sampled_tokens_per_s": sampled / wall,
-            "transcript_tokens_per_s": transcript / wall,
-            "episodes_per_s": len(done) / wall,
-            "turns_per_episode": sum(e.stats.turns for e in done) / len(done),
-            "tool_calls_per_episode": sum(e.stats.tool_calls for e in done) / len(done),
-            "reward_mean": float(np.mean([e.reward for e in done])),
-            "step_share": float((st[:, 1] - st[:, 0]).sum() / wall),
-            "rows_per_step_mean": float(st[:, 2].mean()) if len(st) else 0.0,
-            "occupancy_window_s": max(hi - lo, 0.0),
-            "occupancy": float((st[:, 2] * dur).sum() / (cap * (hi - lo))) if hi > lo else float("nan"),
-            "stepping_share_window": float(dur.sum() / (hi - lo)) if hi > lo else float("nan"),
-        }
-        if lat:
-            out |= {
-                "latency_calls": len(lat),
-                "latency_p50_ms": float(np.percentile(lat, 50)),
-                "latency_p99_ms": float(np.percentile(lat, 99)),
-                "latency_max_ms": float(np.max(lat)),
-            }
-        return out
-
-    def close(self) -> None:
-        self.runner.close()
-        self.pool.close(finish_queued=False)
-        self.engine.close()
-
-
 def freeze(args) -> None:
-    """With --gc-freeze: what exists now (modules, the model, the engine) leaves the collector's view, so a full
-    collection walks only what the episodes made since (gc.freeze)."""
+    """As the Generator does once start-up is done (unless --no-gc-freeze): what exists now (modules, the model,
+    the engine) leaves the collector's view, so a full collection walks only what the episodes made since."""
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
 
 
-def throughput(args, models: dict) -> dict:
-    drives = {w: Drive(demo_config(w, args), models[w], w) for w in ("tool", "agent")}
-    runs: dict[str, list[dict]] = {"tool": [], "agent": []}
+def interleaved(args, specs: dict, episodes: int, label: str) -> dict:
+    """Rounds of a built-in workflow and `agent` alternated, each on its own engine and runner (kept across its
+    rounds); `specs`: name -> (config, model folder, workflow), the agent's last."""
+    drives = {name: Drive(cfg, model, workflow) for name, (cfg, model, workflow) in specs.items()}
+    runs: dict[str, list[dict]] = {name: [] for name in drives}
+    freeze(args)
     try:
         for d in drives.values():  # a short round each first: imports, the endpoint, the first prefill shapes
             d.round(args.n_samples * 2)
-        freeze(args)
         for i in range(args.pairs):
-            for w, d in drives.items():
-                print(f"[bench] throughput pair {i + 1}/{args.pairs}: {w} ...", flush=True)
-                runs[w].append(d.round(args.episodes))
+            for name, d in drives.items():
+                print(f"[bench] {label} pair {i + 1}/{args.pairs}: {name} ...", flush=True)
+                runs[name].append(d.round(episodes))
     finally:
         for d in drives.values():
             d.close()
-    tps = {w: [r["sampled_tokens_per_s"] for r in rs] for w, rs in runs.items()}
+    base, agent = ([r["sampled_tokens_per_s"] for r in rs] for rs in runs.values())
     return {
         "runs": runs,
-        "pair_ratios": [a / t for a, t in zip(tps["agent"], tps["tool"])],
-        "agent_over_tool": sum(tps["agent"]) / sum(tps["tool"]),
+        "pair_ratios": [a / b for a, b in zip(agent, base)],
+        "agent_over_builtin": sum(agent) / sum(base),
     }
+
+
+def print_pairs(res: dict, label: str) -> None:
+    head = ("sampled tok/s", "tokens/turn", "tools/ep", "reward", "step ms", "loop idle", "endpoint ms/call")
+    head += ("loop ms/turn", "less steps")
+    print(f"\n{'run':<12}" + "".join(f"{h:>17}" for h in head) + f"{'gc share':>10}")
+    for name, rs in res["runs"].items():
+        for r in rs:
+            per_turn = r["sampled_tokens"] / (r["turns_per_episode"] * r["episodes"])
+            keys = ("reward_mean", "step_ms_mean", "loop_idle_share", "endpoint_thread_cpu_ms_per_call")
+            keys += ("loop_cpu_ms_per_turn", "loop_cpu_outside_steps_ms_per_turn")
+            print(
+                f"{name:<12}{r['sampled_tokens_per_s']:>17.0f}{per_turn:>17.1f}{r['tool_calls_per_episode']:>17.2f}"
+                + "".join(f"{r[k]:>17.2f}" for k in keys)
+                + f"{r['gc_share']:>10.3f}"
+            )
+    pairs = ", ".join(f"{x:.3f}" for x in res["pair_ratios"])
+    base = next(iter(res["runs"]))
+    print(f"{label}: agent / {base}, sampled tokens/s: {res['agent_over_builtin']:.3f} (pairs: {pairs})\n")
 
 
 def sessions_run(args, model: Path, sessions: int, slots: int, tool_s: float) -> dict:
@@ -341,12 +181,33 @@ def sessions_run(args, model: Path, sessions: int, slots: int, tool_s: float) ->
     if tool_s:
         ov.append(f"workflow.agent={Path(__file__).resolve()}:slow_tool_agent")
     d = Drive(demo_config("agent", args, ov), model, "agent", sessions, {"tool_s": tool_s} if tool_s else None)
+    freeze(args)
     try:
         d.round(sessions)  # the first calls: imports, connections
-        freeze(args)
         return d.round(args.session_episodes)
     finally:
         d.close()
+
+
+def heavy_part(args) -> dict:
+    """single_turn against a one-call agent, the demos' 8-token turns, on the agent demo's model widened (untrained):
+    a step costs tens of ms, as a small real model's step would on a GPU, against the same fixed cost per call."""
+    from areal_hpc.model import ensure_model
+
+    hidden, inter, layers = (int(x) for x in args.heavy.split(","))
+    wide = args.out / f"base-agent-{hidden}x{inter}x{layers}"
+    ov = [f"model.path={wide}", f"model.hidden_size={hidden}", f"model.intermediate_size={inter}"]
+    ov += [f"model.num_layers={layers}", "model.num_heads=8"]
+    ensure_model(demo_config("agent", args, ov).model)
+    one_call = [*ov, f"workflow.agent={Path(__file__).resolve()}:one_call_agent"]
+    specs = {
+        "single_turn": (demo_config("single_turn", args, ov), wide, "single_turn"),
+        "agent": (demo_config("agent", args, one_call), wide, "agent"),
+    }
+    res = interleaved(args, specs, args.heavy_episodes, "heavy model")
+    res["model"] = {"hidden_size": hidden, "intermediate_size": inter, "num_layers": layers, "num_heads": 8}
+    print_pairs(res, f"heavy model ({hidden} wide, {inter} MLP, {layers} layers; untrained), one call of <= 8 tokens")
+    return res
 
 
 def main() -> None:
@@ -360,8 +221,14 @@ def main() -> None:
     ap.add_argument("--tool-ms", type=float, default=200.0)
     ap.add_argument("--tool-share", type=float, default=1.0, help="workflow.warm_start_tool_share of the models")
     ap.add_argument("--warm-steps", type=int, default=200)
-    ap.add_argument("--parts", default="throughput,latency,occupancy")
-    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the engines are up (see GcPauses)")
+    ap.add_argument("--long-tokens", type=int, default=128, help="a turn's token budget in the long-turns part")
+    ap.add_argument("--long-episodes", type=int, default=512, help="episodes per long-turns round")
+    ap.add_argument("--parts", default=PARTS)
+    ap.add_argument(
+        "--gc-freeze", action=argparse.BooleanOptionalAction, default=True, help="gc.freeze() once the engines are up"
+    )
+    ap.add_argument("--heavy-episodes", type=int, default=512, help="episodes per round of the heavy-model part")
+    ap.add_argument("--heavy", default="512,2048,4", help="the heavy part's model: hidden,intermediate,layers")
     ap.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (0: Python's, 5 ms)")
     ap.add_argument("--out", type=Path, default=RESULTS / "agent_endpoint")
     args = ap.parse_args()
@@ -377,22 +244,30 @@ def main() -> None:
     result = {"benchmark": "agent_endpoint", "host": platform.node(), "time": time.time(), "args": vars(args) | {}}
     result["args"]["out"] = str(args.out)
     if "throughput" in parts:
-        tp = result["throughput"] = throughput(args, models)
-        head = ("sampled tok/s", "transcript tok/s", "episodes/s", "tools/ep", "reward", "in flight", "loop idle")
-        print(f"\n{'run':<7}" + "".join(f"{h:>17}" for h in head) + f"{'endpoint ms/call':>17}{'gc share':>10}")
-        for w, rs in tp["runs"].items():
-            for r in rs:
-                keys = ("sampled_tokens_per_s", "transcript_tokens_per_s", "episodes_per_s", "tool_calls_per_episode")
-                keys += ("reward_mean", "in_flight_mean", "loop_idle_share", "endpoint_thread_cpu_ms_per_call")
-                print(f"{w:<7}" + "".join(f"{r[k]:>17.2f}" for k in keys) + f"{r['gc_share']:>10.3f}")
-        pairs = ", ".join(f"{x:.3f}" for x in tp["pair_ratios"])
-        print(f"agent / tool, sampled tokens/s: {tp['agent_over_tool']:.3f} (pairs: {pairs})\n")
+        specs = {w: (demo_config(w, args), models[w], w) for w in ("tool", "agent")}
+        result["throughput"] = interleaved(args, specs, args.episodes, "throughput")
+        print_pairs(result["throughput"], "tool-demo task")
+    if "long" in parts:
+        # the agent demo's model before its warm start: answers of up to --long-tokens tokens (EOS when it comes),
+        # one call per episode, over which each call's cost is spread; single_turn samples the same distribution
+        ov = [f"rollout.max_new_tokens={args.long_tokens}"]
+        one_call = [*ov, f"workflow.agent={Path(__file__).resolve()}:one_call_agent"]
+        base = args.out / "base-agent"
+        specs = {
+            "single_turn": (demo_config("single_turn", args, ov), base, "single_turn"),
+            "agent": (demo_config("agent", args, one_call), base, "agent"),
+        }
+        result["long_turns"] = interleaved(args, specs, args.long_episodes, "long turns")
+        print_pairs(result["long_turns"], f"one answer of up to {args.long_tokens} tokens (untrained model)")
+    if "heavy" in parts:
+        result["heavy"] = heavy_part(args)
     if "latency" in parts:
         print(f"[bench] latency: {args.sessions} sessions on {args.sessions} slots ...", flush=True)
         r = result["latency"] = sessions_run(args, models["agent"], args.sessions, args.sessions, 0.0)
         print(
             f"endpoint latency, {args.sessions} sessions in flight ({r['latency_calls']} calls): "
-            f"p50 {r['latency_p50_ms']:.2f} ms, p99 {r['latency_p99_ms']:.2f} ms, max {r['latency_max_ms']:.2f} ms "
+            f"p50 {r['latency_p50_ms']:.2f} ms, p95 {r['latency_p95_ms']:.2f} ms, p99 {r['latency_p99_ms']:.2f} ms, "
+            f"max {r['latency_max_ms']:.2f} ms "
             f"(garbage collections {r['gc_share']:.3f} of the wall; gen 2: {r['gc_collections'][2]}, "
             f"{r['gc_ms'][2]:.0f} ms)"
         )
@@ -411,7 +286,8 @@ def main() -> None:
         )
     from areal_hpc.utils import atomic_write_text
 
-    name = "agent_endpoint" + ("_gc_freeze" if args.gc_freeze else "")
+    name = "agent_endpoint" + ("" if args.parts == PARTS else "_" + args.parts.replace(",", "_"))
+    name += "" if args.gc_freeze else "_no_gc_freeze"
     name += f"_switch{args.switch_interval * 1e3:g}ms" if args.switch_interval else ""
     name += ".json"
     atomic_write_text(args.out / name, json.dumps(result, indent=1))

@@ -177,6 +177,6 @@ def test_the_agent_demo_loads_and_keeps_the_tool_demos_task():
     cfg = load_config(DEMO, ["model.path=/unused"])
     tool = load_config(ROOT / "jobs" / "demo_tool.yaml", ["model.path=/unused"])
     assert (cfg.rollout.workflow, cfg.model.vocab) == ("agent", "arith_agent")
-    assert cfg.workflow.agent == "jobs/examples/calculator_agent.py:agent"
+    assert cfg.workflow.agent == f"{ROOT / 'jobs' / 'examples' / 'calculator_agent.py'}:agent"  # made absolute
     assert cfg.data == tool.data and cfg.trainer.max_wall_s == tool.trainer.max_wall_s
     assert np.isclose(cfg.workflow.warm_start_tool_share, tool.workflow.warm_start_tool_share)

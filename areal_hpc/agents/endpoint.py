@@ -86,7 +86,9 @@ class Endpoint:
         runner = web.AppRunner(app, access_log=None)
         try:
             self.loop.run_until_complete(runner.setup())
-            site = web.TCPSite(runner, self.settings.host, 0)
+            # hundreds of agents connect at once when a batch of episodes starts: aiohttp's default backlog
+            # (128) overflows and connections are reset (the kernel caps this at net.core.somaxconn)
+            site = web.TCPSite(runner, self.settings.host, 0, backlog=4096)
             self.loop.run_until_complete(site.start())
             self._ready.set_result(site._server.sockets[0].getsockname()[1])
         except BaseException as e:

@@ -29,10 +29,9 @@ class AgentSession:
         self._lock: asyncio.Lock | None = None  # one call at a time: a transcript grows in one line
         self.tasks: set[asyncio.Task] = set()  # calls in flight (cancelled when the episode ends)
 
-    def _context(self, req: ChatRequest) -> tuple[str, list[int]]:
+    def _context(self, req: ChatRequest, tools_key: str) -> tuple[str, list[int]]:
         """("extend", the tokens to append) or ("branch", a whole new context)."""
         msgs, h = req.messages, self.history
-        tools_key = repr(req.tools)
         extends = (
             h
             and len(msgs) > len(h)
@@ -42,7 +41,7 @@ class AgentSession:
         )
         if extends:
             new = template_messages(msgs[len(h) :])
-            return "extend", self.renderer.glue(self.last_sampled) + self.renderer.extension(new, req.tools)
+            return "extend", self.renderer.glue(self.last_sampled) + self.renderer.extension(new, req.tools, tools_key)
         return "branch", self.renderer.prompt(template_messages(msgs), req.tools)
 
     def _check_length(self, n_prompt: int, req: ChatRequest) -> None:
@@ -68,7 +67,8 @@ class AgentSession:
         async with self._lock:
             if self.closed:
                 raise OpenAIError(401, "this episode has ended; its key is no longer valid", code="invalid_api_key")
-            kind, ids = self._context(req)
+            tools_key = repr(req.tools)
+            kind, ids = self._context(req, tools_key)
             n_prompt = len(ids) + (len(self.ep.tokens) if kind == "extend" else 0)
             self._check_length(n_prompt, req)
             if kind == "extend":
@@ -76,7 +76,7 @@ class AgentSession:
             else:
                 self.branches += bool(self.history)  # the first call starts the transcript: not a branch
                 self.ep.branch(ids)
-            self.tools_key = repr(req.tools)
+            self.tools_key = tools_key
             self.calls += 1
             if on_submit is not None:
                 on_submit()
@@ -88,7 +88,7 @@ class AgentSession:
                     text = text[: -len(s)]
                     break
             tools = req.tools if req.tool_choice != "none" else None
-            content, calls = self.reader.read(text, tools)
+            content, calls = self.reader.read(text, tools, tools_key)
             message: dict = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls

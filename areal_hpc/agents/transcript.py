@@ -27,6 +27,7 @@ class ChatRenderer:
         rendered = self._render(base, None, generation_prompt=False)
         tail = rendered[rendered.rindex(_MARK) + len(_MARK) :]
         self.turn_end = self._encode(tail)  # e.g. [<eos>], or Qwen's [<|im_end|>, "\n"]
+        self._before: dict[str, str] = {}  # tools' key -> the base conversation rendered with them (per call: slow)
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -48,10 +49,15 @@ class ChatRenderer:
             return end[1:]
         return list(end)
 
-    def extension(self, messages: list[dict], tools) -> list[int]:
-        """`messages` (the new ones, after an assistant turn) plus the generation prompt."""
+    def extension(self, messages: list[dict], tools, tools_key: str) -> list[int]:
+        """`messages` (the new ones, after an assistant turn) plus the generation prompt; `tools_key` names the
+        tools (the base conversation's rendering with them is made once)."""
         base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
-        before = self._render(base, tools, generation_prompt=False)
+        before = self._before.get(tools_key)
+        if before is None:
+            if len(self._before) >= 64:  # agents send one or a few tool lists: a bound, not an eviction policy
+                self._before.clear()
+            before = self._before[tools_key] = self._render(base, tools, generation_prompt=False)
         after = self._render(base + messages, tools, generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("the chat template renders earlier turns differently once messages follow them")
@@ -90,14 +96,19 @@ class ToolCallReader:
         self.parser = None
         if name != "none":
             self.parser = tool_parser_class(name)(tokenizer)
+        self._requests: dict[str, object] = {}  # tools' key -> the request record the parser reads (slow to make)
 
-    def read(self, text: str, tools) -> tuple[str | None, list[dict]]:
+    def read(self, text: str, tools, tools_key: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls as OpenAI returns them) of one answer."""
         if self.parser is None or not tools:
             return text, []
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        request = self._requests.get(tools_key)
+        if request is None:
+            if len(self._requests) >= 64:
+                self._requests.clear()
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        request = ChatCompletionRequest(model="policy", messages=[], tools=tools)
+            request = self._requests[tools_key] = ChatCompletionRequest(model="policy", messages=[], tools=tools)
         try:
             info = self.parser.extract_tool_calls(text, request)
         except Exception as e:  # a parser's own failure: the answer stays content, as vLLM's server does

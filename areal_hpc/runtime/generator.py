@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -124,6 +125,10 @@ class Generator(RoleLoop):
         self.prefilled = 0  # engine.prefill_tokens at the last WEIGHTS_OK
         self.gen_since: float | None = None  # start of the current run of engine steps (a "generate" span)
         self.idle_since = time.time()
+        # what start-up built (the engine, the dataset, the tokenizer) lives as long as the rank: out of the
+        # collector's way, a full collection no longer walks it. Its 200-400 ms pauses stalled every request in
+        # flight, an agent endpoint's latency p99 among them (benchmarks/agent_endpoint.py).
+        gc.freeze()
 
     # -- the timeline ---------------------------------------------------------------------------
     def _end_generate_span(self) -> None:

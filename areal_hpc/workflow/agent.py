@@ -81,10 +81,12 @@ class AgentRunner:
         return _checked(value)
 
     async def _in_process(self, key: str, row: dict):
+        import httpx
         import openai
 
-        if self._http is None:
-            self._http = openai.DefaultAsyncHttpxClient()
+        if self._http is None:  # every episode's connection kept alive (the client's default keeps 100)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=4096)
+            self._http = openai.DefaultAsyncHttpxClient(limits=limits)
         client = openai.AsyncOpenAI(base_url=self.endpoint.base_url, api_key=key, max_retries=0, http_client=self._http)
         return await self.fn(client, dict(row))
 
