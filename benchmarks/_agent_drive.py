@@ -113,7 +113,7 @@ class Drive:
         ep = self.endpoint()
         lat0 = len(ep.latencies_ms) if ep else 0
         backoff, steps, done = Backoff(), [], []
-        self.rerun, in_flight, napped = 0, [], 0.0
+        self.rerun, in_flight, napped, step_cpu = 0, [], 0.0, 0.0
         cpu0 = (time.thread_time(), ep.submit(_thread_time()).result() if ep else 0.0)
         started, t0 = 0, time.time()
         t_last_start, t_turnover = t0, None
@@ -126,9 +126,9 @@ class Drive:
                     t_last_start = time.time()
             busy = self._poll(done)
             if self.engine.num_running or self.engine.num_waiting:
-                a = time.time()
+                a, c = time.time(), time.thread_time()
                 outs = self.engine.step()
-                b = time.time()
+                b, step_cpu = time.time(), step_cpu + time.thread_time() - c
                 steps.append((a, b, min(self.engine.capacity, self.engine.num_running + len(outs))))
                 for o in outs:
                     self._delivered(o)
@@ -149,12 +149,12 @@ class Drive:
         lat = list(ep.latencies_ms)[lat0:] if ep else []
         out = self._figures(done, steps, wall, (t_turnover or t0, t_last_start), lat)
         turns = sum(e.stats.turns for e in done)  # model calls: an agent's requests, a built-in's turns
-        stepping = sum(b - a for a, b, _ in steps)
         out |= {
             "loop_cpu_ms_per_turn": 1e3 * cpu[0] / turns,
-            # the loop's CPU less the engine's steps (one torch thread: a step's wall is its CPU): the runner's
-            # share, the episodes' Python and, for agents, handing requests and answers across threads
-            "loop_cpu_outside_steps_ms_per_turn": 1e3 * (cpu[0] - stepping) / turns,
+            # the loop's CPU less the engine's steps' (torch on this thread): the runner, the episodes' Python
+            # and, for agents, handing requests and answers across threads
+            "loop_cpu_outside_steps_ms_per_turn": 1e3 * (cpu[0] - step_cpu) / turns,
+            "step_cpu_ms_mean": 1e3 * step_cpu / max(len(steps), 1),
             "in_flight_mean": sum(in_flight) / len(in_flight),
             "in_flight_max": max(in_flight),
             "loop_idle_share": napped / wall,  # the generator's loop asleep: nothing to step, nothing came back

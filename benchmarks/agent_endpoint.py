@@ -17,14 +17,19 @@ the calculator, as both demos' policies do after RL), built once into --out.
 2. Long turns: the same on the agent demo's model before its warm start, one answer of up to --long-tokens
    tokens per episode: `single_turn` against an agent making one call (`one_call_agent`). The agent path costs
    a fixed amount per call, so the ratio depends on the tokens per call; this is its second point.
-3. Latency: --sessions agents in flight at once (calculator_agent, no tool wait) on as many slots; the endpoint's
+3. Heavy model: the same A/B as 2 with the demos' 8-token turns, on the agent demo's model widened (--heavy:
+   hidden 512, MLP 2048, 4 layers, untrained), so that an engine step costs tens of ms, as a small real model's
+   would on a GPU: what the fixed cost per call amounts to against such steps (step ms of both paths printed).
+4. Latency: --sessions agents in flight at once (calculator_agent, no tool wait) on as many slots; the endpoint's
    `latencies_ms` (request received by the HTTP handler -> request handed to the engine), p50 and p99.
-4. Occupancy: --occupancy-sessions agents whose every tool call first awaits --tool-ms (asyncio.sleep), on
+5. Occupancy: --occupancy-sessions agents whose every tool call first awaits --tool-ms (asyncio.sleep), on
    --slots slots; the share of slot-time the engine held a sequence, sum(rows x step time) / (slots x wall), as
    benchmarks/workflows.py measures it, over the steady part (from the end of the first sessions' worth of
    episodes to the last episode's start).
 Every round also says where the generator process's time went: the loop asleep (nothing to step), the endpoint
-thread's CPU per call (HTTP server and the in-process agents' openai clients), Python's garbage collections.
+thread's CPU per call (HTTP server and the in-process agents' openai clients), the loop's CPU per model call with
+and without the engine's steps, Python's garbage collections. As the Generator does, gc.freeze() once the engines
+are built (--no-gc-freeze: not).
 
     .venv/bin/python benchmarks/agent_endpoint.py   # about 2 minutes on 2 cores (3 the first time: warm starts)
     .venv/bin/python benchmarks/agent_endpoint.py --parts throughput,latency --pairs 2 --episodes 512

@@ -134,16 +134,21 @@ def test_rank0_counts_every_generated_episode_and_averages_what_they_logged():
     failing = [EpisodeStats(turns=1, reward_errors=1) for _ in range(4)]  # a uniform group: all scored 0
     logged = [EpisodeStats(turns=2, tool_calls=1, logged={"reward/x": float(i), "episode/n": 1.0}) for i in range(4)]
     logged[0].logged.pop("episode/n")
-    for stats in (failing, logged):
-        gen.add(group_counts(stats) | {"group_id": 0})
+    # an episode the workflow rejected (an agent that failed) ran again: its failures count, the episode does not
+    rejected = [EpisodeStats(turns=1, reward_errors=1, agent_failures=1, branches=1)]
+    gen.add(group_counts(failing) | {"group_id": 0})
+    gen.add(group_counts(logged, rejected) | {"group_id": 1})
     row = gen.row()
     assert row == {
         "episodes_generated": 8,
         "reward_timeouts": 0,
-        "reward_errors": 4,
+        "reward_errors": 5,
+        "branches": 1,
+        "agent_failures": 1,
         "episode/n": 1.0,
         "reward/x": 1.5,
     }
     assert gen.row()["reward_errors"] == 0  # a row counts the episodes since the previous one
     s = gen.summary()
-    assert s["reward_errors"] == 4 and s["turns_per_episode"] == 1.5 and s["tool_calls_per_episode"] == 0.5
+    assert s["reward_errors"] == 5 and s["turns_per_episode"] == 1.5 and s["tool_calls_per_episode"] == 0.5
+    assert s["agent_failures"] == 1 and s["branches"] == 1
