@@ -70,3 +70,26 @@ def check_context(model_dir: str | Path, longest_prompt: int, max_new_tokens: in
             f"{longest_prompt + max_new_tokens} tokens do not fit the model's max_position_embeddings={ctx} "
             f"({Path(model_dir) / 'config.json'}); lower data.max_prompt_tokens or rollout.max_new_tokens"
         )
+
+
+_MARK = "\u00a7"  # an assistant turn's stand-in content: where the template's end of that turn begins
+_AFTER = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+
+
+def assistant_turn_end(tokenizer, tools=None) -> str:
+    """The text a chat template puts after an assistant turn's content (`<eos>`, Qwen's `<|im_end|>` + newline)."""
+    closed = tokenizer.apply_chat_template(_AFTER, tools=tools, tokenize=False)
+    return closed[closed.rindex(_MARK) + len(_MARK) :]
+
+
+def after_assistant_turn(tokenizer, messages: list[dict], tools=None, end: str | None = None) -> str:
+    """`messages` after an assistant turn, plus the next assistant prompt, as the chat template renders them in
+    a conversation: the text after that turn's end (`end`, default `assistant_turn_end`), so earlier turns are
+    never rendered again, whatever the template does to a last assistant turn (Qwen3's empty think block)."""
+    end = assistant_turn_end(tokenizer, tools) if end is None else end
+    conversation = _AFTER + list(messages)
+    full = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
+    i = full.index(_MARK) + len(_MARK)
+    if not full.startswith(end, i):
+        raise ValueError("the chat template ends an assistant turn differently once messages follow it")
+    return full[i + len(end) :]

@@ -17,9 +17,10 @@ the calculator, as both demos' policies do after RL), built once into --out.
 2. Long turns: the same on the agent demo's model before its warm start, one answer of up to --long-tokens
    tokens per episode: `single_turn` against an agent making one call (`one_call_agent`). The agent path costs
    a fixed amount per call, so the ratio depends on the tokens per call; this is its second point.
-3. Heavy model: the same A/B as 2 with the demos' 8-token turns, on the agent demo's model widened (--heavy:
-   hidden 512, MLP 2048, 4 layers, untrained), so that an engine step costs tens of ms, as a small real model's
-   would on a GPU: what the fixed cost per call amounts to against such steps (step ms of both paths printed).
+3. Heavy model: the same A/B as 2 with the agent demo's short turns (max_new_tokens 12), on the agent demo's
+   model widened (--heavy: hidden 512, MLP 2048, 4 layers, untrained), so that an engine step costs tens of ms,
+   as a small real model's would on a GPU: what the fixed cost per call amounts to against such steps (the step
+   ms of both paths printed).
 4. Latency: --sessions agents in flight at once (calculator_agent, no tool wait) on as many slots; the endpoint's
    `latencies_ms` (request received by the HTTP handler -> request handed to the engine), p50 and p99.
 5. Occupancy: --occupancy-sessions agents whose every tool call first awaits --tool-ms (asyncio.sleep), on
@@ -31,7 +32,7 @@ thread's CPU per call (HTTP server and the in-process agents' openai clients), t
 and without the engine's steps, Python's garbage collections. As the Generator does, gc.freeze() once the engines
 are built (--no-gc-freeze: not).
 
-    .venv/bin/python benchmarks/agent_endpoint.py   # about 2 minutes on 2 cores (3 the first time: warm starts)
+    .venv/bin/python benchmarks/agent_endpoint.py   # about 3 minutes on 2 cores (4 the first time: warm starts)
     .venv/bin/python benchmarks/agent_endpoint.py --parts throughput,latency --pairs 2 --episodes 512
 """
 
@@ -195,8 +196,8 @@ def sessions_run(args, model: Path, sessions: int, slots: int, tool_s: float) ->
 
 
 def heavy_part(args) -> dict:
-    """single_turn against a one-call agent, the demos' 8-token turns, on the agent demo's model widened (untrained):
-    a step costs tens of ms, as a small real model's step would on a GPU, against the same fixed cost per call."""
+    """single_turn against a one-call agent, the agent demo's short turns, on its model widened (untrained): a
+    step costs tens of ms, as a small real model's step would on a GPU, against the same fixed cost per call."""
     from areal_hpc.model import ensure_model
 
     hidden, inter, layers = (int(x) for x in args.heavy.split(","))
@@ -211,7 +212,8 @@ def heavy_part(args) -> dict:
     }
     res = interleaved(args, specs, args.heavy_episodes, "heavy model")
     res["model"] = {"hidden_size": hidden, "intermediate_size": inter, "num_layers": layers, "num_heads": 8}
-    print_pairs(res, f"heavy model ({hidden} wide, {inter} MLP, {layers} layers; untrained), one call of <= 8 tokens")
+    res["max_new_tokens"] = n = specs["agent"][0].rollout.max_new_tokens
+    print_pairs(res, f"heavy model ({hidden} wide, {inter} MLP, {layers} layers; untrained), one call of <= {n} tokens")
     return res
 
 

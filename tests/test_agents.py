@@ -15,6 +15,8 @@ import httpx
 import openai
 import pytest
 
+from areal_hpc.agents.protocol import OpenAIError, RunSampling, parse_request
+from areal_hpc.agents.transcript import ChatRenderer
 from areal_hpc.config import WorkflowConfig, load_config
 from areal_hpc.data import load_run_dataset
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
@@ -435,12 +437,12 @@ def test_an_agent_that_hangs_raises_or_returns_garbage_costs_its_episode_only(ag
     caplog.set_level(logging.WARNING, logger="areal_hpc.workflow")
     modes = ["hang", "raise", "raise", "garbage", "ok", "ok"]
     rows = [{"mode": m, "question": "12*34=", "answer": "408"} for m in modes]
-    _, eps = _run(agent_model, rows, agent=f"{THIS}:failing_agent", agent_timeout_s=5)
+    _, eps = _run(agent_model, rows, agent=f"{THIS}:failing_agent", agent_timeout_s=10)
     assert [e.reward for e in eps] == [None] * 4 + [1.0, 1.0]
     assert [e.stats.agent_failures for e in eps] == [1, 1, 1, 1, 0, 0]
     logged = _failures_logged(caplog)
     assert len(logged) == 3  # one per kind of failure: the second raise is counted, not logged again
-    for words in ("workflow.agent_timeout_s=5", "raised ValueError: the agent broke", "returned {'answer'"):
+    for words in ("workflow.agent_timeout_s=10", "raised ValueError: the agent broke", "returned {'answer'"):
         assert sum(words in m for m in logged) == 1, (words, logged)
 
 
@@ -451,12 +453,12 @@ def test_a_command_agent_reports_a_reward_or_an_answer_and_its_failures_cost_one
     pidfile = tmp_path / "hang.pid"
     modes = ["garbage", "exit", "hang", "answer", "reward"]
     rows = [{"mode": m, "question": "12*34=", "answer": "408", "pidfile": str(pidfile)} for m in modes]
-    _, eps = _run(agent_model, rows, agent_command=f"{sys.executable} {script}", agent_timeout_s=15)
+    _, eps = _run(agent_model, rows, agent_command=f"{sys.executable} {script}", agent_timeout_s=30)
     assert [e.reward for e in eps] == [None, None, None, 1.0, 0.5]
     assert [e.stats.agent_failures for e in eps] == [1, 1, 1, 0, 0]
     assert [e.stats.turns for e in eps[3:]] == [1, 1]  # the commands called the endpoint with their key
     logged = _failures_logged(caplog)
-    assert len(logged) == 3 and sum("agent_timeout_s=15" in m for m in logged) == 1, logged  # one of each kind
+    assert len(logged) == 3 and sum("agent_timeout_s=30" in m for m in logged) == 1, logged  # one of each kind
     assert any("printed 'the answer is 42' last" in m for m in logged), logged
     assert any("exited with status 3: something went wrong" in m for m in logged), logged
     with pytest.raises(ProcessLookupError):  # the hanging command was killed at its time limit
@@ -488,6 +490,10 @@ async def one(client):
         (["workflow.agent={f}:good", "workflow.agent_timeout_s=0"], "workflow.agent_timeout_s=0"),
         (["workflow.agent={f}:good", "workflow.agent_timeout_s=-1"], "workflow.agent_timeout_s=-1"),
         (["workflow.agent={f}:good", "workflow.max_request_kb=0"], "workflow.max_request_kb=0"),
+        (["workflow.agent_command=no-such-program-here a.py"], "is not a program found on PATH"),
+        (["workflow.agent_command=python 'unclosed"], "does not split into words"),
+        (["workflow.agent=not-a-path"], "is not an import path"),
+        (["workflow.agent={f}:good", 'workflow.endpoint_host=" "'], "workflow.endpoint_host is empty"),
     ],
 )
 def test_every_bad_agent_setting_is_one_line(tmp_path, overrides, words):
@@ -505,3 +511,63 @@ def test_a_good_agent_setting_passes_the_checks(tmp_path):
     f.write_text(AGENT_FILE)
     for setting in (f"workflow.agent={f}:good", f"workflow.agent_command={sys.executable} agent.py"):
         check_user_code(load_config(None, ["model.path=/m", "rollout.workflow=agent", setting]))
+
+
+def test_an_agent_setting_without_the_agent_workflow_is_one_line():
+    with pytest.raises(ValueError, match="^config workflow.agent / workflow.agent_command name an agent, but"):
+        load_config(None, ["model.path=/m", "workflow.agent=x.py:f"])
+
+
+def test_messages_after_an_assistant_turn_render_alone_when_the_template_changes_a_last_turn():
+    """A Qwen3-shaped template writes an empty think block into the LAST assistant turn only: the turn renders
+    differently once messages follow it, and the messages after it still render on their own."""
+    tok = build_arith_tokenizer(vocab="arith_agent")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}<assistant>"
+        "{% if loop.last %}<system><system>{% endif %}{{ m['content'] }}<eos>"
+        "{% else %}<{{ m['role'] }}>{{ m['content'] }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    renderer = ChatRenderer(tok)
+    ids = renderer.extension([{"role": "tool", "content": "408"}], None, "none")
+    assert tok.decode(ids) == "<tool>408<assistant>"
+    assert tok.convert_ids_to_tokens(renderer.turn_end) == ["<eos>"]
+
+
+async def cancels_its_call(ep) -> float:
+    """A workflow whose generate call is cancelled alone once in the engine, as an agent's call is when its
+    session closes: the episode goes on and ends."""
+    call = asyncio.ensure_future(ep.generate(max_new_tokens=MAX_NEW))
+    await asyncio.sleep(0)  # the call's request reaches the engine
+    call.cancel()
+    return 0.0
+
+
+def test_a_call_cancelled_alone_leaves_the_engine(agent_model):
+    path, tok, weights = agent_model
+    eng = RecordingEngine(str(path), seed=7, max_num_seqs=8)
+    settings = RunnerSettings(WorkflowConfig(), max_new_tokens=MAX_NEW, max_context=512, chat=True, sandbox="auto")
+    ids = tok.encode("<user>12*34=<assistant>", add_special_tokens=False)
+    starts = [EpisodeStart(str(SampleId(0, i)), {"question": "12*34="}, ids) for i in range(3)]
+    with RewardPool(num_workers=1) as pool:
+        eps = run_episodes(eng, cancels_its_call, tok, pool, settings, starts, retry=False)
+    assert [e.reward for e in eps] == [0.0] * 3
+    assert eng.num_running == 0 and eng.num_waiting == 0  # interrupted, not left to run to its length limit
+    eng.close()
+
+
+def test_tools_of_the_wrong_shape_and_fields_not_served_are_refused_before_anything_runs():
+    run = RunSampling(1.0, 1.0, MAX_NEW, "tiny")
+    msgs = [{"role": "user", "content": "1+1="}]
+    for extra, param in (
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"stream": "false"}, "stream"),
+    ):
+        with pytest.raises(OpenAIError) as err:
+            parse_request({"messages": msgs} | extra, run)
+        assert err.value.status == 400 and err.value.param == param, (extra, err.value)
+    # max_completion_tokens: null leaves max_tokens in force
+    assert parse_request({"messages": msgs, "max_completion_tokens": None, "max_tokens": 3}, run).max_tokens == 3

@@ -77,14 +77,14 @@ class Endpoint:
 
     # -- HTTP (on the endpoint's thread) -----------------------------------------------------------------
     def _serve(self) -> None:
-        from aiohttp import web
-
         asyncio.set_event_loop(self.loop)
-        app = web.Application(client_max_size=self.settings.max_request_kb * 1024, middlewares=[self._guard()])
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        runner = web.AppRunner(app, access_log=None)
         try:
+            from aiohttp import web
+
+            app = web.Application(client_max_size=self.settings.max_request_kb * 1024, middlewares=[self._guard()])
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/v1/chat/completions", self._chat)
+            runner = web.AppRunner(app, access_log=None)
             self.loop.run_until_complete(runner.setup())
             # hundreds of agents connect at once when a batch of episodes starts: aiohttp's default backlog
             # (128) overflows and connections are reset (the kernel caps this at net.core.somaxconn)
@@ -173,24 +173,32 @@ class Endpoint:
     @staticmethod
     def _start_call(session: AgentSession, req, submitted, done: concurrent.futures.Future) -> None:
         """On the runner's loop: the call as a task, which hands its outcome to the waiting handler itself (a done
-        callback would wait for another pass of the runner's loop, which nothing may ask for)."""
+        callback alone would wait for another pass of the runner's loop, which nothing may ask for)."""
+        ended = OpenAIError(401, "this episode has ended; its key is no longer valid", code="invalid_api_key")
+
+        def settle(result=None, error: BaseException | None = None) -> None:
+            if done.done():  # the handler gave up (the endpoint is shutting down)
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
         if session.closed:
-            done.set_exception(OpenAIError(401, "this episode has ended; its key is no longer valid"))
+            settle(error=ended)
             return
 
         async def call():
             try:
-                done.set_result(await session.answer(req, submitted))
-            except asyncio.CancelledError:
-                done.set_exception(OpenAIError(401, "this episode has ended; its key is no longer valid"))
-                raise
+                settle(await session.answer(req, submitted))
             except OpenAIError as e:
-                done.set_exception(e)
+                settle(error=e)
             except Exception as e:  # a bug or a template that cannot render: the agent hears it, the log keeps it
                 log.exception("agent call failed in episode %s", session.ep.key)
-                done.set_exception(OpenAIError(500, f"{type(e).__name__}: {e}"))
-            finally:
-                session.tasks.discard(task)
+                settle(error=OpenAIError(500, f"{type(e).__name__}: {e}"))
 
         task = asyncio.get_running_loop().create_task(call())
-        session.tasks.add(task)
+        # closing the session cancels the task and answers its handler at once (a task cancelled before its
+        # first step never runs its body, and its done callbacks wait for another pass of the runner's loop)
+        session.tasks[task] = lambda: settle(error=ended)
+        task.add_done_callback(lambda t: session.tasks.pop(t, None))

@@ -8,6 +8,15 @@ import uuid
 from dataclasses import dataclass, field
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# fields that would change what the model sees or how it samples, and that this endpoint does not serve
+NOT_SERVED = {
+    "functions": "the legacy functions API is not served; send them as `tools`",
+    "function_call": "the legacy functions API is not served; use `tool_choice`",
+    "audio": "audio output is not served",
+    "prediction": "predicted outputs are not served",
+    "web_search_options": "web search is not served",
+    "reasoning_effort": "is not served: the policy samples as it was trained; leave it out",
+}
 
 
 class OpenAIError(Exception):
@@ -156,10 +165,21 @@ def parse_request(body, run: RunSampling) -> ChatRequest:
     if choice not in ("auto", "none"):
         raise refused("tool_choice", f"{choice!r} cannot be forced; send 'auto' or 'none'")
     tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or any(not isinstance(t, dict) for t in tools)):
+    if tools is not None and not isinstance(tools, list):
         raise refused("tools", "must be a list of tool objects")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    for i, t in enumerate(tools or []):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+            raise refused(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., "parameters": ...}}')
+    for key, why in NOT_SERVED.items():
+        if body.get(key) not in (None, [], {}):
+            raise refused(key, why)
+    if body.get("modalities") not in (None, ["text"]):
+        raise refused("modalities", 'only ["text"] is served')
+    if not isinstance(body.get("stream", False), bool):
+        raise refused("stream", f"must be true or false, not {body['stream']!r}")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(key)
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise refused(key, f"must be a positive integer, not {max_tokens!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from areal_hpc.agents.protocol import Answer, ChatRequest, OpenAIError, normal_message, same_turn
 from areal_hpc.agents.transcript import ChatRenderer, ToolCallReader, template_messages
@@ -27,7 +28,7 @@ class AgentSession:
         self.branches = 0
         self.closed = False
         self._lock: asyncio.Lock | None = None  # one call at a time: a transcript grows in one line
-        self.tasks: set[asyncio.Task] = set()  # calls in flight (cancelled when the episode ends)
+        self.tasks: dict[asyncio.Task, Callable[[], None]] = {}  # calls in flight -> how to tell their handler
 
     def _context(self, req: ChatRequest, tools_key: str) -> tuple[str, list[int]]:
         """("extend", the tokens to append) or ("branch", a whole new context)."""
@@ -82,6 +83,7 @@ class AgentSession:
                 on_submit()
             out = await self.ep.generate(max_new_tokens=req.max_tokens, stop=req.stop or None)
             self.last_sampled = list(out.ids)
+            self.history = list(req.messages)  # the transcript has them now, whatever reading the answer does
             text = out.text
             for s in req.stop:  # the API leaves a stop sequence out of the content (the transcript keeps it)
                 if text.endswith(s):
@@ -94,7 +96,7 @@ class AgentSession:
                 message["tool_calls"] = calls
                 self.ep.stats.tool_calls += len(calls)  # the agent runs them; the episode counts them
             finish = "tool_calls" if calls else out.finish_reason
-            self.history = req.messages + [normal_message(message, len(req.messages))]
+            self.history.append(normal_message(message, len(req.messages)))
             lps = None
             if req.logprobs:
                 toks = self.ep.tokenizer.convert_ids_to_tokens(list(out.ids))
@@ -102,6 +104,8 @@ class AgentSession:
             return Answer(message, finish, n_prompt, len(out.ids), lps)
 
     def close(self) -> None:
+        """The episode ended: calls still in flight are cancelled and their handlers answered (401) now."""
         self.closed = True
-        for t in self.tasks:
-            t.cancel()
+        for task, tell in list(self.tasks.items()):
+            task.cancel()
+            tell()

@@ -6,15 +6,15 @@ import json
 import logging
 import uuid
 
-log = logging.getLogger("areal_hpc.agents")
+from areal_hpc.prompts import after_assistant_turn, assistant_turn_end
 
-_MARK = "\u00a7"  # an assistant turn's stand-in content: where the template's end of an assistant turn begins
+log = logging.getLogger("areal_hpc.agents")
 
 
 class ChatRenderer:
-    """Renders a conversation's first prompt, and the messages that extend one after an assistant turn (the
-    difference between the template's rendering with and without them, so earlier turns are never rendered
-    again). `glue`: the tokens the template puts after an assistant turn, which the model did not sample."""
+    """Renders a conversation's first prompt, and the messages that extend one after an assistant turn (only them:
+    earlier turns are never rendered again). `glue`: the tokens the template puts after an assistant turn that
+    the model did not sample."""
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
@@ -23,23 +23,16 @@ class ChatRenderer:
                 "(tokenizer_config.json chat_template)"
             )
         self.tokenizer = tokenizer
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
-        rendered = self._render(base, None, generation_prompt=False)
-        tail = rendered[rendered.rindex(_MARK) + len(_MARK) :]
-        self.turn_end = self._encode(tail)  # e.g. [<eos>], or Qwen's [<|im_end|>, "\n"]
-        self._before: dict[str, str] = {}  # tools' key -> the base conversation rendered with them (per call: slow)
-
-    def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
-        )
+        self.turn_end = self._encode(assistant_turn_end(tokenizer))  # e.g. [<eos>], or Qwen's [<|im_end|>, "\n"]
+        self._ends: dict[str, str] = {}  # tools' key -> the end of an assistant turn rendered with them
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))  # the template writes its own
 
     def prompt(self, messages: list[dict], tools) -> list[int]:
         """A whole conversation plus the assistant's generation prompt."""
-        return self._encode(self._render(messages, tools, generation_prompt=True))
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return self._encode(text)
 
     def glue(self, sampled: list[int]) -> list[int]:
         """What closes the model's turn as the template closes it: the template's end of an assistant turn,
@@ -51,17 +44,13 @@ class ChatRenderer:
 
     def extension(self, messages: list[dict], tools, tools_key: str) -> list[int]:
         """`messages` (the new ones, after an assistant turn) plus the generation prompt; `tools_key` names the
-        tools (the base conversation's rendering with them is made once)."""
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
-        before = self._before.get(tools_key)
-        if before is None:
-            if len(self._before) >= 64:  # agents send one or a few tool lists: a bound, not an eviction policy
-                self._before.clear()
-            before = self._before[tools_key] = self._render(base, tools, generation_prompt=False)
-        after = self._render(base + messages, tools, generation_prompt=True)
-        if not after.startswith(before):
-            raise ValueError("the chat template renders earlier turns differently once messages follow them")
-        return self._encode(after[len(before) :])
+        tools (the end of a turn rendered with them is found once)."""
+        end = self._ends.get(tools_key)
+        if end is None:
+            if len(self._ends) >= 64:  # agents send one or a few tool lists: a bound, not an eviction policy
+                self._ends.clear()
+            end = self._ends[tools_key] = assistant_turn_end(self.tokenizer, tools)
+        return self._encode(after_assistant_turn(self.tokenizer, messages, tools, end))
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -102,14 +91,14 @@ class ToolCallReader:
         """(content, tool calls as OpenAI returns them) of one answer."""
         if self.parser is None or not tools:
             return text, []
-        request = self._requests.get(tools_key)
-        if request is None:
-            if len(self._requests) >= 64:
-                self._requests.clear()
-            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-            request = self._requests[tools_key] = ChatCompletionRequest(model="policy", messages=[], tools=tools)
         try:
+            request = self._requests.get(tools_key)
+            if request is None:
+                if len(self._requests) >= 64:
+                    self._requests.clear()
+                from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+                request = self._requests[tools_key] = ChatCompletionRequest(model="policy", messages=[], tools=tools)
             info = self.parser.extract_tool_calls(text, request)
         except Exception as e:  # a parser's own failure: the answer stays content, as vLLM's server does
             log.debug("tool parser %s failed: %s", self.name, e)

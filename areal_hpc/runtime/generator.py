@@ -44,16 +44,11 @@ class _Group:
 
 class Generator(RoleLoop):
     """Streams groups through a step-driven engine on this rank's main thread, which polls MPI between steps
-    (at most every `busy_poll_s` while the engine is busy).
-
-    It asks rank 0 for prompts whenever the engine has a free slot (one group queued beyond them), up to
-    `rollout.max_concurrent_groups` groups in the engine; a group is n episodes of the configured workflow
-    (areal_hpc.workflow), which ask for completions, rewards and tools, and their requests join at the next
-    step. A group whose n episodes have ended is written as a shard by count or age and announced. New weights
-    are received at once and loaded as `rollout.weight_update` says (keep_kv: between two steps, running
-    requests go on; recompute: they are interrupted and resumed as prompt + partial; drain: admission stops
-    until they finish). A held-out evaluation runs as greedy episodes in the same stream, so it never holds up
-    a weight load or the trainers.
+    (at most every `busy_poll_s` while the engine is busy). It asks rank 0 for prompts whenever the engine has
+    a free slot, up to `rollout.max_concurrent_groups` groups in the engine; a group is n episodes of the
+    workflow, whose requests join at the next step; a finished group is written as a shard and announced. New
+    weights are received at once and loaded as `rollout.weight_update` says (docs/architecture.md). A held-out
+    evaluation runs as greedy episodes in the same stream, so it never holds up a weight load or the trainers.
     """
 
     role = "generator"
@@ -125,9 +120,8 @@ class Generator(RoleLoop):
         self.prefilled = 0  # engine.prefill_tokens at the last WEIGHTS_OK
         self.gen_since: float | None = None  # start of the current run of engine steps (a "generate" span)
         self.idle_since = time.time()
-        # what start-up built (the engine, the dataset, the tokenizer) lives as long as the rank: out of the
-        # collector's way, a full collection no longer walks it. Its 200-400 ms pauses stalled every request in
-        # flight, an agent endpoint's latency p99 among them (benchmarks/agent_endpoint.py).
+        # start-up's objects live as long as the rank: frozen, full collections skip them (their 200-400 ms pauses
+        # stalled every request in flight: an agent endpoint's p99 latency, benchmarks/agent_endpoint.py)
         gc.freeze()
 
     # -- the timeline ---------------------------------------------------------------------------
@@ -200,11 +194,8 @@ class Generator(RoleLoop):
 
     # -- prompts in, groups out -----------------------------------------------------------------
     def _ask(self) -> None:
-        """Ask for as many groups as keep the engine full with one group queued beyond its slots.
-
-        Counting sequences, not groups: a group holds no slot for its finished samples, and one long
-        answer must not keep its group's other slots empty. `max_groups` bounds what is in flight.
-        """
+        """Ask for as many groups as keep the engine full with one group queued beyond its slots, counting
+        sequences (a group holds no slot for its finished samples); `max_groups` bounds what is in flight."""
         if not self.have_weights or self.stopping or not self._admitting():
             return
         n = self.cfg.rollout.n_samples
@@ -264,6 +255,8 @@ class Generator(RoleLoop):
     def _poll_episodes(self) -> bool:
         """Run the episodes that can go on (their next requests reach the engine); file the ones that ended."""
         done = self.runner.poll(engine_idle=not (self.engine.num_running or self.engine.num_waiting))
+        if self.runner.abandoned:  # an agent's call cancelled mid-flight holds no slot
+            self._leave_engine(self.runner.take_abandoned())
         for ep in done:
             key = parse_request_id(ep.key)
             if isinstance(key, EvalId):
@@ -357,11 +350,16 @@ class Generator(RoleLoop):
 
     def _drop(self, keys: list[str]) -> None:
         """Cancel these episodes: their requests leave the engine and what is held for it."""
-        dropped = set(self.runner.cancel(keys))
-        self.engine.interrupt(list(dropped))
-        for rid in dropped:
-            self.requests.pop(rid, None)
-        self.held = [r for r in self.held if r.request_id not in dropped]
+        self._leave_engine(self.runner.cancel(keys))
+
+    def _leave_engine(self, request_ids: list[str]) -> None:
+        """These requests leave the engine and what is held for it (their episodes, or their calls, were cancelled)."""
+        gone = set(request_ids)
+        self.engine.interrupt(list(gone))
+        for rid in gone:
+            if self.requests.pop(rid, None) is not None:
+                self._count_on_engine(rid, -1)
+        self.held = [r for r in self.held if r.request_id not in gone]
 
     def tick(self) -> bool:
         """Load weights if due, one engine step, then everything around it that does not wait."""

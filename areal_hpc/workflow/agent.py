@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import signal
 from dataclasses import dataclass
 
@@ -17,8 +18,6 @@ from areal_hpc.agents.transcript import tool_parser_class
 from areal_hpc.plugins import check_signature, resolve
 
 log = logging.getLogger("areal_hpc.workflow")
-
-# what an agent's failure costs: its episode, counted and run again (MAX_REJECTED in a row stop the run)
 
 
 class AgentFailed(Exception):
@@ -39,17 +38,20 @@ def load_agent(wc):
 
 
 def check_agent_config(wc) -> None:
-    """One line unless exactly one of workflow.agent and workflow.agent_command names the agent."""
-    if bool(wc.agent) == bool(wc.agent_command):
-        raise ValueError(
-            "rollout.workflow=agent needs exactly one of workflow.agent (path/to/file.py:fn or package.module:fn) "
-            "and workflow.agent_command (a command run per episode)" + ("; both are set" if wc.agent else "")
-        )
+    """The start-up check (config_checks has checked the settings' form): the agent imports and has the
+    signature, or the command's program exists; the tool parser exists. One line (ValueError) if not."""
     if wc.agent:
         load_agent(wc)
     else:
-        if not shlex.split(wc.agent_command):
-            raise ValueError("workflow.agent_command is empty")
+        try:
+            argv = shlex.split(wc.agent_command)
+        except ValueError as e:
+            raise ValueError(f"workflow.agent_command={wc.agent_command!r} does not split into words: {e}") from None
+        if not argv or shutil.which(argv[0]) is None:
+            raise ValueError(
+                f"workflow.agent_command={wc.agent_command!r}: {argv[0] if argv else 'nothing'!r} is not a program "
+                "found on PATH (or an executable file)"
+            )
     if wc.tool_parser != "none":
         tool_parser_class(wc.tool_parser)
 
@@ -72,11 +74,11 @@ class AgentRunner:
                 value = await self._command(key, row)
         except TimeoutError:
             return AgentOutcome(failure=f"it ran past workflow.agent_timeout_s={self.wc.agent_timeout_s:g} s")
-        except asyncio.CancelledError:
-            raise
         except AgentFailed as e:
             return AgentOutcome(failure=str(e))
-        except Exception as e:
+        except BaseException as e:  # SystemExit and an agent's own CancelledError too: the endpoint's loop goes on
+            if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # the episode was cancelled (a stop, an evaluation cut)
             return AgentOutcome(failure=f"it raised {type(e).__name__}: {e}")
         return _checked(value)
 
@@ -103,10 +105,10 @@ class AgentRunner:
         data = json.dumps(row, default=str).encode()
         try:
             out, err = await asyncio.wait_for(proc.communicate(data), self.wc.agent_timeout_s)
-        except (TimeoutError, asyncio.CancelledError):
+        finally:  # at its time limit, a cancellation, or after it exited: whatever it started goes with it
             _kill_group(proc.pid)
-            await proc.wait()
-            raise
+            if proc.returncode is None:
+                await proc.wait()
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output on stderr"]
             raise AgentFailed(f"it exited with status {proc.returncode}: {tail[0][:300]}")
@@ -118,7 +120,12 @@ class AgentRunner:
             result = None
         if not isinstance(result, dict) or not ({"reward", "answer"} & set(result)):
             raise AgentFailed(f'it printed {last[:200]!r} last, not {{"reward": x}} or {{"answer": "..."}}')
-        return result.get("reward") if "reward" in result else _answer(result["answer"])
+        if "reward" in result:
+            reward = result["reward"]
+            if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+                raise AgentFailed(f'it printed a "reward" that is a {type(reward).__name__}, not a number or null')
+            return reward
+        return _answer(result["answer"])
 
     async def close(self) -> None:
         if self._http is not None:
@@ -183,6 +190,8 @@ async def agent(ep) -> float | None:
     session = shared.endpoint.open(ep)
     try:
         outcome: AgentOutcome = await runner.wait(shared.endpoint.submit(shared.agents.run(session.key, ep.row)))
+    except RuntimeError as e:  # the endpoint's loop ended under it
+        outcome = AgentOutcome(failure=f"it stopped: {e}")
     finally:
         shared.endpoint.close(session)
     ep.stats.branches += session.branches

@@ -36,26 +36,34 @@ def run_episodes(
         raise ValueError("run_episodes: episode keys must be unique")
     done: dict[str, FinishedEpisode] = {}
     rejected: dict[str, int] = {}
+    carried: dict[str, list] = {}  # the stats of each key's rejected tries
     try:
         for s in starts:
             runner.start(s.key, s.row, s.prompt_ids, s.greedy)
         while len(done) < len(starts):
-            for ep in runner.poll(engine_idle=not (engine.num_running or engine.num_waiting)):
+            finished = runner.poll(engine_idle=not (engine.num_running or engine.num_waiting))
+            if runner.abandoned:  # an agent's call cancelled mid-flight holds no slot
+                engine.interrupt(runner.take_abandoned())
+            for ep in finished:
                 if ep.reward is None and retry:
                     rejected[ep.key] = rejected.get(ep.key, 0) + 1
+                    carried.setdefault(ep.key, []).append(ep.stats)
                     if rejected[ep.key] >= MAX_REJECTED:
                         raise rejected_too_often(ep.key, MAX_REJECTED)
                     s = by_key[ep.key]
                     runner.start(s.key, s.row, s.prompt_ids, s.greedy)
                 else:
                     done[ep.key] = ep
+                    for st in carried.pop(ep.key, []):  # a rejected try's failures count on the episode that ran
+                        ep.stats.add_failures(st)
             if engine.num_running or engine.num_waiting:
                 for out in engine.step():
                     runner.deliver(out)
             elif len(done) < len(starts):
                 time.sleep(0.001)  # every episode waits for a reward or a tool
     finally:
-        left = runner.cancel()  # on an error: what its episodes still have in the engine leaves it
+        # what episodes still have in the engine (on an error), and calls cancelled alone at the end, leave it
+        left = runner.cancel() + runner.take_abandoned()
         if left:
             engine.interrupt(left)
         runner.close()

@@ -57,6 +57,13 @@ class EpisodeStats:
     # episode/<name> (ep.log)
     logged: dict[str, float] = field(default_factory=dict)
 
+    def add_failures(self, other: EpisodeStats) -> None:
+        """Count a rejected try's failures on the episode that ran in its place (its other counts do not carry)."""
+        self.reward_timeouts += other.reward_timeouts
+        self.reward_errors += other.reward_errors
+        self.branches += other.branches
+        self.agent_failures += other.agent_failures
+
     def add_tool_call(self, result: ToolResult, t_start: float, t_end: float) -> None:
         self.tool_calls += 1
         self.tool_errors += not result.ok

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from areal_hpc.model import text_decoder
+from areal_hpc.prompts import after_assistant_turn
 from areal_hpc.types import GenOutput, GenRequest
 from areal_hpc.workflow.episode import Episode
 from areal_hpc.workflow.records import Completion, EpisodeStats, Segment, ToolResult
@@ -87,6 +88,7 @@ class EpisodeRunner:
         self.finished: list[FinishedEpisode] = []
         self.calls = 0  # request ids are unique for the runner's life: f"{key}#{n}"
         self.failure: WorkflowError | None = None
+        self.abandoned: list[str] = []  # requests whose call was cancelled alone: the caller takes them out (`take`)
         self.due = False  # something happened that an episode waits for: the next poll runs the loop
         self.parked = 0  # episodes waiting for something of the runner's (the engine, a reward, a tool)
         self.last_run = 0.0
@@ -109,9 +111,9 @@ class EpisodeRunner:
         self.due = True
 
     def deliver(self, out: GenOutput) -> None:
-        """An engine output for a request this runner submitted."""
-        fut, _ = self.waiting.pop(out.request_id)
-        if not fut.done():
+        """An engine output for a request this runner submitted (none for a request cancelled meanwhile)."""
+        fut, _ = self.waiting.pop(out.request_id, (None, None))
+        if fut is not None and not fut.done():
             fut.set_result(out)
             self.due = True
 
@@ -130,6 +132,11 @@ class EpisodeRunner:
             raise self.failure
         done, self.finished = self.finished, []
         return done
+
+    def take_abandoned(self) -> list[str]:
+        """The requests of calls cancelled alone since the last take: for the caller to interrupt in the engine."""
+        out, self.abandoned = self.abandoned, []
+        return out
 
     def cancel(self, keys: list[str] | None = None) -> list[str]:
         """Stop these episodes (None: all); the request ids they have in the engine, for the caller to interrupt."""
@@ -196,7 +203,12 @@ class EpisodeRunner:
         fut = self.loop.create_future()
         self.waiting[rid] = (fut, ep.key)
         self.submit([GenRequest(rid, tokens, budget, greedy=ep.greedy, stop=list(stop or []))])
-        out: GenOutput = await self._parked(fut)
+        try:
+            out: GenOutput = await self._parked(fut)
+        except asyncio.CancelledError:  # a call cancelled on its own (an agent's, its episode going on or ending)
+            if self.waiting.pop(rid, None) is not None:
+                self.abandoned.append(rid)
+            raise
         text = self.decode(out.output_ids)
         reason = "stop" if out.finish_reason == "stop" else "length"
         return Completion(out.output_ids, out.output_logprobs, out.output_versions, reason, text)
@@ -250,7 +262,9 @@ class EpisodeRunner:
     def _settle_tool(self, fut: asyncio.Future, job) -> None:
         """In the loop: a tool call is back; its waiting episode gets the result (or its exception)."""
         if not fut.done():
-            if job.exception() is not None:
+            if job.cancelled():  # cancelled on its own thread (its loop shutting down): a failure, not the episode's
+                fut.set_exception(RuntimeError("the job was cancelled on its thread"))
+            elif job.exception() is not None:
                 fut.set_exception(job.exception())
             else:
                 fut.set_result(job.result())
@@ -328,15 +342,9 @@ def episode_of(request_id: str) -> str:
 
 
 def render_turn(tokenizer, role: str, content: str, chat: bool) -> list[int]:
-    """The chat template's text for one more message after an assistant turn, with the next assistant prompt:
-    the difference between a conversation rendered with and without it (`content` alone without a template)."""
+    """The chat template's text for one more message after an assistant turn, with the next assistant prompt
+    (`content` alone without a template)."""
     if not chat:
         return list(tokenizer.encode(content, add_special_tokens=False))
-    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-    before = tokenizer.apply_chat_template(base, tokenize=False)
-    after = tokenizer.apply_chat_template(
-        base + [{"role": role, "content": content}], add_generation_prompt=True, tokenize=False
-    )
-    if not after.startswith(before):
-        raise ValueError("the chat template renders earlier turns differently once a message follows them")
-    return list(tokenizer.encode(after[len(before) :], add_special_tokens=False))
+    text = after_assistant_turn(tokenizer, [{"role": role, "content": content}])
+    return list(tokenizer.encode(text, add_special_tokens=False))
