@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from pathlib import Path
 
@@ -36,9 +37,12 @@ class GcPauses:
         }
 
 
-async def _thread_time() -> float:
-    """The CPU time of the thread this runs on (the endpoint's, submitted there)."""
-    return time.thread_time()
+def _process_cpu(pid: int) -> float:
+    """A process's CPU seconds, user and system, all its threads (psutil; its children not counted)."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 class Drive:
@@ -114,7 +118,8 @@ class Drive:
         lat0 = len(ep.latencies_ms) if ep else 0
         backoff, steps, done = Backoff(), [], []
         self.rerun, in_flight, napped, step_cpu = 0, [], 0.0, 0.0
-        cpu0 = (time.thread_time(), ep.submit(_thread_time()).result() if ep else 0.0)
+        me = os.getpid()
+        cpu0 = (time.thread_time(), _process_cpu(ep.process.pid) if ep else 0.0, _process_cpu(me))
         started, t0 = 0, time.time()
         t_last_start, t_turnover = t0, None
         gcp = GcPauses().start()
@@ -145,22 +150,29 @@ class Drive:
                 napped += time.time()
         wall = time.time() - t0
         gcp.stop()
-        cpu = (time.thread_time() - cpu0[0], ep.submit(_thread_time()).result() - cpu0[1] if ep else 0.0)
+        cpu = (
+            time.thread_time() - cpu0[0],
+            _process_cpu(ep.process.pid) - cpu0[1] if ep else 0.0,
+            _process_cpu(me) - cpu0[2],
+        )
         lat = list(ep.latencies_ms)[lat0:] if ep else []
         out = self._figures(done, steps, wall, (t_turnover or t0, t_last_start), lat)
         turns = sum(e.stats.turns for e in done)  # model calls: an agent's requests, a built-in's turns
         out |= {
             "loop_cpu_ms_per_turn": 1e3 * cpu[0] / turns,
             # the loop's CPU less the engine's steps' (torch on this thread): the runner, the episodes' Python
-            # and, for agents, handing requests and answers across threads
+            # and, for agents, the sessions' Python and the pipe to the endpoint's process
             "loop_cpu_outside_steps_ms_per_turn": 1e3 * (cpu[0] - step_cpu) / turns,
             "step_cpu_ms_mean": 1e3 * step_cpu / max(len(steps), 1),
             "in_flight_mean": sum(in_flight) / len(in_flight),
             "in_flight_max": max(in_flight),
             "loop_idle_share": napped / wall,  # the generator's loop asleep: nothing to step, nothing came back
             "loop_cpu_s": cpu[0],
-            "endpoint_thread_cpu_s": cpu[1],  # the HTTP server and the in-process agents' clients
-            "endpoint_thread_cpu_ms_per_call": 1e3 * cpu[1] / len(lat) if lat else 0.0,
+            "endpoint_process_cpu_s": cpu[1],  # the HTTP server, the request checks and the agents' clients
+            "endpoint_process_cpu_ms_per_call": 1e3 * cpu[1] / len(lat) if lat else 0.0,
+            # this process's other threads: the endpoint's pipe reader, the reward pool's supervising threads
+            "other_threads_cpu_s": cpu[2] - cpu[0],
+            "other_threads_cpu_ms_per_turn": 1e3 * (cpu[2] - cpu[0]) / turns,
             **gcp.figures(wall),
         }
         return out

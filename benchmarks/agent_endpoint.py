@@ -3,7 +3,7 @@ latency per call, and the engine's occupancy while agents wait on their tools.
 
 Generation only (no trainer, no MPI): one process drives a torch generation engine and an episode runner the way a
 generator rank does (poll the episodes, one engine step, poll again; the generator's back-off when idle), on one
-torch thread; the endpoint and the agents run on the endpoint's thread, the rewards in the reward pool's worker.
+torch thread; the endpoint and the agents run in the endpoint's process, the rewards in the reward pool's worker.
 The models are the demos' (jobs/demo_tool.yaml: arith_tool vocabulary, jobs/demo_agent.yaml: arith_agent), each
 warm-started as its demo does but with workflow.warm_start_tool_share (default 1.0: nearly every episode calls
 the calculator, as both demos' policies do after RL), built once into --out.
@@ -22,15 +22,17 @@ the calculator, as both demos' policies do after RL), built once into --out.
    as a small real model's would on a GPU: what the fixed cost per call amounts to against such steps (the step
    ms of both paths printed).
 4. Latency: --sessions agents in flight at once (calculator_agent, no tool wait) on as many slots; the endpoint's
-   `latencies_ms` (request received by the HTTP handler -> request handed to the engine), p50 and p99.
+   `latencies_ms` (request received by the endpoint process's HTTP handler -> request handed to the engine in the
+   generator, time.monotonic on both sides), p50 and p99.
 5. Occupancy: --occupancy-sessions agents whose every tool call first awaits --tool-ms (asyncio.sleep), on
    --slots slots; the share of slot-time the engine held a sequence, sum(rows x step time) / (slots x wall), as
    benchmarks/workflows.py measures it, over the steady part (from the end of the first sessions' worth of
    episodes to the last episode's start).
-Every round also says where the generator process's time went: the loop asleep (nothing to step), the endpoint
-thread's CPU per call (HTTP server and the in-process agents' openai clients), the loop's CPU per model call with
-and without the engine's steps, Python's garbage collections. As the Generator does, gc.freeze() once the engines
-are built (--no-gc-freeze: not).
+Every round also says where the CPU went: the loop asleep (nothing to step), the endpoint process's CPU per call
+(psutil's user + system of that process: HTTP server, request checks, the agents' openai clients), the loop's CPU
+per model call with and without the engine's steps, the generator's other threads' CPU per model call (the pipe
+reader, the reward pool's threads), Python's garbage collections (the generator's). As the Generator does,
+gc.freeze() once the engines are built (--no-gc-freeze: not).
 
     .venv/bin/python benchmarks/agent_endpoint.py   # about 3 minutes on 2 cores (4 the first time: warm starts)
     .venv/bin/python benchmarks/agent_endpoint.py --parts throughput,latency --pairs 2 --episodes 512
@@ -163,14 +165,15 @@ def interleaved(args, specs: dict, episodes: int, label: str) -> dict:
 
 
 def print_pairs(res: dict, label: str) -> None:
-    head = ("sampled tok/s", "tokens/turn", "tools/ep", "reward", "step ms", "loop idle", "endpoint ms/call")
-    head += ("loop ms/turn", "less steps")
+    head = ("sampled tok/s", "tokens/turn", "tools/ep", "reward", "step ms", "loop idle", "endpt ms/call")
+    head += ("loop ms/turn", "less steps", "step cpu ms", "other thr ms/turn")
     print(f"\n{'run':<12}" + "".join(f"{h:>17}" for h in head) + f"{'gc share':>10}")
     for name, rs in res["runs"].items():
         for r in rs:
             per_turn = r["sampled_tokens"] / (r["turns_per_episode"] * r["episodes"])
-            keys = ("reward_mean", "step_ms_mean", "loop_idle_share", "endpoint_thread_cpu_ms_per_call")
-            keys += ("loop_cpu_ms_per_turn", "loop_cpu_outside_steps_ms_per_turn")
+            keys = ("reward_mean", "step_ms_mean", "loop_idle_share", "endpoint_process_cpu_ms_per_call")
+            keys += ("loop_cpu_ms_per_turn", "loop_cpu_outside_steps_ms_per_turn", "step_cpu_ms_mean")
+            keys += ("other_threads_cpu_ms_per_turn",)
             print(
                 f"{name:<12}{r['sampled_tokens_per_s']:>17.0f}{per_turn:>17.1f}{r['tool_calls_per_episode']:>17.2f}"
                 + "".join(f"{r[k]:>17.2f}" for k in keys)

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -22,7 +23,6 @@ from areal_hpc.data import load_run_dataset
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.model import build_arith_tokenizer, build_tiny_model, load_tokenizer
-from areal_hpc.plugins import resolve
 from areal_hpc.reward import RewardPool
 from areal_hpc.reward.functions import MathAnswer
 from areal_hpc.runtime.build import warm_start
@@ -185,6 +185,8 @@ async def agent(client: openai.AsyncOpenAI, row: dict):
     else:
         result = await {"short": _short_turn, "rewrite": _rewrite, "bad": _bad_calls}[mode](client, row, seen)
     FINISHED.append(client.api_key)
+    # the agents run in the endpoint's process: what this one saw goes back to the test through a file
+    Path(row["out"], f"{row['id']}.pkl").write_bytes(pickle.dumps(seen))
     return result
 
 
@@ -322,12 +324,13 @@ ROWS = [
 
 
 @pytest.fixture(scope="module")
-def agent_run(agent_model):
+def agent_run(agent_model, tmp_path_factory):
     """One greedy batch of the agents above, through the in-process form: (tokenizer, engine, episodes by row id,
     what each agent saw)."""
-    spec = f"{THIS}:agent"
-    seen = resolve(spec, "workflow.agent").__globals__["SEEN"]
-    eng, eps = _run(agent_model, ROWS, greedy=True, agent=spec, max_request_kb=MAX_KB)
+    out = tmp_path_factory.mktemp("seen")
+    rows = [dict(r, out=str(out)) for r in ROWS]
+    eng, eps = _run(agent_model, rows, greedy=True, agent=f"{THIS}:agent", max_request_kb=MAX_KB)
+    seen = {r["id"]: pickle.loads((out / f"{r['id']}.pkl").read_bytes()) for r in ROWS}
     return agent_model[1], eng, {r["id"]: (k, ep) for k, (r, ep) in enumerate(zip(ROWS, eps))}, seen
 
 

@@ -1,19 +1,21 @@
-"""A generator's OpenAI-compatible HTTP endpoint: an aiohttp server on a thread of its own, a key per episode."""
+"""A generator's OpenAI-compatible endpoint: its process (HTTP and agents) started, and its calls answered here."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
-import json
 import logging
+import multiprocessing
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from areal_hpc.agents.protocol import OpenAIError, RunSampling, chunks, completion, models, parse_request
+from areal_hpc.agents import host
+from areal_hpc.agents.protocol import OpenAIError, RunSampling
+from areal_hpc.agents.running import AgentOutcome
 from areal_hpc.agents.session import AgentSession
 from areal_hpc.agents.transcript import ChatRenderer, ToolCallReader
 
@@ -30,175 +32,126 @@ class EndpointSettings:
 
 
 class Endpoint:
-    """Serves POST /v1/chat/completions and GET /v1/models to the holders of an open session's key, and nothing
-    else: no route fetches a URL or reads a file. Requests are parsed and checked on the endpoint's thread;
-    the call itself runs on the episode runner's loop (`call_in_loop` hands it over), so the HTTP handling
-    never runs inside an engine step. Agents run on the endpoint's loop too (`submit`)."""
+    """The endpoint's process (agents/host.py: the HTTP server and the agents) and, here, the sessions that
+    answer its calls. HTTP, request checks and the agents' own Python run in that process, so they never
+    hold this process's GIL while an engine step runs; a checked call crosses the pipe and is answered on the
+    episode runner's loop (`call_in_loop`), from the episode's exact transcript."""
 
     LATENCIES_KEPT = 100_000
+    START_S = 120  # the process imports aiohttp, openai and the user's agent before it answers
 
-    def __init__(self, tokenizer, settings: EndpointSettings, call_in_loop: Callable):
+    def __init__(self, tokenizer, settings: EndpointSettings, wc, call_in_loop: Callable):
         self.settings = settings
         self.call_in_loop = call_in_loop  # fn(*args) on the runner's loop, from any thread
         self.renderer = ChatRenderer(tokenizer)
         self.reader = ToolCallReader(settings.tool_parser, tokenizer)
         self.sessions: dict[str, AgentSession] = {}
-        self.refused: collections.Counter = collections.Counter()  # by status code
+        self.agents: dict[str, concurrent.futures.Future] = {}  # key -> its agent's outcome, when it comes
         self.latencies_ms: collections.deque = collections.deque(maxlen=self.LATENCIES_KEPT)
-        self.loop = asyncio.new_event_loop()
-        self._ready = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._serve, name="agent-endpoint", daemon=True)
-        self._thread.start()
-        self.port: int = self._ready.result(timeout=60)
+        ctx = multiprocessing.get_context("spawn")  # nothing of this process's threads or torch state is copied
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=host.main, args=(child, settings, wc), name="agent-endpoint", daemon=True)
+        self.process.start()
+        child.close()
+        if not self.conn.poll(self.START_S):
+            self.process.kill()
+            raise RuntimeError(f"the agent endpoint's process did not start within {self.START_S} s")
+        kind, value = self.conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"the agent endpoint could not start: {value}")
+        self.port = value
+        self._send_lock = threading.Lock()  # the runner's loop and the reader thread both send
+        self._reader = threading.Thread(target=self._read, name="agent-endpoint-pipe", daemon=True)
+        self._reader.start()
 
     @property
     def base_url(self) -> str:
         return f"http://{self.settings.host}:{self.port}/v1"
 
-    # -- sessions (called on the runner's loop) ---------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(msg)
+        except (OSError, ValueError):  # the process is gone: its agents fail, their episodes see it
+            pass
+
+    # -- sessions (on the runner's loop) --------------------------------------------------------------------
     def open(self, ep) -> AgentSession:
         key = "sk-areal-" + secrets.token_urlsafe(32)
         s = AgentSession(ep, key, self.renderer, self.reader, self.settings.max_context)
         self.sessions[key] = s
         return s
 
+    def start_agent(self, session: AgentSession, row: dict) -> concurrent.futures.Future:
+        """The episode's agent starts in the endpoint's process; the future gets its AgentOutcome."""
+        done = self.agents[session.key] = concurrent.futures.Future()
+        self._send(("start", session.key, dict(row)))
+        if not self.process.is_alive():
+            done.set_result(AgentOutcome(failure="it could not run: the agent endpoint's process has ended"))
+        return done
+
     def close(self, session: AgentSession) -> None:
         self.sessions.pop(session.key, None)
+        self.agents.pop(session.key, None)
         session.close()
-
-    def submit(self, coro) -> concurrent.futures.Future:
-        """Run a coroutine (an agent) on the endpoint's loop."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._send(("close", session.key))
 
     def shutdown(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
+        self._send(("quit",))
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+        self.conn.close()
 
-    # -- HTTP (on the endpoint's thread) -----------------------------------------------------------------
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            from aiohttp import web
-
-            app = web.Application(client_max_size=self.settings.max_request_kb * 1024, middlewares=[self._guard()])
-            app.router.add_get("/v1/models", self._models)
-            app.router.add_post("/v1/chat/completions", self._chat)
-            runner = web.AppRunner(app, access_log=None)
-            self.loop.run_until_complete(runner.setup())
-            # hundreds of agents connect at once when a batch of episodes starts: aiohttp's default backlog
-            # (128) overflows and connections are reset (the kernel caps this at net.core.somaxconn)
-            site = web.TCPSite(runner, self.settings.host, 0, backlog=4096)
-            self.loop.run_until_complete(site.start())
-            self._ready.set_result(site._server.sockets[0].getsockname()[1])
-        except BaseException as e:
-            self._ready.set_exception(e)
-            return
-        try:
-            self.loop.run_forever()
-        finally:
-            left = asyncio.all_tasks(self.loop)  # agents still running: cancelled (a command's group is killed)
-            for t in left:
-                t.cancel()
-            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-            self.loop.run_until_complete(runner.cleanup())
-            self.loop.close()
-
-    @staticmethod
-    def _error(e: OpenAIError):
-        from aiohttp import web
-
-        return web.json_response(e.body(), status=e.status)
-
-    def _session_of(self, request) -> AgentSession:
-        auth = request.headers.get("Authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        session = self.sessions.get(key) if key else None
-        if session is None or session.closed:
-            what = "no API key was sent" if not key else "the API key is not an open episode's"
-            raise OpenAIError(401, f"{what}: each episode's agent gets its own key", code="invalid_api_key")
-        return session
-
-    def _guard(self):
-        """Every route needs an open session's key; every failure is an OpenAI-style error body."""
-        from aiohttp import web
-
-        @web.middleware
-        async def guard(request, handler):
+    # -- the pipe ----------------------------------------------------------------------------------------
+    def _read(self) -> None:
+        """On a thread of its own: the process's messages, handed over as they come (recv waits without the GIL)."""
+        while True:
             try:
-                request["session"] = self._session_of(request)
-                return await handler(request)
-            except OpenAIError as e:
-                self.refused[e.status] += 1
-                return self._error(e)
-            except web.HTTPException as e:  # 404, 405, 413 from aiohttp itself
-                self.refused[e.status] += 1
-                return self._error(OpenAIError(e.status, e.reason))
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "call":
+                self.call_in_loop(self._start_call, *msg[1:])
+            elif msg[0] == "done":
+                fut = self.agents.get(msg[1])
+                if fut is not None and not fut.done():
+                    fut.set_result(msg[2])
+        for fut in list(self.agents.values()):  # the process ended: no agent will report
+            if not fut.done():
+                fut.set_result(AgentOutcome(failure="it could not run: the agent endpoint's process has ended"))
 
-        return guard
-
-    async def _models(self, request):
-        from aiohttp import web
-
-        return web.json_response(models(self.settings.run.model_name))
-
-    async def _chat(self, request):
-        from aiohttp import web
-
-        t0 = time.monotonic()
-        session: AgentSession = request["session"]
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raise OpenAIError(400, "the request body is not JSON") from None
-        req = parse_request(body, self.settings.run)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-
-        def submitted():
-            self.latencies_ms.append((time.monotonic() - t0) * 1000)
-
-        self.call_in_loop(self._start_call, session, req, submitted, done)
-        answer = await asyncio.wrap_future(done)
-        model = req.model
-        if not req.stream:
-            return web.json_response(completion(answer, model))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        for c in chunks(answer, model, req.include_usage):
-            await resp.write(f"data: {json.dumps(c)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    @staticmethod
-    def _start_call(session: AgentSession, req, submitted, done: concurrent.futures.Future) -> None:
-        """On the runner's loop: the call as a task, which hands its outcome to the waiting handler itself (a done
+    def _start_call(self, call: int, key: str, req, t_received: float) -> None:
+        """On the runner's loop: the call as a task on its session, which sends the outcome back itself (a done
         callback alone would wait for another pass of the runner's loop, which nothing may ask for)."""
         ended = OpenAIError(401, "this episode has ended; its key is no longer valid", code="invalid_api_key")
+        told = False
 
-        def settle(result=None, error: BaseException | None = None) -> None:
-            if done.done():  # the handler gave up (the endpoint is shutting down)
-                return
-            if error is not None:
-                done.set_exception(error)
-            else:
-                done.set_result(result)
+        def tell(kind: str, value) -> None:
+            nonlocal told
+            if not told:
+                told = True
+                self._send((kind, call, value))
 
-        if session.closed:
-            settle(error=ended)
+        session = self.sessions.get(key)
+        if session is None or session.closed:
+            tell("error", ended)
             return
 
-        async def call():
+        def submitted():
+            self.latencies_ms.append((time.monotonic() - t_received) * 1000)
+
+        async def answer():
             try:
-                settle(await session.answer(req, submitted))
+                tell("answer", await session.answer(req, submitted))
             except OpenAIError as e:
-                settle(error=e)
+                tell("error", e)
             except Exception as e:  # a bug or a template that cannot render: the agent hears it, the log keeps it
                 log.exception("agent call failed in episode %s", session.ep.key)
-                settle(error=OpenAIError(500, f"{type(e).__name__}: {e}"))
+                tell("error", OpenAIError(500, f"{type(e).__name__}: {e}"))
 
-        task = asyncio.get_running_loop().create_task(call())
-        # closing the session cancels the task and answers its handler at once (a task cancelled before its
+        task = asyncio.get_running_loop().create_task(answer())
+        # closing the session cancels the task and answers its caller at once (a task cancelled before its
         # first step never runs its body, and its done callbacks wait for another pass of the runner's loop)
-        session.tasks[task] = lambda: settle(error=ended)
+        session.tasks[task] = lambda: tell("error", ended)
         task.add_done_callback(lambda t: session.tasks.pop(t, None))

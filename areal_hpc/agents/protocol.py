@@ -26,6 +26,9 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
 
+    def __reduce__(self):  # it crosses the endpoint's pipe
+        return (OpenAIError, (self.status, str(self), self.param, self.code))
+
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}

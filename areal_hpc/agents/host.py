@@ -1,0 +1,166 @@
+"""The endpoint's own process: the HTTP server and the agents, off the generator's GIL; calls cross a pipe."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+
+from areal_hpc.agents.protocol import OpenAIError, chunks, completion, models, parse_request
+from areal_hpc.agents.running import AgentOutcome, AgentRunner
+
+log = logging.getLogger("areal_hpc.agents")
+
+# The pipe's messages, as tuples (kind, ...):
+#   generator -> host: ("start", key, row)  ("close", key)  ("answer", call, Answer)  ("error", call, OpenAIError)
+#                      ("quit",)
+#   host -> generator: ("ready", port) | ("failed", text)  ("call", call, key, ChatRequest, t_received)
+#                      ("done", key, AgentOutcome)
+
+
+def main(conn, settings, wc) -> None:
+    """The process's entry (spawned by the generator, killed with it)."""
+    from areal_hpc.lifetime import die_with_parent
+
+    die_with_parent()
+    try:
+        asyncio.run(Host(conn, settings, wc).serve())
+    except KeyboardInterrupt:
+        pass
+
+
+class Host:
+    """Serves POST /v1/chat/completions and GET /v1/models to the holders of an open episode's key, and nothing
+    else: no route fetches a URL or reads a file. Each checked call goes to the generator, whose session of
+    that episode answers it from the engine. Runs the episodes' agents on the same loop."""
+
+    def __init__(self, conn, settings, wc):
+        self.conn, self.settings, self.wc = conn, settings, wc
+        self.keys: set[str] = set()  # the open episodes' keys
+        self.agents: dict[str, asyncio.Task] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self.ids = itertools.count()
+        self.stopped: asyncio.Event | None = None
+
+    async def serve(self) -> None:
+        from aiohttp import web
+
+        loop = asyncio.get_running_loop()
+        self.stopped = asyncio.Event()
+        try:
+            app = web.Application(client_max_size=self.settings.max_request_kb * 1024, middlewares=[self._guard()])
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/v1/chat/completions", self._chat)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            # hundreds of agents connect at once when a batch of episodes starts: aiohttp's default backlog
+            # (128) overflows and connections are reset (the kernel caps this at net.core.somaxconn)
+            site = web.TCPSite(runner, self.settings.host, 0, backlog=4096)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]
+            self.agent_runner = AgentRunner(f"http://{self.settings.host}:{port}/v1", self.wc)
+        except BaseException as e:
+            self.conn.send(("failed", f"{type(e).__name__}: {e}"))
+            return
+        loop.add_reader(self.conn.fileno(), self._read)
+        self.conn.send(("ready", port))
+        try:
+            await self.stopped.wait()
+        finally:
+            loop.remove_reader(self.conn.fileno())
+            for t in self.agents.values():
+                t.cancel()
+            await asyncio.gather(*self.agents.values(), return_exceptions=True)
+            await self.agent_runner.close()
+            await runner.cleanup()
+
+    # -- the generator's messages ------------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while self.conn.poll():
+                self._on(self.conn.recv())
+        except (EOFError, OSError):  # the generator is gone
+            self.stopped.set()
+
+    def _on(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "start":
+            _, key, row = msg
+            self.keys.add(key)
+            self.agents[key] = asyncio.get_running_loop().create_task(self._agent(key, row))
+        elif kind == "close":
+            self.keys.discard(msg[1])
+            task = self.agents.pop(msg[1], None)
+            if task is not None and not task.done():
+                task.cancel()
+        elif kind in ("answer", "error"):
+            fut = self.calls.pop(msg[1], None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg[2]) if kind == "answer" else fut.set_exception(msg[2])
+        elif kind == "quit":
+            self.stopped.set()
+
+    async def _agent(self, key: str, row: dict) -> None:
+        try:
+            outcome = await self.agent_runner.run(key, row)
+        except asyncio.CancelledError:
+            return  # its episode ended first (a stop, an evaluation cut): nobody waits for it
+        except BaseException as e:  # noqa: BLE001 (the runner catches the agent's own; this is a bug's)
+            outcome = AgentOutcome(failure=f"it could not run: {type(e).__name__}: {e}")
+        self.agents.pop(key, None)
+        self.conn.send(("done", key, outcome))
+
+    # -- HTTP --------------------------------------------------------------------------------------------
+    def _guard(self):
+        """Every route needs an open episode's key; every failure is an OpenAI-style error body."""
+        from aiohttp import web
+
+        @web.middleware
+        async def guard(request, handler):
+            try:
+                auth = request.headers.get("Authorization", "")
+                key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+                if key not in self.keys:
+                    what = "no API key was sent" if not key else "the API key is not an open episode's"
+                    raise OpenAIError(401, f"{what}: each episode's agent gets its own key", code="invalid_api_key")
+                request["key"] = key
+                return await handler(request)
+            except OpenAIError as e:
+                return web.json_response(e.body(), status=e.status)
+            except web.HTTPException as e:  # 404, 405, 413 from aiohttp itself
+                return web.json_response(OpenAIError(e.status, e.reason).body(), status=e.status)
+
+        return guard
+
+    async def _models(self, request):
+        from aiohttp import web
+
+        return web.json_response(models(self.settings.run.model_name))
+
+    async def _chat(self, request):
+        from aiohttp import web
+
+        t0 = time.monotonic()  # the system's monotonic clock: the generator reads the same one
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise OpenAIError(400, "the request body is not JSON") from None
+        req = parse_request(body, self.settings.run)
+        call = next(self.ids)
+        fut = self.calls[call] = asyncio.get_running_loop().create_future()
+        self.conn.send(("call", call, request["key"], req, t0))
+        try:
+            answer = await fut
+        finally:
+            self.calls.pop(call, None)
+        if not req.stream:
+            return web.json_response(completion(answer, req.model))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for c in chunks(answer, req.model, req.include_usage):
+            await resp.write(f"data: {json.dumps(c)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
