@@ -34,7 +34,7 @@ per model call with and without the engine's steps, the generator's other thread
 reader, the reward pool's threads), Python's garbage collections (the generator's). As the Generator does,
 gc.freeze() once the engines are built (--no-gc-freeze: not).
 
-    .venv/bin/python benchmarks/agent_endpoint.py   # about 3 minutes on 2 cores (4 the first time: warm starts)
+    .venv/bin/python benchmarks/agent_endpoint.py   # about 4 minutes on 2 cores (more the first time: warm starts)
     .venv/bin/python benchmarks/agent_endpoint.py --parts throughput,latency --pairs 2 --episodes 512
 """
 
@@ -166,7 +166,7 @@ def interleaved(args, specs: dict, episodes: int, label: str) -> dict:
 
 def print_pairs(res: dict, label: str) -> None:
     head = ("sampled tok/s", "tokens/turn", "tools/ep", "reward", "step ms", "loop idle", "endpt ms/call")
-    head += ("loop ms/turn", "less steps", "step cpu ms", "other thr ms/turn")
+    head += ("loop ms/turn", "less steps", "step cpu ms", "other ms/turn")
     print(f"\n{'run':<12}" + "".join(f"{h:>17}" for h in head) + f"{'gc share':>10}")
     for name, rs in res["runs"].items():
         for r in rs:
