@@ -7,7 +7,8 @@ generator -> scheduler
   WANT        {"k": n}                         n more prompts wanted (free group slots not yet asked for)
   GROUPS_DONE {"shard": name, "groups": [{"indices": [...], "prompt_id", "group_id", "n_tokens",
                "gen_tokens", "version_start", "uniform": r|None, "episodes", "turns", "tool_calls",
-               "reward_timeouts", "reward_errors", "logged": {name: (sum, n)}}, ...]}
+               "reward_timeouts", "reward_errors", "branches", "agent_failures",
+               "logged": {name: (sum, n)}}, ...]}
                                                finished, rewarded groups now in a shard file; "uniform":
                                                the reward all n samples got when equal, else None (rank 0
                                                may reject the group, and counts such groups); the
