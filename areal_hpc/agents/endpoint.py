@@ -60,7 +60,7 @@ class Endpoint:
         if kind != "ready":
             raise RuntimeError(f"the agent endpoint could not start: {value}")
         self.port = value
-        self._send_lock = threading.Lock()  # the runner's loop and the reader thread both send
+        self._send_lock = threading.Lock()  # one message at a time on the pipe, whoever sends it
         self._reader = threading.Thread(target=self._read, name="agent-endpoint-pipe", daemon=True)
         self._reader.start()
 
