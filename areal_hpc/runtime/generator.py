@@ -5,18 +5,17 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from areal_hpc.config import Config, concurrent_groups
-from areal_hpc.data import Problem, load_run_dataset
+from areal_hpc.data import load_run_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import reward_pool_for
-from areal_hpc.rollout import group_counts, group_summary
 from areal_hpc.runtime.adapters import AdapterLoader
 from areal_hpc.runtime.build import build_generation_engine, lora_spec
+from areal_hpc.runtime.groups import Group, group_records, group_spans
 from areal_hpc.runtime.heldout import HeldoutEvals
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.protocol import Tag
@@ -28,18 +27,8 @@ from areal_hpc.types import EvalId, GenRequest, SampleId, Trajectory, parse_requ
 from areal_hpc.workflow import EpisodeRunner, FinishedEpisode, load_workflow, runner_settings
 from areal_hpc.workflow.batch import MAX_REJECTED, rejected_too_often
 from areal_hpc.workflow.runner import episode_of
-from areal_hpc.workflow.samples import to_trajectories
 
 log = logging.getLogger("areal_hpc.generator")
-
-
-@dataclass
-class _Group:
-    problem: Problem
-    t_start: float  # granted (its episodes start at the next poll)
-    episodes: dict[int, FinishedEpisode] = field(default_factory=dict)  # sample -> its finished episode
-    rejected: dict[int, int] = field(default_factory=dict)  # sample -> episodes the workflow rejected in a row
-    rejected_stats: list = field(default_factory=list)  # their EpisodeStats: their failures count too
 
 
 class Generator(RoleLoop):
@@ -95,7 +84,7 @@ class Generator(RoleLoop):
         self.seq = next_seq(self.rollout_dir, self.rank)
         self.max_groups = concurrent_groups(cfg.rollout)
 
-        self.groups: dict[int, _Group] = {}  # granted, some episode not ended
+        self.groups: dict[int, Group] = {}  # granted, some episode not ended
         self.engine_groups: dict[int, int] = {}  # group -> its requests in the engine or held for it
         self.requests: dict[str, GenRequest] = {}  # every request in the engine or held back, by id
         self.held: list[GenRequest] = []  # granted while admission is stopped for a weight load
@@ -213,7 +202,7 @@ class Generator(RoleLoop):
         now = time.time()
         for idx, gid in prompts:
             p = self.train[idx]
-            self.groups[gid] = _Group(p, now)
+            self.groups[gid] = Group(p, now)
             for s in range(self.cfg.rollout.n_samples):
                 self.runner.start(str(SampleId(gid, s)), p.row, p.prompt_ids)
 
@@ -281,21 +270,11 @@ class Generator(RoleLoop):
             return
         del self.groups[key.group_id]
         episodes = [g.episodes[s] for s in range(self.cfg.rollout.n_samples)]
-        t_end = max(e.t_end for e in episodes)
-        self.timeline.add("group", g.t_start, t_end)
-        spans = [e.stats.reward_span for e in episodes if e.stats.reward_span]
-        if spans:
-            self.timeline.add("reward", min(a for a, _ in spans), max(b for _, b in spans))
-        for a, b in (span for e in episodes for span in e.stats.tool_spans):
-            self.timeline.add("tool", a, b)
-        gid, pid = key.group_id, g.problem.prompt_id
-        row = g.problem.row_index
-        trajs = [t for s, e in enumerate(episodes) for t in to_trajectories(e, SampleId(gid, s), pid, self.rank, row)]
+        for span in group_spans(g, episodes):
+            self.timeline.add(*span)
         if not self.scored:
             self.scored_since = time.time()
-        # rank 0 counts them whatever becomes of the group (and the failures of its rejected episodes)
-        counts = group_counts([e.stats for e in episodes], g.rejected_stats)
-        self.scored.append((trajs, group_summary(trajs, g.problem.prompt_id, key.group_id) | counts))
+        self.scored.append(group_records(g, key.group_id, episodes, self.rank))
 
     def _write_scored(self) -> None:
         """One shard for the scored groups once enough wait, the oldest has waited long enough, or nothing
