@@ -61,6 +61,10 @@ class RolloutConfig:
     # there is room to keep the engine full
     max_concurrent_groups: int = 0
     kv_cache_gib: float = 1.0  # engine=vllm: KV cache per generator rank (host memory on CPU, GPU memory on cuda)
+    # engine=torch, to study a training-inference mismatch (docs/algorithm.md): the generators round every weight
+    # matrix to this many bits per output row on each load (fake quantization, as a quantized rollout does;
+    # no speed-up). 0 = off
+    weight_bits: int = 0
     # one episode of one prompt (docs/workflows.md): single_turn | multi_turn | tool, or an import path to an
     # `async def f(episode) -> float | None`
     workflow: str = "single_turn"
@@ -77,8 +81,16 @@ class PPOConfig:
     behav_imp_weight_cap: float = 5.0
     # a token whose behaviour weight is over the cap: drop (leaves the loss) | truncate (its weight is the cap: TIS)
     behav_weight: str = "drop"
+    # sequence rejection (verl's / OpenRLHF's sequence mask): every loss token of a sequence whose geometric-mean
+    # behaviour weight exp(mean log(pi_prox / pi_behav)) is below this leaves the loss (metrics:
+    # seq_rejected_frac); in (0, 1), e.g. 0.5; 0 = off; needs decoupled=true
+    seq_reject_low: float = 0.0
+    seq_reject_high: float = 0.0  # sequence rejection's upper bound: above 1, e.g. 2; 0 = off
     # token = per-token ratios (PPO) | sequence = the length-normalised sequence ratio, clipped per sequence (GSPO)
     importance: str = "token"
+    # the policy loss: ppo (the clipped ratio) | cispo (MiniMax-M1: the clipped ratio, stop-gradiented, weighs every
+    # token's log-probability, so clipped tokens keep a gradient; eps_clip / eps_clip_high bound it)
+    objective: str = "ppo"
     # how token losses add up: token_mean (over the minibatch's tokens) | seq_mean_token_mean (per sequence, then
     # over sequences) | seq_mean_token_sum_norm (Dr.GRPO: summed, / (sequences x rollout.max_new_tokens))
     loss_agg: str = "token_mean"
@@ -90,6 +102,9 @@ class PPOConfig:
     # the prompt's group or the whole batch (adv_scope)
     adv_norm: str = "mean_std"
     adv_scope: str = "group"  # group (GRPO) | batch: where adv_norm's mean and std are taken
+    # mean_std's standard deviation: unbiased (divided by n - 1, as AReaL, verl and TRL) | population (by n); a
+    # one-sample group's advantage is 0
+    adv_std: str = "unbiased"
     drop_uniform_groups: bool = True  # dynamic sampling: skip groups with all-equal rewards
     # proximal logprobs: recompute (a forward pass of the current weights) | loglinear (interpolated between
     # behaviour and current logprobs, no extra pass)
@@ -97,6 +112,19 @@ class PPOConfig:
     # false: plain PPO against the behaviour policy (the paper's baseline): the ratio is taken to the
     # behaviour logprobs, with no proximal policy, no behaviour weight and no proximal recompute
     decoupled: bool = True
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (docs/algorithm.md): a frozen teacher on the trainers scores every sampled token."""
+
+    # the teacher: a Hugging Face folder or a trainer checkpoint of this project (RUN_DIR/checkpoints/vN), with
+    # the student's tokenizer (checked at start-up); any size. "" = no distillation
+    teacher: str = ""
+    # per loss token the advantage gains coef x (log p_teacher - log p_behaviour): the reverse KL's per-token sample
+    coef: float = 1.0
+    # false: the task advantage is zeroed and the teacher's term alone trains (needs ppo.drop_uniform_groups=false)
+    task_reward: bool = True
 
 
 @dataclass
@@ -227,6 +255,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -297,7 +326,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 # every config value that names a file or folder: written absolute into a run's config, so a job script
 # submitted from another directory (or a resume from anywhere) finds what the user meant where they typed it
-PATH_KEYS = ("model.path", "data.path", "store.run_dir", "slurm.venv")
+PATH_KEYS = ("model.path", "data.path", "store.run_dir", "slurm.venv", "distill.teacher")
 
 
 def absolute_path(value: str) -> str:

@@ -33,6 +33,8 @@ _CHOICES = {
     "ppo.adv_scope": ("group", "batch"),
     "ppo.behav_weight": ("drop", "truncate"),
     "ppo.importance": ("token", "sequence"),
+    "ppo.objective": ("ppo", "cispo"),
+    "ppo.adv_std": ("unbiased", "population"),
     "ppo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     "ppo.kl_estimator": ("k1", "k2", "k3"),
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
@@ -88,6 +90,9 @@ _LOWER = {
     "ppo.dual_clip": (0, True),
     "ppo.kl_coef": (0, True),
     "ppo.entropy_coef": (0, True),
+    "ppo.seq_reject_low": (0, True),
+    "ppo.seq_reject_high": (0, True),
+    "distill.coef": (0, True),
     "reward.overlong_buffer": (0, True),
     "reward.overlong_penalty": (0, True),
     "trainer.warmup_versions": (0, True),
@@ -297,6 +302,14 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.trainer.zero_stage not in (1, 2, 3):
         raise ConfigError(f"config trainer.zero_stage={cfg.trainer.zero_stage!r} is not allowed; choose one of 1, 2, 3")
+    bits = cfg.rollout.weight_bits
+    if bits and not 2 <= bits <= 8:
+        raise ConfigError(f"config rollout.weight_bits={bits!r} is out of range; it must be 0 (off) or in [2, 8]")
+    if bits and cfg.rollout.engine != "torch":
+        raise ConfigError(
+            f"config rollout.weight_bits={bits} needs rollout.engine=torch (the engine that rounds its weights); "
+            f"got {cfg.rollout.engine}"
+        )
     emulated = (cfg.rollout.engine == "emulated", cfg.trainer.engine == "emulated")
     if emulated[0] != emulated[1]:
         # the generators would hold a placeholder payload and the trainers real weights (or the reverse)
@@ -344,7 +357,10 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.workflow.turn_discount > 1:
         raise ConfigError(f"config workflow.turn_discount={cfg.workflow.turn_discount!r} must be in [0, 1]")
-    _check_objective(cfg)
+    from areal_hpc.objective_checks import check_objective  # it imports ConfigError from here
+
+    check_objective(cfg)
+    _check_distill(cfg)
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
         raise ConfigError("config sync.backend=nccl needs cluster.device=cuda; use gloo (or auto) on CPU")
     return cfg
@@ -364,33 +380,20 @@ def _check_trackers(trackers: list[str]) -> None:
         raise ConfigError(f"config logging.trackers=[{','.join(trackers)}] names a tracker twice")
 
 
-def _check_objective(cfg: Config) -> None:
-    """The objective menu's combinations (docs/algorithm.md)."""
-    pc = cfg.ppo
-    if pc.eps_clip_high is not None and not pc.eps_clip_high >= pc.eps_clip:
+def _check_distill(cfg: Config) -> None:
+    """The distillation section's combinations (docs/algorithm.md, "On-policy distillation")."""
+    dc = cfg.distill
+    if not dc.teacher:
+        if not dc.task_reward:
+            raise ConfigError("config distill.task_reward=false needs distill.teacher (nothing else would train)")
+        return
+    if dc.coef == 0:
+        raise ConfigError("config distill.coef=0 with distill.teacher set: give a coefficient > 0 (e.g. 1.0)")
+    if "emulated" in (cfg.trainer.engine, cfg.rollout.engine):
+        raise ConfigError("config distill.teacher needs real engines (trainer.engine torch or deepspeed)")
+    if not dc.task_reward and cfg.ppo.drop_uniform_groups:
+        # the groups would still be kept or dropped by the task reward the run turned off
         raise ConfigError(
-            f"config ppo.eps_clip_high={pc.eps_clip_high!r} is below ppo.eps_clip={pc.eps_clip!r}; clip-higher "
-            "raises the upper clip (e.g. 0.28 with 0.2), or leave it null for eps_clip"
-        )
-    if 0 < pc.dual_clip <= 1:
-        raise ConfigError(f"config ppo.dual_clip={pc.dual_clip!r} must be 0 (off) or above 1 (e.g. 3)")
-    tc = cfg.trainer
-    if pc.kl_coef and tc.engine == "deepspeed" and tc.zero_stage == 3 and not tc.lora_rank:
-        # the reference would be a full, unsharded copy on every trainer: what ZeRO-3 is chosen to avoid
-        # (with LoRA the reference is the base with the adapter off: no copy)
-        raise ConfigError(
-            "config ppo.kl_coef needs trainer.zero_stage 1 or 2 under DeepSpeed (ZeRO-3 shards no reference), "
-            "or LoRA (trainer.lora_rank)"
-        )
-    if tc.lora_rank and "emulated" in (tc.engine, cfg.rollout.engine):
-        raise ConfigError("config trainer.lora_rank needs real engines (trainer.engine torch or deepspeed)")
-    if cfg.reward.overlong_buffer >= cfg.rollout.max_new_tokens:
-        raise ConfigError(
-            f"config reward.overlong_buffer={cfg.reward.overlong_buffer} must be below "
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty starts that many tokens before it)"
-        )
-    if cfg.trainer.warmup_versions >= cfg.trainer.versions and cfg.trainer.warmup_versions:
-        raise ConfigError(
-            f"config trainer.warmup_versions={cfg.trainer.warmup_versions} must be below "
-            f"trainer.versions={cfg.trainer.versions}"
+            "config distill.task_reward=false needs ppo.drop_uniform_groups=false: without a task reward every "
+            "group carries the teacher's signal"
         )

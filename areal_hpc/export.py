@@ -113,6 +113,20 @@ def _read_weights(ckpt: Path, meta: dict, base: Path) -> dict[str, torch.Tensor]
         raise ExportError(f"checkpoint {str(ckpt)!r} cannot be read ({type(err).__name__}: {what})") from None
 
 
+def checkpoint_model(checkpoint: str | Path, weights: bool = True) -> tuple[Path, dict[str, torch.Tensor] | None]:
+    """A complete trainer checkpoint as a model: the folder its architecture and tokenizer come from (the run's
+    model folder, or a LoRA run's base) and its fp32 weights on CPU (None unless `weights`); ExportError otherwise.
+    (The distillation teacher loads a checkpoint this way.)"""
+    ckpt = Path(checkpoint).resolve()
+    run, _, meta = _check_checkpoint(ckpt)
+    base = adapter_base_folder(run) if "lora" in meta else run_model_folder(run)
+    if not weights:
+        return base, None
+    sd = _read_weights(ckpt, meta, base)
+    _check_fits(sd, base, ckpt)
+    return base, sd
+
+
 def _check_fits(weights: dict[str, torch.Tensor], base: Path, ckpt: Path) -> int:
     """Every tensor the model folder's architecture has, of its shape, and no other (on the meta device: free);
     returns the architecture's parameter count (tied ones once)."""

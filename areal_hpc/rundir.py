@@ -91,6 +91,11 @@ class RunDir:
         return self.root / "model.json"
 
     @property
+    def teacher(self) -> Path:
+        """The distillation teacher by fingerprint, written at the first start: a resume keeps the same teacher."""
+        return self.root / "teacher.json"
+
+    @property
     def model_hashes(self) -> Path:
         """A cache of model files' sha256 by path, size and mtime: an unchanged model is hashed once."""
         return self.root / "model-hashes.json"

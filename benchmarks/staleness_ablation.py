@@ -50,6 +50,8 @@ def grid() -> dict[str, list[str]]:
         points[f"eta{eta}_loglinear"] = [f"rollout.eta={eta}", "ppo.prox=loglinear"]
     for name, overrides in OBJECTIVES.items():
         points[f"eta4_{name}"] = ["rollout.eta=4", *overrides]
+    for name, overrides in CORRECTIONS.items():
+        points[f"eta0_{name}"] = ["rollout.eta=0", *overrides]
     return points
 
 
@@ -72,6 +74,19 @@ OBJECTIVES = {
     # GRPO's KL to the reference (k3, beta 0.04)
     "kl": ["ppo.kl_coef=0.04", "ppo.kl_estimator=k3"],
     "entropy": ["ppo.entropy_coef=0.001"],
+    # CISPO: every token keeps its gradient, the ratio clipped above only (MiniMax-M1's eps_high)
+    "cispo": ["ppo.objective=cispo", "ppo.eps_clip=1.0", "ppo.eps_clip_high=0.28"],
+}
+
+# the corrections for a training-inference mismatch, on fresh data (eta 0: every gap is mismatch, none staleness);
+# run them under --setting mismatch, where generation rounds its weights to 4 bits, at a high learning rate
+CORRECTIONS = {
+    "plain": ["ppo.decoupled=false"],  # no correction: the ratio to the sampler's logprobs, nothing weighted
+    "nocap": ["ppo.behav_imp_weight_cap=0"],  # the behaviour weight applied, never capped
+    "drop": ["ppo.behav_imp_weight_cap=2"],
+    "truncate": ["ppo.behav_weight=truncate", "ppo.behav_imp_weight_cap=2"],
+    "seqreject": ["ppo.behav_imp_weight_cap=0", "ppo.seq_reject_low=0.5", "ppo.seq_reject_high=2"],
+    "cispo": OBJECTIVES["cispo"],
 }
 
 
@@ -81,6 +96,9 @@ SETTINGS = {
     "demo": [],
     "harsh": ["trainer.lr=4e-4", "ppo.n_minibatches=8"],
     "gentle": ["ppo.n_minibatches=2"],
+    # generation on weights rounded to 4 bits per row (k3 ~0.02 against the trainer, bf16 gives ~1e-5), and the
+    # policy moving far between versions
+    "mismatch": ["rollout.weight_bits=4", "trainer.lr=4e-4", "ppo.n_minibatches=8"],
 }
 
 
@@ -118,6 +136,8 @@ def run_point(name: str, overrides: list[str], seed: int, args) -> dict:
         "staleness_mean": float(eaten["staleness"].mean()),
         "mixed_versions": float((eaten["version_start"] != eaten["version_end"]).mean()),
         "prefill_tokens": s.get("prefill_tokens"),
+        # the training-inference gap, staleness-0 tokens and all tokens, as the version rows give it
+        **{f"{c}_mean": float(m[c].mean()) for c in m.columns if c.startswith(("mismatch_", "offpolicy_"))},
     }
 
 

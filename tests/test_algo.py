@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -120,8 +122,19 @@ def test_group_advantages_and_filter():
     a = group_advantages(r, g, "mean")
     np.testing.assert_allclose(a[:4], [0.5, -0.5, -0.5, 0.5])
     np.testing.assert_allclose(a[4:], 0)
+    # the std of group 0 (1, 0, 0, 1): unbiased (the default) sqrt(1/3), over n - 1 = 3; population 0.5, over n
     s = group_advantages(r, g, "mean_std")
-    np.testing.assert_allclose(s[:4], np.array([0.5, -0.5, -0.5, 0.5]) / (0.5 + 1e-4), rtol=1e-6)
+    np.testing.assert_allclose(s[:4], np.array([0.5, -0.5, -0.5, 0.5]) / (math.sqrt(1 / 3) + 1e-4), rtol=1e-6)
+    p = group_advantages(r, g, "mean_std", std="population")
+    np.testing.assert_allclose(p[:4], np.array([0.5, -0.5, -0.5, 0.5]) / (0.5 + 1e-4), rtol=1e-6)
+    np.testing.assert_allclose(s[4:], 0)
+    # a one-sample group: advantage 0 with either std, no NaN (its n - 1 is 0); over the batch too
+    for std in ("unbiased", "population"):
+        assert group_advantages(np.array([1.0]), np.array([0]), "mean_std", std=std).tolist() == [0.0]
+        one = group_advantages(np.array([1.0]), np.array([0]), "mean_std", scope="batch", std=std)
+        assert one.tolist() == [0.0]
+    with pytest.raises(ValueError, match="ppo.adv_std"):
+        group_advantages(r, g, "mean_std", std="sample")
     assert informative_groups(r, g).tolist() == [True] * 4 + [False] * 5
     with pytest.raises(ValueError, match="mean_std"):
         group_advantages(r, g, "median")

@@ -105,6 +105,24 @@ def test_speedup_staleness_utilisation_and_curves_agree_with_the_raw_files(two_r
     )
 
 
+def test_the_gap_is_measured_every_version_with_staleness_kept_apart(two_runs):
+    sync, asyn = (analysis.load_run(p) for p in two_runs)
+    for r in (sync, asyn):  # the recompute measures every loss token of every version
+        trained = r.metrics[r.metrics.version > 0]
+        assert trained["offpolicy_k3"].notna().all() and (trained["offpolicy_tokens"] == trained["gen_tokens"]).all()
+    s = sync.metrics[sync.metrics.version > 0]
+    assert (s["mismatch_tokens"] == s["offpolicy_tokens"]).all() and s["mismatch_k3"].notna().all()
+    assert s["mismatch_k3"].lt(1e-6).all()  # torch fp32 generation against torch fp32 training: float rounding
+    a = asyn.metrics[asyn.metrics.version > 0]
+    assert (a["mismatch_tokens"] < a["offpolicy_tokens"]).any()  # stale tokens are left out of mismatch_*
+    assert a["mismatch_tokens"].gt(0).any() and (a["mismatch_k3"].notna() == a["mismatch_tokens"].gt(0)).all()
+    assert a["offpolicy_k3"].max() > 100 * a["mismatch_k3"].max()  # staleness dwarfs the numeric mismatch
+    curves = analysis.mismatch_curves([sync, asyn])
+    assert len(curves) == 2 * (len(s) + len(a)) and set(curves.tokens) == {"mismatch", "offpolicy"}
+    got = curves[(curves.run == "eta2") & (curves.tokens == "offpolicy")].set_index("version")["k3"]
+    assert got.to_dict() == a.set_index("version")["offpolicy_k3"].to_dict()
+
+
 NOTEBOOK_FIGURES = {
     "speedup": {"speedup.png", "learning_wall.png", "learning_version.png"},
     "staleness": {"staleness.png"},
@@ -143,8 +161,8 @@ def test_report_compares_runs_or_a_sweep_in_one_html_file(two_runs, tmp_path):
     r = _report(str(two_runs[1]), "--baseline", str(two_runs[0]), "--target-acc", "0", "-o", str(out))
     assert r.returncode == 0, r.stderr
     text = out.read_text()
-    # speedup, two learning-curve figures, staleness, one utilisation figure per run: all inline
-    assert text.count('src="data:image/png;base64,') == 6
+    # speedup, two learning-curve figures, staleness, the training-inference gap, one utilisation figure per run
+    assert text.count('src="data:image/png;base64,') == 7 and "Training-inference gap" in text
     assert "throughput_speedup" in text and "time_to_target_s" in text
     assert "<tr class=differs><td>rollout.eta</td><td>0</td><td>2</td></tr>" in text  # the baseline joins first
     sweep = tmp_path / "sweep"
@@ -153,7 +171,7 @@ def test_report_compares_runs_or_a_sweep_in_one_html_file(two_runs, tmp_path):
     (sweep / "sweep.json").write_text(json.dumps({"points": points}))
     r = _report(str(sweep), "-o", str(tmp_path / "sweep.html"))
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "sweep.html").read_text().count('src="data:image/png;base64,') == 6
+    assert (tmp_path / "sweep.html").read_text().count('src="data:image/png;base64,') == 7
     r = _report(str(tmp_path / "sweep" / ".."), "-o", str(tmp_path / "bad.html"))
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "not a run directory" in r.stderr
     assert not (tmp_path / "bad.html").exists()

@@ -30,6 +30,19 @@ def test_run_overview_notebook_executes(tmp_path, tiny_model_dir):
         ],
     )
     run_sync(cfg)
+    # the synchronous loop writes the asynchronous runtime's gap columns; every token is staleness 0 here
+    import pandas as pd
+
+    from areal_hpc.algo.mismatch import FIGURES, SETS
+
+    trained = pd.read_csv(run / "metrics.csv").query("version > 0")
+    assert (trained["mismatch_tokens"] == trained["offpolicy_tokens"]).all()
+    measured = trained[trained["offpolicy_tokens"] > 0]  # a version whose groups all scored alike trains nothing
+    gap = [f"{name}_{k}" for name in SETS for k in FIGURES]
+    assert len(measured) >= 1 and measured[gap].notna().all().all(), trained
+    figures = [c for c in gap if not c.endswith("_tokens")]
+    assert trained.loc[trained["offpolicy_tokens"] == 0, figures].isna().all().all()  # an empty cell, not a 0
+    assert not any("_sums/" in c for c in trained.columns)  # the trainer's sums are merged, not copied
     nb = json.loads((ROOT / "analysis" / "run_overview.ipynb").read_text())
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     (tmp_path / "analysis").mkdir()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import subprocess
 import sys
 import types
@@ -72,12 +73,37 @@ def test_every_bad_config_value_is_one_line_naming_the_key(key, value):
         (["reward.overlong_buffer=8", "rollout.max_new_tokens=8"], "overlong_buffer"),
         (["trainer.warmup_versions=50", "trainer.versions=50"], "warmup_versions"),
         (["trainer.lora_rank=8", "trainer.engine=emulated", "rollout.engine=emulated"], "lora_rank"),
+        (["ppo.objective=cispo", "ppo.importance=sequence"], "importance=token"),
+        (["ppo.objective=cispo", "ppo.dual_clip=3"], "dual_clip"),
+        (["ppo.seq_reject_low=1.2"], "seq_reject_low"),  # the band must hold 1, an on-policy sequence
+        (["ppo.seq_reject_high=0.8"], "seq_reject_high"),
+        (["ppo.seq_reject_high=2", "ppo.decoupled=false"], "decoupled=true"),  # no proximal policy to compare
+        (["rollout.weight_bits=1"], "weight_bits"),
+        (["rollout.weight_bits=4", "rollout.engine=vllm"], "rollout.engine=torch"),
     ],
 )
 def test_objective_combinations_that_cannot_work_are_one_line(overrides, named):
     with pytest.raises(ConfigError) as err:
         load_config(DEMO, [*overrides, "model.path=/nonexistent"])
     assert "\n" not in str(err.value) and named in str(err.value), err.value
+
+
+def test_cispo_may_bound_the_upper_side_alone():
+    cfg = load_config(DEMO, ["ppo.objective=cispo", "ppo.eps_clip=1", "ppo.eps_clip_high=0.28", "model.path=/x"])
+    assert (cfg.ppo.eps_clip, cfg.ppo.eps_clip_high) == (1, 0.28)  # MiniMax-M1's: no lower bound on the weight
+
+
+def test_gspo_with_the_token_mean_is_warned_once_in_one_line_naming_the_per_sequence_mean(caplog):
+    from areal_hpc import objective_checks
+
+    objective_checks._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="areal_hpc"):
+        for agg in ("token_mean", "token_mean", "seq_mean_token_mean"):  # warned once per process, and only then
+            load_config(DEMO, ["ppo.importance=sequence", f"ppo.loss_agg={agg}", "model.path=/nonexistent"])
+        load_config(DEMO, ["model.path=/nonexistent"])  # token-level ratios: nothing to say
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "importance=sequence" in said[0] and "loss_agg=seq_mean_token_mean" in said[0]
 
 
 def test_lora_settings_that_cannot_work_are_one_line_before_any_rank_starts(tiny_model_dir, tmp_path):

@@ -33,6 +33,7 @@ OBJECTIVES = {
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_model_dir, batch, tmp_path):
+    from areal_hpc.algo.mismatch import row_columns
     from areal_hpc.algo.ppo import Objective
     from areal_hpc.engines.lora import LoraSpec
     from areal_hpc.engines.torch_train import TorchTrainEngine
@@ -78,10 +79,15 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
         lora=LoraSpec(*lora) if lora else None,
     )
     start = {k: v.clone() for k, v in ref.weights().items()}
-    ref.ppo_update(trajs, adv)  # one trainer, the whole batch, the same minibatch split
+    ref_stats = ref.ppo_update(trajs, adv)  # one trainer, the whole batch, the same minibatch split
     for k, v in ref.weights().items():
         torch.testing.assert_close(got["sgd_step"][k], v, rtol=1e-4, atol=1e-5, msg=f"ZeRO-{stage} {k}")
     assert any(not torch.equal(start[k], v) for k, v in ref.weights().items())
+    # the two trainers' mismatch sums merge into the single trainer's figures (ZeRO-3: empty micro-batches add none)
+    gaps, ref_gaps = row_columns(got["stats"]), row_columns([ref_stats])
+    assert gaps.keys() == ref_gaps.keys() and gaps["offpolicy_tokens"] == sum(int(t.loss_mask.sum()) for t in trajs)
+    for k, v in ref_gaps.items():
+        assert gaps[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
     # checkpoint, restore into a fresh engine, continue: the same next step as never stopping
     assert got["version"] == 2
     for k, v in got["continued"].items():

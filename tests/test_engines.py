@@ -494,3 +494,30 @@ def test_every_eos_in_generation_config_stops_a_sequence(tiny_model_dir, tmp_pat
         else:
             assert (o.finish_reason, len(o.output_ids)) == ("length", 12)
     assert {a, b} <= ended_on, ended_on
+
+
+def test_weight_bits_round_every_matrix_and_logprobs_are_those_of_the_rounded_weights(tiny_model_dir):
+    """rollout.weight_bits: each row of each weight matrix takes at most 2^bits - 1 values, vectors stay exact,
+    and the engine samples from (and records the logprobs of) the rounded weights, so the trainer sees a gap."""
+    from areal_hpc.engines.torch_gen import fake_quantize
+
+    exact = load_causal_lm(str(tiny_model_dir), "float32").state_dict()
+    eng = TorchGenerationEngine(str(tiny_model_dir), weight_bits=3, seed=0)
+    eng.update_weights({k: v.clone() for k, v in exact.items()}, version=1)
+    held = eng.state_dict()
+    for name, w in exact.items():
+        if w.dim() == 2:
+            assert max(len(torch.unique(row)) for row in held[name]) <= 7, name  # 3 bits: -3..3 times a scale
+            assert not torch.equal(held[name], w), name
+        else:
+            assert torch.equal(held[name], w), name
+    assert torch.equal(fake_quantize(exact, 3)["model.embed_tokens.weight"], held["model.embed_tokens.weight"])
+    tok = load_tokenizer(str(tiny_model_dir))
+    outs = generate(eng, _requests(tok, max_new=6))
+    rounded = load_causal_lm(str(tiny_model_dir), "float32")
+    rounded.load_state_dict(fake_quantize(exact, 3))
+    full = load_causal_lm(str(tiny_model_dir), "float32")
+    for o in outs:
+        np.testing.assert_allclose(o.output_logprobs, _reference_logprobs(rounded, o), atol=1e-4)
+    gap = max(np.abs(np.array(o.output_logprobs) - _reference_logprobs(full, o)).max() for o in outs)
+    assert gap > 1e-3  # the trainer's exact weights give other logprobs: a mismatch on purpose

@@ -1,4 +1,5 @@
-"""The objective menu (clip-higher, dual-clip, aggregations, GSPO, TIS, KL, entropy) against a direct computation."""
+"""The objective menu (clip-higher, dual-clip, aggregations, GSPO, TIS, CISPO, sequence rejection, KL, entropy)
+against a direct computation."""
 
 from __future__ import annotations
 
@@ -45,18 +46,25 @@ def _reference_loss(model, trajs, adv, prox, ref, obj: Objective, agg: str, temp
         toks = [k for k in range(1, len(t.input_ids)) if t.loss_mask[k]]
         n_tokens.append(len(toks))
         a = float(adv[i])
+        # the sequence's geometric-mean behaviour weight: GSPO's w, and what sequence rejection bounds
+        w_seq = math.exp(np.mean([float(prox[i][k]) - float(t.behav_logprobs[k]) for k in toks]))
+        rejected = (obj.seq_reject_low and w_seq < obj.seq_reject_low) or (
+            obj.seq_reject_high and w_seq > obj.seq_reject_high
+        )
         if obj.importance == "sequence":  # the sequence ratio itself, differentiated as a whole (GSPO)
             s = torch.exp(torch.stack([lp[k - 1] - float(prox[i][k]) for k in toks]).mean())
-            w_seq = math.exp(np.mean([float(prox[i][k]) - float(t.behav_logprobs[k]) for k in toks]))
         terms = []
         for k in toks:
             p, b = float(prox[i][k]), float(t.behav_logprobs[k])
             u, w = (s, w_seq) if obj.importance == "sequence" else (torch.exp(lp[k - 1] - p), math.exp(p - b))
             term = torch.zeros(())
-            if obj.behav_cap is None or w <= obj.behav_cap or obj.behav_weight == "truncate":
+            if not rejected and (obj.behav_cap is None or w <= obj.behav_cap or obj.behav_weight == "truncate"):
                 w = min(w, obj.behav_cap) if obj.behav_cap is not None else w
                 hi = obj.eps_clip if obj.eps_clip_high is None else obj.eps_clip_high
-                j = torch.minimum(u * a, torch.clamp(u, 1 - obj.eps_clip, 1 + hi) * a)
+                if obj.surrogate == "cispo":  # the clipped ratio a constant weight on log pi (CISPO)
+                    j = float(torch.clamp(u.detach(), 1 - obj.eps_clip, 1 + hi)) * a * lp[k - 1]
+                else:
+                    j = torch.minimum(u * a, torch.clamp(u, 1 - obj.eps_clip, 1 + hi) * a)
                 if obj.dual_clip and a < 0:
                     j = torch.maximum(j, torch.tensor(obj.dual_clip * a))
                 term = term - w * j
@@ -93,7 +101,20 @@ CASES = {
         Objective(0.1, 0.28, 1.05, 2.0, "truncate", "sequence", 0.2, "k3", 0.05),
         "seq_mean_token_sum_norm",
     ),
+    "cispo": (Objective(eps_clip=0.1, eps_clip_high=0.15, behav_cap=2.0, surrogate="cispo"), "token_mean"),
+    "cispo_tis_kl_entropy": (
+        Objective(0.1, 0.28, 0.0, 1.5, "truncate", "token", 0.2, "k2", 0.05, surrogate="cispo"),
+        "seq_mean_token_mean",
+    ),
+    "seq_reject": (Objective(behav_cap=2.0, seq_reject_low=0.9, seq_reject_high=1.1), "token_mean"),
+    "seq_reject_gspo": (
+        Objective(0.01, 0.015, importance="sequence", behav_cap=1.6, seq_reject_low=0.9, seq_reject_high=1.1),
+        "seq_mean_token_mean",
+    ),
+    # no recomputed proximal logprobs: the rejection's weights come from the prepass
+    "seq_reject_loglinear": (Objective(seq_reject_low=0.9, seq_reject_high=1.1, entropy_coef=0.05), "token_mean"),
 }
+LOGLINEAR = {"seq_reject_loglinear"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -113,13 +134,16 @@ def test_every_objective_equals_the_direct_computation_in_loss_and_gradients(tin
     for t, p in zip(trajs, prox):
         t.behav_logprobs[:] = np.where(t.loss_mask > 0, p + 0.5 * rng.standard_normal(len(p)), 0)
     ref = [np.where(t.loss_mask > 0, c + 0.4 * rng.standard_normal(len(c)), 0) for t, c in zip(trajs, current)]
+    if case in LOGLINEAR:  # version 3 trains tokens of version 0: pi_prox sits 3/4 of the way from behav to pi
+        tr.version = 3
+        prox = [t.behav_logprobs + 0.75 * (c - t.behav_logprobs) for t, c in zip(trajs, current)]
 
     idx = list(range(len(trajs)))
     n_tok = [int(t.loss_mask.sum()) for t in trajs]
     weights = dict(zip(idx, sequence_weights(n_tok, agg, sum(n_tok), len(trajs), NORM)))
-    prox_t = [torch.as_tensor(p, dtype=torch.float32) for p in prox]
+    prox_t = [None] * 6 if case in LOGLINEAR else [torch.as_tensor(p, dtype=torch.float32) for p in prox]
     ref_t = [torch.as_tensor(r, dtype=torch.float32) for r in ref]
-    loss, stats = tr._ppo_micro(trajs, adv, prox_t, ref_t if obj.kl_coef else [None] * 6, idx, weights)
+    loss, stats = tr._ppo_micro(trajs, adv, prox_t, ref_t if obj.kl_coef else [None] * 6, idx, weights)[:2]
     tr.model.zero_grad()
     loss.backward()
     got = torch.cat([p.grad.reshape(-1) for p in tr.model.parameters()])
@@ -133,8 +157,12 @@ def test_every_objective_equals_the_direct_computation_in_loss_and_gradients(tin
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert float(want.norm()) > 0
     # the cases reach what they are about: some ratios clipped, weights over the cap, a KL that is not 0
-    if case in ("decoupled", "clip_higher_dual", "gspo"):
+    if case in ("decoupled", "clip_higher_dual", "gspo", "cispo", "cispo_tis_kl_entropy"):
         assert 0 < stats["clip_frac"] < 1, stats
+    if obj.seq_reject_low:  # some sequences rejected, not all; without the bounds, no such stat
+        assert 0 < stats["seq_rejected_frac"] < 1, stats
+    else:
+        assert "seq_rejected_frac" not in stats
     if case == "tis":
         assert 0 < stats["truncated_frac"] < 1 and stats.get("capped_frac", 0) == 0
     if obj.kl_coef:
@@ -143,6 +171,16 @@ def test_every_objective_equals_the_direct_computation_in_loss_and_gradients(tin
         assert stats["entropy_bonus"] > 0
     if obj.importance == "sequence":
         assert "seq_ratio_mean" in stats
+
+
+def test_the_config_keys_reach_the_objective(tiny_model_dir):
+    from areal_hpc.config import load_config
+    from areal_hpc.runtime.build import objective
+
+    keys = ["ppo.objective=cispo", "ppo.seq_reject_low=0.5", "ppo.seq_reject_high=2", "ppo.behav_weight=truncate"]
+    obj = objective(load_config(None, [f"model.path={tiny_model_dir}", *keys]))
+    assert (obj.surrogate, obj.seq_reject_low, obj.seq_reject_high, obj.behav_weight) == ("cispo", 0.5, 2, "truncate")
+    assert objective(load_config(None, [f"model.path={tiny_model_dir}"])) == Objective(behav_cap=5.0)  # the defaults
 
 
 def _held_parameters(engine) -> int:
@@ -229,8 +267,11 @@ def test_advantages_without_normalisation_or_over_the_batch_and_the_overlong_pen
     g = np.repeat([0, 1], 4)
     none, _ = batch_advantages(r, g, "none", False)
     assert none.tolist() == r.tolist()
+    # the batch's std, unbiased by default: sqrt(8 x 0.25 / 7) over 8 samples of mean 0.5; population: 0.5
     batch, _ = batch_advantages(r, g, "mean_std", False, scope="batch")
-    np.testing.assert_allclose(batch, (r - 0.5) / (0.5 + 1e-4), rtol=1e-6)
+    np.testing.assert_allclose(batch, (r - 0.5) / (math.sqrt(2 / 7) + 1e-4), rtol=1e-6)
+    pop, _ = batch_advantages(r, g, "mean_std", False, scope="batch", std="population")
+    np.testing.assert_allclose(pop, (r - 0.5) / (0.5 + 1e-4), rtol=1e-6)
     group, _ = batch_advantages(r, g, "mean", False)
     np.testing.assert_allclose(group, r - np.repeat([0.25, 0.75], 4))
     # over two trainers: each holds one group, the statistics are the batch's (the sum stands in for the collective)

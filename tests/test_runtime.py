@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from areal_hpc.algo.mismatch import FIGURES
 from areal_hpc.config import load_config
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.launch.local import launch
@@ -293,6 +294,15 @@ def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):
 
     tags = set(EventAccumulator(str(run / "tensorboard")).Reload().Tags()["scalars"])
     assert set(terms) <= tags, tags
+    # the training-inference gap, every version: without a recompute, over the first minibatch's forward (one of
+    # 4), merged over the two trainers; at eta=0 every token is staleness 0, so both sets are the same tokens
+    gap = [f"{name}_{k}" for name in ("mismatch", "offpolicy") for k in FIGURES]
+    assert trained[gap].notna().all().all() and set(gap) <= tags, trained[gap]
+    assert (trained["mismatch_tokens"] == trained["offpolicy_tokens"]).all()
+    assert (trained["mismatch_k3"] == trained["offpolicy_k3"]).all()
+    assert trained["mismatch_tokens"].between(1, trained["gen_tokens"] / 2).all()
+    # torch generation against torch training, both fp32: the gap is float rounding
+    assert trained["mismatch_k3"].lt(1e-6).all() and trained["mismatch_ess"].gt(0.999).all(), trained[gap]
     eaten = _audit(run, eta=0)
     # keep_kv at eta=0: every group of a version is consumed before the next weights arrive
     assert (eaten["staleness"] == 0).all() and (eaten["version_start"] == eaten["version_end"]).all()
@@ -473,7 +483,9 @@ def test_ctrl_c_checkpoints_and_stops_every_rank_cleanly(tmp_path):
 def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path, lora):
     # two ZeRO-3 trainers: the full weights (or the adapter) are gathered collectively before trainer 0 sends them;
     # with LoRA through files (sync.method=disk), after a warm start of every weight that becomes the base
-    extra = ["trainer.lora_rank=4", "sync.method=disk", "ppo.kl_coef=0.05"] if lora else []
+    # the full case trains CISPO with sequence rejection: both through ZeRO-3's checkpointed loss, in the runtime
+    corrections = ["ppo.objective=cispo", "ppo.seq_reject_low=0.5", "ppo.seq_reject_high=2"]
+    extra = ["trainer.lora_rank=4", "sync.method=disk", "ppo.kl_coef=0.05"] if lora else corrections
     cfg = _cfg(
         tmp_path,
         "trainer.engine=deepspeed",
@@ -492,6 +504,10 @@ def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path, lora):
     eaten = _audit(run, eta=2)
     assert s["versions"] == 6 and len(eaten) == 6 * 32 * 8
     m = pd.read_csv(run / "metrics.csv")
+    # the gap over every loss token, each version, from the recomputed proximal logprobs of both ZeRO-3 trainers
+    trained = m[m.version > 0]
+    assert (trained["offpolicy_tokens"] == trained["gen_tokens"]).all() and trained["offpolicy_k3"].notna().all()
+    assert (trained["mismatch_tokens"] <= trained["offpolicy_tokens"]).all()
     assert (m["weights_match"] == 1).all()  # the generator holds exactly the gathered ZeRO-3 weights
     assert (run / "checkpoints" / "v00000006" / "meta.json").exists()
     if lora:  # the adapter alone went through the files; the base is the warm-started model, checked once
@@ -500,6 +516,8 @@ def test_deepspeed_zero3_trainers_run_the_async_loop(tmp_path, lora):
         newest = max(p for p in (run / "weights").glob("v*") if p.is_dir())
         assert all(".lora_" in k for k in load_file(str(newest / "model.safetensors")))
         assert m["kl"].dropna().gt(0).any()  # the reference (the adapter off) differs from the policy
+    else:  # a share of loss tokens each version; at eta 2 no sequence's mean weight leaves [0.5, 2] here
+        assert trained["seq_rejected_frac"].between(0, 0.05).all(), trained["seq_rejected_frac"]
 
 
 @pytest.mark.slow

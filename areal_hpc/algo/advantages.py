@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+ADV_STDS = ("unbiased", "population")
+
 
 def _episodes_once(values: np.ndarray, idx: np.ndarray, sample_ids: np.ndarray | None) -> np.ndarray:
     """The values of sequences `idx`, each episode counted once (its branches share one value)."""
@@ -19,6 +21,7 @@ def group_advantages(
     sample_ids: np.ndarray | None = None,
     scope: str = "group",
     sum_across_trainers=None,
+    std: str = "unbiased",
 ) -> np.ndarray:
     """Per-sequence advantage: r - mean, divided by (std + eps) when norm == 'mean_std'; norm == 'none': r.
 
@@ -26,9 +29,13 @@ def group_advantages(
     trainer when `sum_across_trainers` (a collective summing a vector over trainers) is given.
     `sample_ids`: sequences of one group with the same sample id are branches of one episode (equal rewards):
     statistics are taken over episodes, each counted once, and the branches share their advantage.
+    `std`: 'unbiased' divides the squares by n - 1 (AReaL, verl, TRL), 'population' by n; n < 2 gives std 0
+    (a lone sample's advantage is then 0).
     """
     if norm not in ("none", "mean", "mean_std"):
         raise ValueError(f"advantage norm must be 'none', 'mean' or 'mean_std', got {norm!r}")
+    if std not in ADV_STDS:
+        raise ValueError(f"ppo.adv_std must be one of {', '.join(ADV_STDS)}; got {std!r}")
     if scope not in ("group", "batch"):
         raise ValueError(f"advantage scope must be 'group' or 'batch', got {scope!r}")
     rewards = np.asarray(rewards, dtype=np.float64)
@@ -42,18 +49,25 @@ def group_advantages(
         sums = np.array([len(once), once.sum(), (once**2).sum()], dtype=np.float64)
         n, s1, s2 = sum_across_trainers(sums) if sum_across_trainers is not None else sums
         mean = s1 / max(n, 1.0)
-        std = float(np.sqrt(max(s2 / max(n, 1.0) - mean**2, 0.0)))
+        var = max(s2 / max(n, 1.0) - mean**2, 0.0) * _bessel(n, std)
         adv = rewards - mean
-        return (adv / (std + std_eps) if norm == "mean_std" else adv).astype(np.float32)
+        return (adv / (np.sqrt(var) + std_eps) if norm == "mean_std" else adv).astype(np.float32)
     adv = np.zeros_like(rewards)
     for g in np.unique(group_ids):
         idx = group_ids == g
         once = _episodes_once(rewards, idx, sample_ids)
         a = rewards[idx] - once.mean()
         if norm == "mean_std":
-            a = a / (once.std() + std_eps)
+            a = a / (np.sqrt(once.var() * _bessel(len(once), std)) + std_eps)
         adv[idx] = a
     return adv.astype(np.float32)
+
+
+def _bessel(n: float, std: str) -> float:
+    """What the population variance of n values is multiplied by: n / (n - 1) for the unbiased one, 0 if n < 2."""
+    if n < 2:
+        return 0.0
+    return n / (n - 1.0) if std == "unbiased" else 1.0
 
 
 def informative_groups(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
@@ -79,6 +93,7 @@ def batch_advantages(
     sample_ids: np.ndarray | None = None,
     scope: str = "group",
     sum_across_trainers=None,
+    std: str = "unbiased",
 ) -> tuple[np.ndarray, np.ndarray]:
     """(advantage, keep mask) of a training batch: what both training loops apply before a PPO step.
 
@@ -90,7 +105,13 @@ def batch_advantages(
     if len(rewards) == 0 and scope == "group":
         return np.zeros(0, np.float32), np.zeros(0, bool)
     adv = group_advantages(
-        rewards, group_ids, norm, sample_ids=sample_ids, scope=scope, sum_across_trainers=sum_across_trainers
+        rewards,
+        group_ids,
+        norm,
+        sample_ids=sample_ids,
+        scope=scope,
+        sum_across_trainers=sum_across_trainers,
+        std=std,
     )
     keep = informative_groups(rewards, group_ids) if drop_uniform else np.ones(len(rewards), bool)
     return adv, keep

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,14 @@ class Objective:
     kl_coef: float = 0.0  # the KL penalty to the reference policy
     kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(pi || ref))
     entropy_coef: float = 0.0  # the entropy bonus
+    surrogate: str = "ppo"  # ppo: the clipped ratio | cispo: sg(clipped ratio) x log pi, a gradient on every token
+    # sequence rejection: a sequence whose geometric-mean behaviour weight leaves [low, high] leaves the loss; 0 = off
+    seq_reject_low: float = 0.0
+    seq_reject_high: float = 0.0
+
+    @property
+    def rejects(self) -> bool:
+        return bool(self.seq_reject_low or self.seq_reject_high)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -62,6 +71,18 @@ def segment_mean(values: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor, n_
     return (sums / counts.clamp(min=1.0))[seq]
 
 
+def rejected_sequences(obj: Objective, seq_log_behav_w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 on the loss tokens of sequences whose exp(mean log(pi_prox / pi_behav)) is outside [low, high], else 0.
+    Compared in log space: a far-off sequence's weight may overflow."""
+    lw = torch.where(mask > 0, seq_log_behav_w.detach(), torch.zeros_like(seq_log_behav_w))
+    out = torch.zeros_like(mask, dtype=torch.bool)
+    if obj.seq_reject_low > 0:
+        out |= lw < math.log(obj.seq_reject_low)
+    if obj.seq_reject_high > 0:
+        out |= lw > math.log(obj.seq_reject_high)
+    return out.to(mask.dtype) * mask
+
+
 def policy_loss(
     obj: Objective,
     logp: torch.Tensor,
@@ -79,8 +100,10 @@ def policy_loss(
     """Sum over tokens of weight * (policy loss - entropy_coef * entropy + kl_coef * KL), and its stats.
 
     Per token, u = pi / pi_prox is clipped to [1 - eps_clip, 1 + eps_clip_high] (PPO, DAPO) and the result is
-    bounded by dual_clip for A < 0; w = pi_prox / pi_behav corrects for the policy that sampled it, carries no
-    gradient, and over `behav_cap` either drops the token or is truncated to the cap (TIS). With
+    bounded by dual_clip for A < 0; with surrogate=cispo the loss is -sg(clip(u)) * A * log pi instead (CISPO).
+    w = pi_prox / pi_behav corrects for the policy that sampled it, carries no gradient, and over `behav_cap`
+    either drops the token or is truncated to the cap (TIS). With seq_reject_low/high, every token of a
+    sequence whose exp(`seq_log_behav_w`) leaves that band leaves the loss (sequence rejection). With
     importance=sequence, `seq_log_ratio` and `seq_log_behav_w` hold each token's sequence mean of
     log(pi / pi_prox) and log(pi_prox / pi_behav) (detached): u = s * pi / sg(pi) has the value of the sequence
     ratio s and its gradient (GSPO), and w is the sequence's length-normalised weight. `weight` is each token's
@@ -92,11 +115,15 @@ def policy_loss(
     advantages = advantages.detach().to(logp.dtype)
     weight = weight.detach().to(logp.dtype)
     sequence = obj.importance == "sequence"
+    if (sequence or obj.rejects) and seq_log_behav_w is None:
+        raise ValueError("importance=sequence and sequence rejection need seq_log_behav_w (PolicyStep's prepass)")
 
     log_w = seq_log_behav_w.detach() if sequence else prox_logp - behav_logp
     behav_w = torch.exp(torch.where(mask > 0, log_w, torch.zeros_like(log_w)))
     over = (behav_w > obj.behav_cap).to(mask.dtype) * mask if obj.behav_cap is not None else torch.zeros_like(mask)
     kept = mask * (1 - over) if obj.behav_weight == "drop" else mask
+    rejected = rejected_sequences(obj, seq_log_behav_w, mask) if obj.rejects else torch.zeros_like(mask)
+    kept = kept * (1 - rejected)
     if obj.behav_weight == "truncate" and obj.behav_cap is not None:
         behav_w = behav_w.clamp(max=obj.behav_cap)
     # Masked and dropped tokens are zeroed *before* anything multiplies: a where() around the product alone
@@ -111,10 +138,15 @@ def policy_loss(
     else:
         ratio = torch.exp(torch.where(keep, logp - prox_logp, zero))
     high = obj.eps_clip if obj.eps_clip_high is None else obj.eps_clip_high
-    surr1 = ratio * advantages
-    surr2 = torch.clamp(ratio, 1.0 - obj.eps_clip, 1.0 + high) * advantages
-    pg = -torch.minimum(surr1, surr2)
-    if obj.dual_clip > 0:
+    clipped = torch.clamp(ratio, 1.0 - obj.eps_clip, 1.0 + high)
+    surr1, surr2 = ratio * advantages, clipped * advantages
+    if obj.surrogate == "cispo":  # the clipped ratio only weighs the token: every token keeps log pi's gradient
+        pg = -clipped.detach() * advantages * torch.where(keep, logp, zero)
+        clip_hit = (clipped != ratio).to(mask.dtype)
+    else:
+        pg = -torch.minimum(surr1, surr2)
+        clip_hit = (surr2 < surr1).to(mask.dtype)
+    if obj.dual_clip > 0 and obj.surrogate == "ppo":
         bound = -obj.dual_clip * advantages
         pg = torch.where(advantages < 0, torch.minimum(pg, bound), pg)
     per_token = behav_w * pg * weight * kept
@@ -133,7 +165,7 @@ def policy_loss(
         n_in = mask.sum().clamp(min=1.0)
         n_kept = kept.sum().clamp(min=1.0)
         stats = {
-            "clip_frac": float(((surr2 < surr1).to(mask.dtype) * kept).sum() / n_kept),
+            "clip_frac": float((clip_hit * kept).sum() / n_kept),
             "ratio_mean": float((ratio * kept).sum() / n_kept),
             "behav_w_mean": float((behav_w * kept).sum() / n_kept),
             "capped_frac": float(over.sum() / n_in) if obj.behav_weight == "drop" else 0.0,
@@ -142,6 +174,8 @@ def policy_loss(
         }
         if obj.behav_weight == "truncate":
             stats["truncated_frac"] = float(over.sum() / n_in)
+        if obj.rejects:
+            stats["seq_rejected_frac"] = float(rejected.sum() / n_in)  # a share of loss tokens, before the cap
         if sequence:
             stats["seq_ratio_mean"] = float((ratio * kept).sum() / n_kept)
         for k, v in stats_in.items():

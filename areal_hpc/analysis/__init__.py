@@ -1,4 +1,4 @@
-"""Analysis of run directories with pandas: loaders and the comparisons (speedup, staleness, utilisation, curves).
+"""Analysis of run directories with pandas: loaders and comparisons (speedup, staleness, utilisation, curves, gaps).
 
 Schemas of what the loaders return are in docs/analysis.md.
 """
@@ -6,6 +6,7 @@ Schemas of what the loaders return are in docs/analysis.md.
 from areal_hpc.analysis.runs import Run, flatten, load_run, load_runs, load_sweep, sweep_runs, varying
 from areal_hpc.analysis.tables import (
     learning_curves,
+    mismatch_curves,
     speedup_table,
     staleness_distribution,
     time_to_accuracy,
@@ -19,6 +20,7 @@ __all__ = [
     "load_run",
     "load_runs",
     "load_sweep",
+    "mismatch_curves",
     "speedup_table",
     "staleness_distribution",
     "sweep_runs",

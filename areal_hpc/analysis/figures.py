@@ -69,3 +69,24 @@ def learning_figure(curves: pd.DataFrame, x: str = "wall_s"):
         ax.legend()
     fig.tight_layout()
     return fig
+
+
+def mismatch_figure(curves: pd.DataFrame):
+    """k3 KL and the effective sample size per version, from `mismatch_curves`: solid over staleness-0 tokens
+    (numeric mismatch), dashed over every loss token (mismatch plus staleness), one colour per run."""
+    fig, axes = _figure(2)
+    titles = {"k3": "k3 KL(behaviour || trainer)", "ess": "effective sample size (share)"}
+    for ax, y in zip(axes, ("k3", "ess"), strict=True):
+        colours: dict = {}
+        for (run, tokens), c in curves.groupby(["run", "tokens"], sort=False):
+            c = c.dropna(subset=[y])
+            style = {"ls": "-" if tokens == "mismatch" else "--", "color": colours.get(run)}
+            line = ax.plot(c["version"], c[y], label=f"{run} {tokens}", **style)[0]
+            colours.setdefault(run, line.get_color())
+        if y == "k3" and len(curves) and (curves[y].dropna() > 0).all():
+            ax.set_yscale("log")  # the two sets sit orders of magnitude apart
+        ax.set_xlabel("version")
+        ax.set_title(titles[y])
+        ax.legend()
+    fig.tight_layout()
+    return fig

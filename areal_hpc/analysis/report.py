@@ -86,6 +86,11 @@ def write_report(
         ("Learning curves (version)", _png(figures.learning_figure(curves, x="version"))),
         ("Staleness", _png(figures.staleness_figure(tables.staleness_distribution(runs)))),
     ]
+    gaps = tables.mismatch_curves(runs)
+    if len(gaps):  # runs that measured the training-inference gap (docs/algorithm.md)
+        images.append(
+            ("Training-inference gap (solid: staleness 0; dashed: all tokens)", _png(figures.mismatch_figure(gaps)))
+        )
     for r in runs:
         images.append((f"Utilisation: {r.name}", _png(figures.utilisation_figure(tables.utilisation(r), r.name))))
     page = Environment(autoescape=True).from_string(_PAGE)

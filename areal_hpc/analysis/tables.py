@@ -133,3 +133,22 @@ def learning_curves(runs) -> pd.DataFrame:
             )
         )
     return pd.concat(frames, ignore_index=True)
+
+
+def mismatch_curves(runs) -> pd.DataFrame:
+    """The training-inference gap per (run, version, tokens): `tokens` is `mismatch` (staleness-0 tokens: numeric
+    mismatch alone) or `offpolicy` (every loss token: mismatch plus staleness); the figures as metrics.csv has
+    them (docs/algorithm.md, "Training-inference mismatch"), NaN where a version measured no such token."""
+    from areal_hpc.algo.mismatch import FIGURES, SETS
+
+    frames = []
+    for r in as_runs(runs):
+        m = r.metrics
+        for name in SETS:
+            if f"{name}_tokens" not in m:
+                continue  # a run from before the gap was measured, or an emulated trainer
+            cols = {k: m.get(f"{name}_{k}", np.nan) for k in FIGURES if k != "tokens"}
+            frame = pd.DataFrame({"run": r.name, "version": m["version"], "tokens": name, **cols})
+            frames.append(frame.assign(n_tokens=m[f"{name}_tokens"]).dropna(subset=["n_tokens"]))
+    cols = ["run", "version", "tokens", *[k for k in FIGURES if k != "tokens"], "n_tokens"]
+    return pd.concat(frames, ignore_index=True)[cols] if frames else pd.DataFrame(columns=cols)

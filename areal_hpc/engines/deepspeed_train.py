@@ -56,6 +56,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         _ensure_process_group("gloo" if device == "cpu" else "nccl")
         super().__init__(model_path, device="cpu", **kwargs)  # deepspeed.initialize places the model
         self.autocast = False  # with bf16, DeepSpeed keeps fp32 master weights and runs the module in bf16
+        self.bf16 = bool(bf16)  # the compute precision, which the frozen models (reference, teacher) are held in
         self.zero_stage = zero_stage
         self.collective_weights = zero_stage == 3
         if zero_stage == 3:  # every call of the head gathers its parameters: all ranks make as many

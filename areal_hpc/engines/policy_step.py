@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from areal_hpc.algo.distill import distill_term, reverse_kl_sum
 from areal_hpc.algo.ppo import Objective, loglinear_prox_logp, policy_loss, segment_mean
 from areal_hpc.types import Trajectory
 
@@ -16,9 +17,11 @@ PPO_STATS = {
     "seq_ratio_mean": "loss_tokens",
     "capped_frac": "in_tokens",
     "truncated_frac": "in_tokens",
+    "seq_rejected_frac": "in_tokens",
     "kl": "in_tokens",
     "entropy_bonus": "in_tokens",
     "entropy": "in_tokens",
+    "distill_kl": "in_tokens",
 }
 
 
@@ -36,8 +39,11 @@ class PolicyStep:
 
     `prox_all` / `ref_all` hold each trajectory's recomputed proximal / reference logprobs (None: loglinear or
     plain PPO; no KL). `seq_weight[i]` is trajectory i's per-token aggregation weight. `version` is the policy
-    version being trained (its proximal policy, for loglinear). With importance=sequence the forward runs a
-    prepass (`prepass`) that fills in each sequence's mean log-ratios before any loss is taken.
+    version being trained (its proximal policy, for loglinear). With importance=sequence, or sequence rejection
+    without recomputed proximal logprobs, the forward runs a prepass (`prepass`) that fills in each sequence's
+    mean log-ratios before any loss is taken; with them recomputed, rejection's weights are known beforehand.
+    `teacher_all` (distillation) holds each trajectory's teacher logprobs: every loss token's advantage gains
+    `distill_coef` x (teacher - behaviour) (algo/distill.py), and the stats gain distill_kl.
     """
 
     def __init__(
@@ -52,15 +58,24 @@ class PolicyStep:
         seq_weight: dict[int, float],
         version: int,
         device: torch.device,
+        teacher_all: list | None = None,
+        distill_coef: float = 0.0,
+        distill_baseline: float = 0.0,
     ):
         self.obj, self.decoupled, self.version = obj, decoupled, version
         self.recompute = prox_all[idx[0]] is not None
+        self.distill = [0.0] if teacher_all is not None else None  # sum of log p_behav - log p_teacher
         cols: dict[str, list] = {k: [] for k in ("prox", "ref", "behav", "adv", "mask", "versions", "weight", "seq")}
         for j, i in enumerate(idx):
             t = trajectories[i]
             n = len(t.input_ids)
             cols["behav"].append(torch.as_tensor(t.behav_logprobs, dtype=torch.float32))
-            cols["adv"].append(torch.full((n,), float(advantages[i])))
+            adv = torch.full((n,), float(advantages[i]))
+            if teacher_all is not None:  # distillation: the teacher's per-token term joins the sequence's advantage
+                teacher, mask = torch.as_tensor(teacher_all[i]), torch.as_tensor(t.loss_mask)
+                adv = adv + distill_term(teacher, cols["behav"][-1], mask, distill_coef, distill_baseline)
+                self.distill[0] += reverse_kl_sum(teacher, cols["behav"][-1], mask)
+            cols["adv"].append(adv)
             cols["mask"].append(torch.as_tensor(t.loss_mask, dtype=torch.float32))
             cols["versions"].append(torch.as_tensor(t.versions))
             cols["weight"].append(torch.full((n,), float(seq_weight[i])))
@@ -72,6 +87,9 @@ class PolicyStep:
         self.cat = {k: torch.cat(v).to(device) for k, v in cols.items() if v}
         self.n_seqs = len(idx)
         self.seq_log_ratio = self.seq_log_behav_w = None  # per token of the laid-out sequences, from the prepass
+        if obj.rejects and self.recompute:  # pi_prox is fixed: no second pass of the head for the weights
+            c = self.cat
+            self.seq_log_behav_w = segment_mean(c["prox"] - c["behav"], c["mask"], c["seq"], self.n_seqs)
         self.parts: list[dict] = []
 
     @property
@@ -80,7 +98,8 @@ class PolicyStep:
 
     @property
     def prepass(self):
-        return self._prepass if self.obj.importance == "sequence" else None
+        needed = self.obj.importance == "sequence" or (self.obj.rejects and not self.recompute)
+        return self._prepass if needed else None
 
     def _prox(self, lp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         behav = self.cat["behav"][index]
@@ -122,4 +141,7 @@ class PolicyStep:
         """The micro-batch's stats, its mean entropy over the loss tokens included."""
         mask = self.cat["mask"]
         entropy = float((torch.cat(entropies).to(mask.device) * mask).sum()) / max(float(mask.sum()), 1.0)
-        return {**merge_stats(self.parts), "entropy": entropy}
+        out = {**merge_stats(self.parts), "entropy": entropy}
+        if self.distill is not None:
+            out["distill_kl"] = self.distill[0] / max(float(mask.sum()), 1.0)
+        return out

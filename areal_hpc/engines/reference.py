@@ -15,19 +15,16 @@ from areal_hpc.model import load_causal_lm
 FILE = "reference.safetensors"  # in a trainer checkpoint, beside the model: a resume keeps the same reference
 
 
-class ReferencePolicy:
-    """A copy of the policy at version 0 (after the warm start), without gradients or optimizer state.
+class FrozenPolicy:
+    """A model without gradients on the trainer's device, in the trainer's compute precision, and its chunked
+    no-grad logprobs: the KL's reference (below) and the distillation teacher (engines/teacher.py)."""
 
-    It lives on the trainer's device, in the trainer's compute precision (bf16 under trainer.bf16, else
-    fp32): that is 2 or 4 bytes per parameter more on every trainer, and one more chunked forward per
-    version over the batch. It is only built when ppo.kl_coef is not 0.
-    """
-
-    def __init__(self, model_path: str, weights: dict[str, torch.Tensor], dtype: str, device, packing: bool):
-        # a model of its own from the folder, then the trainer's weights: a copy of the trainer's module would
+    def __init__(self, model_path: str, weights: dict[str, torch.Tensor] | None, dtype: str, device, packing: bool):
+        # a model of its own from the folder (then `weights`, if given): a copy of the trainer's module would
         # carry whatever DeepSpeed hung on it
         self.model = load_causal_lm(model_path, dtype).to(device).eval()
-        self.model.load_state_dict({k: v.to(self.model.dtype) for k, v in weights.items()}, strict=True)
+        if weights is not None:
+            self.model.load_state_dict({k: v.to(self.model.dtype) for k, v in weights.items()}, strict=True)
         for p in self.model.parameters():
             p.requires_grad_(False)
         if packing:
@@ -35,13 +32,22 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def logprobs(self, mbs, temperature: float, chunk_tokens: int) -> list[np.ndarray]:
-        """Per micro-batch (forward.MicroBatch) of sequences, each token's logprob under the reference."""
+        """Per micro-batch (forward.MicroBatch) of sequences, each token's logprob under this model."""
         head = self.model.get_output_embeddings()
         out = []
         for mb in mbs:
             lps, _ = forward.token_logprobs(self.model, head, mb, temperature, chunk_tokens)
             out += [lp.float().cpu().numpy() for lp in lps]
         return out
+
+
+class ReferencePolicy(FrozenPolicy):
+    """A copy of the policy at version 0 (after the warm start), without gradients or optimizer state.
+
+    It lives on the trainer's device, in the trainer's compute precision (bf16 under trainer.bf16, else
+    fp32): that is 2 or 4 bytes per parameter more on every trainer, and one more chunked forward per
+    version over the batch. It is only built when ppo.kl_coef is not 0.
+    """
 
     def save(self, folder: Path) -> None:
         sd = {k: v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()}

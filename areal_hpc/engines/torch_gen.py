@@ -13,6 +13,20 @@ from areal_hpc.model import stop_token_ids as model_stop_ids
 from areal_hpc.types import GenOutput, GenRequest
 
 
+def fake_quantize(state_dict: dict[str, torch.Tensor], bits: int) -> dict[str, torch.Tensor]:
+    """Every weight matrix rounded to `bits` bits per output row (symmetric, absmax scale), kept in its dtype:
+    the numbers a weight-quantized rollout would compute with; vectors (norms, biases) stay exact."""
+    levels = 2 ** (bits - 1) - 1
+    out = {}
+    for name, w in state_dict.items():
+        if w.dim() != 2 or not w.is_floating_point():
+            out[name] = w
+            continue
+        scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / levels
+        out[name] = (torch.round(w.float() / scale) * scale).to(w.dtype)
+    return out
+
+
 class TorchGenerationEngine(GenerationEngine):
     """Continuous batching for machines without vLLM.
 
@@ -37,6 +51,7 @@ class TorchGenerationEngine(GenerationEngine):
         pad_token_id: int | None = None,
         device: str = "cpu",
         max_num_seqs: int = 256,
+        weight_bits: int = 0,
     ):
         if top_p < 1:  # the recorded logprobs are those of the full distribution, which is what is sampled
             raise ValueError(f"top_p={top_p} is not supported: behaviour logprobs are of the full distribution")
@@ -44,6 +59,9 @@ class TorchGenerationEngine(GenerationEngine):
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype).to(self.device).eval()
+        self.weight_bits = weight_bits  # > 0: every load is rounded (rollout.weight_bits)
+        if weight_bits:
+            self.model.load_state_dict(fake_quantize(self.model.state_dict(), weight_bits))
         cfg = self.model.config
         # None: every EOS the model folder declares (generation_config.json, config.json, tokenizer)
         self.stop_ids = set(stop_token_ids if stop_token_ids is not None else model_stop_ids(model_path))
@@ -75,6 +93,8 @@ class TorchGenerationEngine(GenerationEngine):
         unknown = sorted(set(state_dict) - set(self.model.state_dict()))
         if unknown:
             raise RuntimeError(f"update_weights: unexpected weight names {unknown[:3]}")
+        if self.weight_bits:
+            state_dict = fake_quantize(state_dict, self.weight_bits)
         self.model.load_state_dict(state_dict, strict=False)
         self.version = version
 

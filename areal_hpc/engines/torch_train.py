@@ -8,13 +8,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from areal_hpc.algo.distill import gap_sums as distill_gap_sums
+from areal_hpc.algo.mismatch import version_sums
 from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
 from areal_hpc.algo.ppo import Objective, sequence_weights
 from areal_hpc.engines import forward
 from areal_hpc.engines import lora as lora_lib
 from areal_hpc.engines.base import TrainEngine
 from areal_hpc.engines.policy_step import PPO_STATS, PolicyStep, merge_stats
-from areal_hpc.engines.reference import ReferencePolicy
+from areal_hpc.engines.reference import FrozenPolicy, ReferencePolicy
+from areal_hpc.engines.teacher import DistillSpec, load_teacher
 from areal_hpc.engines.torch_files import TorchEngineFiles
 from areal_hpc.model import load_causal_lm
 from areal_hpc.types import Trajectory
@@ -73,6 +76,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         loss_agg: str = "token_mean",
         loss_norm_tokens: int = 1,
         lora: lora_lib.LoraSpec | None = None,
+        distill: DistillSpec | None = None,
     ):
         torch.manual_seed(seed)
         self.model_path = str(model_path)
@@ -105,6 +109,9 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         self.objective = objective or Objective(eps_clip=eps_clip, behav_cap=behav_imp_weight_cap or None)
         self.loss_agg, self.loss_norm_tokens = loss_agg, loss_norm_tokens
         self.reference: ReferencePolicy | None = None  # built at the first update when there is a KL term
+        self.distill, self.teacher = distill, None  # the teacher: loaded at the first update when distilling
+        self._teacher_all: list | None = None  # this version's teacher logprobs, per trajectory
+        self._distill_baseline = 0.0  # this version's mean teacher-behaviour gap over the batch's loss tokens
         self.bf16 = bf16
         self.prox = prox
         self.decoupled = decoupled
@@ -243,21 +250,30 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         `minibatches` (indices into `trajectories`, the same count on every rank) is how the batch was
         split before it was shared out; by default this rank's share is split n_minibatches ways.
         Every rank must call this (possibly with an empty share) so the collectives line up.
+        The stats carry this share's training-inference gap sums (algo.mismatch.version_sums): the behaviour
+        logprobs against the recomputed proximal ones, or without a recompute against the first minibatch's
+        forward; rank 0 merges them over trainers into the mismatch_* and offpolicy_* columns.
         """
         seqs = [t.input_ids for t in trajectories]
         self.positions = self.padding = 0
         totals: dict[str, float] = {}
         if self.decoupled and self.prox == "recompute" and (seqs or self.lockstep):
             totals["prox_t_start"] = time.time()  # the trainer's timeline shows the recompute as its own span
-            prox_all = [torch.as_tensor(x, device=self.device) for x in self.compute_logprobs(seqs)]
+            prox_np = self.compute_logprobs(seqs)
             totals["prox_t_end"] = time.time()
+            gaps = version_sums(trajectories, prox_np, self.version)  # the recompute measures the gap for free
+            prox_all = [torch.as_tensor(x, device=self.device) for x in prox_np]
         else:
-            prox_all = [None] * len(seqs)
+            prox_all, gaps = [None] * len(seqs), None  # measured on the first minibatch's forward below
         ref_all = [None] * len(seqs)
         if self.objective.kl_coef:
             totals["ref_t_start"] = time.time()  # the reference forward: a span of its own on the timeline
             ref_all = self._reference_logprobs(seqs)
             totals["ref_t_end"] = time.time()
+        if self.distill is not None:
+            self._teacher_all = self._teacher_logprobs(seqs, totals)
+            gap, n = self._allreduce_sum(list(distill_gap_sums(self._teacher_all, trajectories)))
+            self._distill_baseline = gap / max(n, 1.0)  # the whole batch's, on every trainer
 
         lengths = [len(s) for s in seqs]
         if minibatches is None:
@@ -266,6 +282,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             else:
                 minibatches = [[] for _ in range(self.n_minibatches)]
         micro_stats: list[dict] = []
+        first: dict[int, torch.Tensor] = {}  # trajectory -> its logprobs in the first minibatch's forward
         for mb_idx in minibatches:
             loss_tokens = [int(trajectories[i].loss_mask.sum()) for i in mb_idx]
             total_tokens, total_seqs = self._allreduce_sum([sum(loss_tokens), sum(n > 0 for n in loss_tokens)])
@@ -282,11 +299,16 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
                     self._backward(self._zero_loss(), last)
                     continue
                 idx = [mb_idx[j] for j in micro]
-                loss, stats = self._ppo_micro(trajectories, advantages, prox_all, ref_all, idx, seq_weight)
+                loss, stats, lps = self._ppo_micro(trajectories, advantages, prox_all, ref_all, idx, seq_weight)
+                if gaps is None:  # no recompute: the version's first forward, before its first optimizer step
+                    first.update(zip(idx, lps))
                 self._backward(loss, last)
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
                 micro_stats.append(stats)
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._optimizer_step() / len(minibatches)
+            if gaps is None:
+                gaps = self._first_forward_gaps(trajectories, first)
+        totals.update(gaps if gaps is not None else version_sums([], [], self.version))
         self.version += 1
         if "loss" in totals:
             totals["loss"] /= len(minibatches)  # mean minibatch loss
@@ -308,10 +330,20 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             seq_weight,
             self.version,
             self.device,
+            teacher_all=self._teacher_all,
+            distill_coef=self.distill.coef if self.distill is not None else 0.0,
+            distill_baseline=self._distill_baseline,
         )
         seqs = [trajectories[i].input_ids for i in idx]
-        loss, _, entropies = self._loss(seqs, step.loss_fn, step.with_entropy, step.prepass)
-        return loss, step.stats(entropies)
+        loss, logprobs, entropies = self._loss(seqs, step.loss_fn, step.with_entropy, step.prepass)
+        return loss, step.stats(entropies), logprobs
+
+    def _first_forward_gaps(self, trajectories: list[Trajectory], first: dict[int, torch.Tensor]) -> dict:
+        """The mismatch sums of the sequences of the version's first minibatch (no proximal recompute: the
+        ratio's own forward is the trainer's logprobs under the weights it holds before any step)."""
+        order = sorted(first)
+        lps = [first[i].float().cpu().numpy() for i in order]
+        return version_sums([trajectories[i] for i in order], lps, self.version)
 
     def _reference_logprobs(self, seqs: list[np.ndarray]) -> list:
         """Each sequence's logprobs under the reference policy (made from these weights the first time;
@@ -322,12 +354,25 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         if self.reference is None:
             dtype = "bfloat16" if self.bf16 else "float32"
             self.reference = ReferencePolicy(self.model_path, self.weights(), dtype, self.device, self.packing)
+        return self._frozen_logprobs(self.reference, seqs)
+
+    def _teacher_logprobs(self, seqs: list[np.ndarray], totals: dict) -> list:
+        """Each sequence's logprobs under the distillation teacher (loaded the first time, before its span starts:
+        the timeline's "teacher" span is the forward alone). No collective: a plain module on every trainer."""
+        if self.teacher is None:
+            self.teacher = load_teacher(self.distill, "bfloat16" if self.bf16 else "float32", self.device, self.packing)
+        totals["teacher_t_start"] = time.time()
+        out = self._frozen_logprobs(self.teacher, seqs)
+        totals["teacher_t_end"] = time.time()
+        return out
+
+    def _frozen_logprobs(self, policy: FrozenPolicy, seqs: list[np.ndarray]) -> list:
+        """Each sequence's logprobs under a frozen model (the reference, the teacher): chunked, no grad."""
         groups = pack_microbatches([len(s) for s in seqs], self.max_tokens_per_mb) if seqs else []
         mbs = [self._micro_batch([seqs[i] for i in g]) for g in groups]
         out: list = [None] * len(seqs)
-        for i, lp in zip(
-            [i for g in groups for i in g], self.reference.logprobs(mbs, self.temperature, self.logprob_chunk_tokens)
-        ):
+        order = [i for g in groups for i in g]
+        for i, lp in zip(order, policy.logprobs(mbs, self.temperature, self.logprob_chunk_tokens)):
             out[i] = torch.as_tensor(lp)
         return out
 

@@ -53,7 +53,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     """A new run dir (refusing one that holds a run) or an existing one with a checkpoint to resume."""
     from areal_hpc.config import save_config
     from areal_hpc.model import ensure_model
-    from areal_hpc.model_record import model_mismatch, record_model
+    from areal_hpc.model_record import model_mismatch, record_model, record_teacher, teacher_mismatch
     from areal_hpc.runtime.build import check_model_fits
     from areal_hpc.runtime.resume import CheckpointError, check_resumable
     from areal_hpc.warm_start import check_warm_start
@@ -65,6 +65,8 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     run = RunDir(Path(cfg.store.run_dir).resolve())
     if resume and (why := model_mismatch(run.root, cfg.model.path)):  # before anything is rewritten or built
         raise RunFailed(why)
+    if resume and (why := teacher_mismatch(run.root, cfg.distill.teacher)):  # a resume keeps the same teacher
+        raise RunFailed(why)
     try:
         if resume:
             check_resumable(run.root)  # one line on a damaged checkpoint, before the config is rewritten
@@ -75,6 +77,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
         raise RunFailed(str(err)) from None
     check_model_fits(cfg, ensure_model(cfg.model))  # built once here, never by several ranks at once
     record_model(run.root, cfg.model.path)  # RUN_DIR/model.json at the first start
+    record_teacher(run.root, cfg.distill.teacher)  # RUN_DIR/teacher.json likewise
     run.before_start()
     return run
 

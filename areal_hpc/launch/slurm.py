@@ -200,6 +200,7 @@ def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
 def request_problems(cfg: Config, het: bool = True) -> tuple[PartitionInfo | None, list[str]]:
     """One clear line per impossible request, before anything is queued (het=False: one allocation for all ranks).
     No partition (it does not exist): the checks against its nodes are left out."""
+    from areal_hpc.engines.teacher import teacher_problem
     from areal_hpc.model import ModelFolderError, check_model_folder
 
     sc, problems = cfg.slurm, []
@@ -254,6 +255,8 @@ def request_problems(cfg: Config, het: bool = True) -> tuple[PartitionInfo | Non
             check_model_folder(cfg.model.path)
         except ModelFolderError as err:
             problems.append(str(err).splitlines()[0])
+    if why := teacher_problem(cfg.distill.teacher):  # its tokenizer is compared with the student's at start-up
+        problems.append(why)
     return part, problems
 
 
@@ -261,7 +264,7 @@ def prepare_run_dir(run_dir: Path) -> str:
     """Run by the batch script before srun: model folder ready, no stale stop request; says fresh or resume."""
     from areal_hpc.config import load_config
     from areal_hpc.model import ensure_model
-    from areal_hpc.model_record import model_mismatch, record_model
+    from areal_hpc.model_record import model_mismatch, record_model, record_teacher, teacher_mismatch
     from areal_hpc.runtime.build import check_model_fits
     from areal_hpc.warm_start import check_warm_start
     from areal_hpc.workflow import check_user_code
@@ -271,10 +274,13 @@ def prepare_run_dir(run_dir: Path) -> str:
     check_user_code(cfg)  # the user's reward.fn and rollout.workflow import here as they will on every node
     if why := model_mismatch(run.root, cfg.model.path):  # before ensure_model: a missing model is never rebuilt
         raise ValueError(why)
+    if why := teacher_mismatch(run.root, cfg.distill.teacher):  # a resume keeps the same teacher
+        raise ValueError(why)
     check_model_fits(cfg, ensure_model(cfg.model))  # one line in the job's log before srun starts any rank
     if run.latest_checkpoint() is None:  # a resumed run's weights are past the warm start
         check_warm_start(cfg)
     record_model(run.root, cfg.model.path)  # RUN_DIR/model.json at the first start
+    record_teacher(run.root, cfg.distill.teacher)  # RUN_DIR/teacher.json likewise
     run.before_start()
     if job_id := slurm_job_id():  # a sweep's point as JOBID_TASK
         info = {"submitted_by": "sbatch"}  # unless submit or resume said otherwise (submitit): resume goes the same way

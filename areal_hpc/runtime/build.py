@@ -15,6 +15,7 @@ from areal_hpc.config import Config
 from areal_hpc.data import MathDataset, check_prompts_fit
 from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_engine, make_train_engine
 from areal_hpc.engines.lora import LoraSpec, adapter_params, model_skeleton, target_modules
+from areal_hpc.engines.teacher import DistillSpec, check_teacher
 from areal_hpc.model import DTYPES
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.weight_sync import cast_floating, weights_checksum
@@ -39,6 +40,8 @@ def build_generation_engine(cfg: Config, model_dir: Path, seed: int) -> Generati
         kw |= dict(len_median=cfg.emulation.len_median, len_sigma=cfg.emulation.len_sigma)
         return make_generation_engine("emulated", temperature=rc.temperature, top_p=rc.top_p, **kw)
     extra = {"kv_cache_gib": rc.kv_cache_gib} if rc.engine == "vllm" else {}
+    if rc.weight_bits:
+        extra["weight_bits"] = rc.weight_bits
     return make_generation_engine(
         rc.engine,
         model_path=str(model_dir),
@@ -65,6 +68,9 @@ def objective(cfg: Config) -> Objective:
         kl_coef=pc.kl_coef,
         kl_estimator=pc.kl_estimator,
         entropy_coef=pc.entropy_coef,
+        surrogate=pc.objective,
+        seq_reject_low=pc.seq_reject_low,
+        seq_reject_high=pc.seq_reject_high,
     )
 
 
@@ -76,9 +82,11 @@ def lora_spec(cfg: Config) -> LoraSpec | None:
 
 def check_model_fits(cfg: Config, model_dir: Path) -> None:
     """The start-up check the launchers run once, before any rank starts work: the prompts fit the model's
-    context, and trainer.lora_targets name layers the model has (one line each)."""
+    context, trainer.lora_targets name layers the model has, and distill.teacher shares its tokenizer (one line
+    each)."""
     check_prompts_fit(cfg, model_dir)
     check_lora_targets(cfg, model_dir)
+    check_teacher(cfg.distill.teacher, model_dir)
 
 
 def check_lora_targets(cfg: Config, model_dir: Path) -> None:
@@ -157,6 +165,7 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None, full: b
         logprob_chunk_tokens=tc.logprob_chunk_tokens,
         gradient_checkpointing=tc.gradient_checkpointing,
         lora=None if full else lora_spec(cfg),
+        distill=None if full or not cfg.distill.teacher else DistillSpec(cfg.distill.teacher, cfg.distill.coef),
         **extra,
     )
 

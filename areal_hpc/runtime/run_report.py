@@ -8,6 +8,7 @@ import math
 import os
 import time
 
+from areal_hpc.algo import mismatch
 from areal_hpc.config import Config
 from areal_hpc.metrics import MetricsLogger
 from areal_hpc.rollout import episode_metrics
@@ -23,7 +24,8 @@ log = logging.getLogger("areal_hpc.scheduler")
 
 # stats a trainer reports per token of loss, averaged over trainers weighted by their loss tokens
 _PER_LOSS_TOKEN = ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac", "entropy")
-_OBJECTIVE_TERMS = ("kl", "entropy_bonus", "seq_ratio_mean", "truncated_frac")  # where the objective has them
+# where the objective has them
+_OBJECTIVE_TERMS = ("kl", "distill_kl", "entropy_bonus", "seq_ratio_mean", "truncated_frac", "seq_rejected_frac")
 
 
 class RunReport:
@@ -247,6 +249,8 @@ class RunReport:
         for k in _OBJECTIVE_TERMS:  # only the terms this objective has
             if any(k in x for x in s):
                 row[k] = sum(x.get(k, 0.0) * x.get("loss_tokens", 0) for x in s) / w
+        # the training-inference gap: each trainer's sums merged, then the figures (docs/algorithm.md)
+        row |= mismatch.row_columns(s)
         if "lr" in s[0]:
             row["lr"] = s[0]["lr"]
         if any("overlong_penalty" in x for x in s):

@@ -143,6 +143,8 @@ class Scheduler(RoleLoop):
         with no version trained stops the run with one line and a non-zero exit (trainer.max_uniform_batches)."""
         watch = self.report.uniform
         verdict = watch.group(uniform)
+        if self.cfg.distill.teacher and not self.cfg.ppo.drop_uniform_groups:
+            return  # every group trains on the teacher's per-token term: groups that score alike still teach
         if verdict == "stop" and not self.stopping:
             self.report.failure = watch.stop_line(self.cfg.trainer.max_uniform_batches)
             log.error("%s", self.report.failure)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from areal_hpc.algo import mismatch
 from areal_hpc.config import Config
 from areal_hpc.data import check_fits_context, load_run_dataset
 from areal_hpc.dataset_record import record_dataset
@@ -171,7 +172,8 @@ def run_sync(cfg: Config) -> RunSummary:
                 "wall_s": t_end - t0,
                 **episode_metrics([episode_stats(batch)], len(batch)),
                 **generated.row(),
-                **{k: v for k, v in stats.items()},
+                **mismatch.without_sums(stats),
+                **mismatch.row_columns([stats]),  # the same columns as the asynchronous runtime's rank 0 writes
             }
             last = step == tc.versions or (tc.max_wall_s and t_end - t_rl >= tc.max_wall_s)
             if last or (cfg.logging.eval_every and step % cfg.logging.eval_every == 0):

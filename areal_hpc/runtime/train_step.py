@@ -39,8 +39,17 @@ def train_version(
     gids = np.array([t.group_id for t in trajs], dtype=np.int64)
     sids = np.array([t.sample_idx for t in trajs], dtype=np.int64)  # an episode's branches share its advantage
     adv, keep = batch_advantages(
-        r + penalty, gids, pc.adv_norm, pc.drop_uniform_groups, sids, pc.adv_scope, engine.sum_across_trainers
+        r + penalty,
+        gids,
+        pc.adv_norm,
+        pc.drop_uniform_groups,
+        sids,
+        pc.adv_scope,
+        engine.sum_across_trainers,
+        pc.adv_std,
     )
+    if cfg.distill.teacher and not cfg.distill.task_reward:  # distillation alone: the teacher's term is the advantage
+        adv = np.zeros_like(adv)
     kept = np.flatnonzero(keep)
     minibatches = None
     if minibatch_of is not None:

@@ -177,7 +177,7 @@ class Trainer(RoleLoop):
         with self.timeline.span("train"):
             stats, keep = train_version(self.engine, trajs, self.cfg, mb_of, len(share))
             gids = np.array([t.group_id for t in trajs], dtype=np.int64)
-        for span in ("prox", "ref"):  # the proximal recompute and the reference forward, inside the train span
+        for span in ("prox", "ref", "teacher"):  # the recompute, the reference's and the teacher's forwards
             if f"{span}_t_start" in stats:
                 self.timeline.add(span, stats.pop(f"{span}_t_start"), stats.pop(f"{span}_t_end"))
         stats.update(share_stats(trajs, version))

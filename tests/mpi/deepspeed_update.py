@@ -54,7 +54,7 @@ def main(model_dir: str, out: str, stage: int, agg: str, objective: dict, lora: 
         )
 
     a = engine("sgd")
-    a.ppo_update(share, share_adv, minibatches)
+    stats = comm.gather(a.ppo_update(share, share_adv, minibatches), root=0)  # each share's mismatch sums
     w1 = a.weights()  # collective under ZeRO-3
     merged = a.full_weights()  # with LoRA: the adapter merged into the base
     a.export_hf(f"{out}/export")  # collective too; trainer 0 writes a Hugging Face folder
@@ -70,6 +70,7 @@ def main(model_dir: str, out: str, stage: int, agg: str, objective: dict, lora: 
     w_restored = c.weights()
     if rank == 0:
         got = {"sgd_step": w1, "merged": merged, "continued": w_cont, "restored": w_restored, "version": c.version}
+        got["stats"] = stats
         torch.save(got, f"{out}/ds.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -1,0 +1,218 @@
+"""On-policy distillation: the teacher's logprobs and the per-token advantage against a direct computation on the
+torch and DeepSpeed trainers, the tokenizer and resume refusals, and a short asynchronous run distilling alone."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from areal_hpc.engines.teacher import DistillSpec, TeacherError, check_teacher
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "jobs" / "demo_distill.yaml"
+T = 0.7  # a temperature other than 1: the teacher is read under softmax(logits / T), as the student is
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A wider teacher than the tiny student, with the same (arith) tokenizer."""
+    from areal_hpc.model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("teacher") / "wide", hidden_size=192, num_heads=4, seed=7)
+
+
+def direct_teacher_logprobs(teacher: Path, seqs) -> list[np.ndarray]:
+    """Each token's logprob from the teacher's full logits, one sequence at a time, unpacked (position 0: 0)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.as_tensor(np.asarray(s))[None]
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float() / T, -1)
+            out.append(np.concatenate([[0.0], logp.gather(1, ids[0, 1:, None])[:, 0].numpy()]))
+    return out
+
+
+def direct_advantage(adv: float, teacher: np.ndarray, t, coef: float) -> np.ndarray:
+    """A_task + coef x (log p_teacher - log p_behaviour) on the loss tokens, the task advantage alone elsewhere."""
+    return adv + coef * (teacher - t.behav_logprobs) * t.loss_mask
+
+
+def test_teacher_logprobs_and_advantage_match_a_direct_computation_on_the_torch_trainer(
+    tiny_model_dir, teacher_dir, ppo_batch
+):
+    from areal_hpc.algo.ppo import Objective
+    from areal_hpc.engines.policy_step import PolicyStep
+    from areal_hpc.engines.torch_train import TorchTrainEngine
+
+    trajs, adv = ppo_batch
+    seqs = [t.input_ids for t in trajs]
+    want = direct_teacher_logprobs(teacher_dir, seqs)
+
+    def engine(distill):
+        kw = dict(optimizer="sgd", lr=0.1, weight_decay=0.0, grad_clip=0.0, n_minibatches=2, seed=0, temperature=T)
+        kw |= dict(max_tokens_per_mb=40, logprob_chunk_tokens=7)  # packed micro-batches, 7 positions at a time
+        return TorchTrainEngine(str(tiny_model_dir), distill=distill, **kw)
+
+    eng = engine(DistillSpec(str(teacher_dir), 0.5))
+    totals: dict = {}
+    got = eng._teacher_logprobs(seqs, totals)
+    assert totals["teacher_t_end"] >= totals["teacher_t_start"]  # the timeline's "teacher" span
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-5)
+
+    idx = list(range(len(trajs)))
+    step = PolicyStep(
+        Objective(), True, trajs, adv, idx, [None] * len(trajs), [None] * len(trajs), dict.fromkeys(idx, 1.0), 0,
+        torch.device("cpu"), teacher_all=want, distill_coef=0.5,
+    )  # fmt: skip
+    direct = np.concatenate([direct_advantage(float(a), w, t, 0.5) for a, w, t in zip(adv, want, trajs)])
+    np.testing.assert_allclose(step.cat["adv"].numpy(), direct, rtol=1e-5, atol=1e-6)
+
+    # the update trains on it: with every task advantage zero, the teacher's term alone moves the weights
+    zero = np.zeros(len(trajs), np.float32)
+    before = {k: v.clone() for k, v in eng.weights().items()}
+    stats = eng.ppo_update(trajs, zero)
+    assert any(not torch.equal(before[k], v) for k, v in eng.weights().items())
+    gap = np.concatenate([(t.behav_logprobs - w)[t.loss_mask > 0] for w, t in zip(want, trajs)])
+    assert stats["distill_kl"] == pytest.approx(gap.mean(), rel=1e-4)
+    plain = engine(None)
+    plain.ppo_update(trajs, zero)
+    assert all(torch.equal(before[k], v) for k, v in plain.weights().items())  # nothing to learn without it
+    assert "distill_kl" not in plain.ppo_update(trajs, zero)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_trainers_compute_the_same_teacher_logprobs(tiny_model_dir, teacher_dir, ppo_batch, tmp_path):
+    from areal_hpc.launch.environment import rank_env
+
+    trajs, adv = ppo_batch
+    with open(tmp_path / "batch.pkl", "wb") as f:
+        pickle.dump((trajs, adv), f)
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable]
+    cmd += [str(ROOT / "tests" / "mpi" / "distill_teacher.py"), str(tiny_model_dir), str(teacher_dir), str(tmp_path)]
+    env = {**rank_env(local_mpirun=True), "DS_ACCELERATOR": "cpu"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(tmp_path / "ds.pkl", "rb") as f:
+        ranks = pickle.load(f)
+    assert [len(m) for m, _, _ in ranks] == [3, 2]
+    for mine, lps, kl in ranks:
+        want = direct_teacher_logprobs(teacher_dir, [trajs[i].input_ids for i in mine])
+        for g, w in zip(lps, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        gap = np.concatenate([(trajs[i].behav_logprobs - w)[trajs[i].loss_mask > 0] for i, w in zip(mine, want)])
+        assert kl == pytest.approx(gap.mean(), rel=1e-4)
+
+
+def test_a_teacher_with_another_tokenizer_or_a_smaller_vocabulary_is_refused_in_one_line(
+    tiny_model_dir, teacher_dir, tmp_path
+):
+    from areal_hpc.model import build_arith_tokenizer, build_tiny_model
+
+    check_teacher(str(teacher_dir), tiny_model_dir)  # same tokenizer, wider model: fine
+    other = build_tiny_model(tmp_path / "tool", tokenizer=build_arith_tokenizer(vocab="arith_tool"), seed=1)
+    with pytest.raises(TeacherError, match="another tokenizer than model.path") as err:
+        check_teacher(str(other), tiny_model_dir)
+    assert len(str(err.value).splitlines()) == 1
+    small = tmp_path / "small"
+    shutil.copytree(teacher_dir, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps(config | {"vocab_size": config["vocab_size"] - 1}))
+    with pytest.raises(TeacherError, match="fewer than the"):
+        check_teacher(str(small), tiny_model_dir)
+    with pytest.raises(TeacherError, match="does not exist"):
+        check_teacher(str(tmp_path / "gone"), tiny_model_dir)
+
+
+def test_the_distillation_settings_refuse_contradictions_in_one_line():
+    from areal_hpc.config import ConfigError, load_config
+
+    for overrides, words in (
+        (["distill.task_reward=false"], "needs distill.teacher"),
+        (["distill.teacher=/t", "distill.task_reward=false"], "ppo.drop_uniform_groups=false"),
+        (["distill.teacher=/t", "distill.coef=0"], "coefficient > 0"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            load_config(DEMO.parent / "demo.yaml", overrides)
+
+
+def test_a_resume_keeps_the_same_teacher(teacher_dir, tiny_model_dir, tmp_path):
+    from areal_hpc.model import build_tiny_model
+    from areal_hpc.model_record import record_model, record_teacher, teacher_mismatch
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert teacher_mismatch(run, str(teacher_dir)) is None  # a first start
+    record_model(run, tiny_model_dir)
+    record_teacher(run, str(teacher_dir))
+    moved = tmp_path / "moved"
+    shutil.copytree(teacher_dir, moved)
+    assert teacher_mismatch(run, str(teacher_dir)) is None and teacher_mismatch(run, str(moved)) is None
+    assert "another model: its config.json differs" in teacher_mismatch(run, str(tiny_model_dir))
+    reseeded = build_tiny_model(tmp_path / "reseeded", hidden_size=192, num_heads=4, seed=8)
+    assert "another model: its weights differ" in teacher_mismatch(run, str(reseeded))
+    assert "distill.teacher is empty" in teacher_mismatch(run, "")
+    assert "does not exist" in teacher_mismatch(run, str(tmp_path / "gone"))
+    fresh = tmp_path / "plain"
+    fresh.mkdir()
+    record_model(fresh, tiny_model_dir)  # a run that started without a teacher
+    assert "started without distillation" in teacher_mismatch(fresh, str(teacher_dir))
+
+
+@pytest.mark.slow
+def test_an_async_run_distilling_alone_logs_distill_kl_every_version(teacher_dir, tmp_path):
+    """The demo's student, distilling alone from a wider teacher, asynchronously (eta 2, two generators, keep_kv):
+    distill_kl in every version's row, the teacher's forward on the trainer's timeline, a checkpoint as a teacher,
+    and a resume naming another teacher refused before anything starts."""
+    from safetensors.torch import load_file
+
+    from areal_hpc.config import load_config
+    from areal_hpc.engines.teacher import load_teacher
+    from areal_hpc.launch.local import RunFailed, launch, prepare_run_dir
+
+    overrides = [
+        f"store.run_dir={tmp_path / 'run'}",
+        f"model.path={tmp_path / 'model'}",
+        f"distill.teacher={teacher_dir}",
+        "logging.progress=false",
+        "logging.trackers=[]",
+        "trainer.versions=4",
+        "trainer.max_wall_s=0",
+        "trainer.warm_start_steps=5",
+        "trainer.checkpoint_every=2",
+        "rollout.batch_prompts=8",
+        "logging.eval_prompts=10",
+        # groups that all score alike still teach here: the run-cannot-learn detector must not stop the run
+        "trainer.max_uniform_batches=1",
+    ]
+    cfg = load_config(DEMO, overrides)
+    assert not cfg.distill.task_reward and not cfg.ppo.drop_uniform_groups
+    s = launch(cfg, progress=False)
+    run = tmp_path / "run"
+    m = pd.read_csv(run / "metrics.csv")
+    trained = m[m["version"] >= 1]
+    assert s["versions"] == 4 and len(trained) == 4
+    assert trained["distill_kl"].notna().all() and np.isfinite(trained["distill_kl"]).all()
+    tl = pd.concat(pd.read_csv(p) for p in (run / "timeline").glob("rank*.csv"))
+    assert (tl["event"] == "teacher").sum() == 4
+    assert json.loads((run / "teacher.json").read_text())["path"] == str(teacher_dir.resolve())
+
+    # a checkpoint of this project as a teacher: its run's architecture, its weights
+    ckpt = run / "checkpoints" / "v00000004"
+    held = load_teacher(DistillSpec(str(ckpt)), "float32", "cpu", packing=False).model.state_dict()
+    for k, v in load_file(str(ckpt / "model.safetensors")).items():
+        torch.testing.assert_close(held[k], v)
+    with pytest.raises(RunFailed, match="another model"):
+        prepare_run_dir(load_config(DEMO, [*overrides, f"distill.teacher={ckpt}", "trainer.versions=6"]), True)
