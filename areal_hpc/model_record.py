@@ -120,7 +120,7 @@ CHECKPOINT_WEIGHTS = ("*.safetensors", "ds/*_states.pt")  # what holds a trainer
 def teacher_fingerprint(teacher: os.PathLike | str, cache: dict | None = None) -> dict:
     """A teacher's identity: a Hugging Face folder's as model_fingerprint gives it, or a trainer checkpoint's (its
     run's config.json and its weight files: safetensors, or DeepSpeed's model and optimizer shards)."""
-    from areal_hpc.engines.teacher import teacher_folder
+    from areal_hpc.teacher import teacher_folder
 
     folder, is_ckpt = teacher_folder(teacher)
     if not is_ckpt:
@@ -148,7 +148,7 @@ def teacher_mismatch(run_dir: os.PathLike | str, teacher: str) -> str | None:
     keep = f"the run distils from {rec['path']}: a resume keeps the same teacher (its files may only be moved)"
     if not teacher:
         return f"distill.teacher is empty; {keep}"
-    from areal_hpc.engines.teacher import TeacherError
+    from areal_hpc.teacher import TeacherError
 
     try:
         now = teacher_fingerprint(teacher, _read_cache(run))

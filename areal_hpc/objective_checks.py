@@ -80,4 +80,11 @@ def objective_warnings(cfg: Any) -> list[str]:
             "config ppo.importance=sequence with ppo.loss_agg=token_mean weighs each sequence by its length; "
             "GSPO averages per sequence: ppo.loss_agg=seq_mean_token_mean"
         )
+    if pc.prox == "loglinear" and (pc.seq_reject_low or pc.seq_reject_high):
+        # a token one version old has prox == behav exactly on the log-linear path: its weight is 1 whatever the
+        # engines' numeric gap, so the band never sees the training-inference mismatch of fresh data
+        out.append(
+            "config ppo.seq_reject_low/high with ppo.prox=loglinear: fresh tokens' weights are exactly 1 there, so "
+            "the band cannot see a training-inference mismatch; use ppo.prox=recompute"
+        )
     return out

@@ -1,5 +1,4 @@
-"""On-policy distillation: the teacher's logprobs and the per-token advantage against a direct computation on the
-torch and DeepSpeed trainers, the tokenizer and resume refusals, and a short asynchronous run distilling alone."""
+"""On-policy distillation: the teacher's term against a direct computation, its refusals, an asynchronous run."""
 
 from __future__ import annotations
 
@@ -15,7 +14,8 @@ import pandas as pd
 import pytest
 import torch
 
-from areal_hpc.engines.teacher import DistillSpec, TeacherError, check_teacher
+from areal_hpc.engines.teacher import DistillSpec
+from areal_hpc.teacher import TeacherError, check_teacher, distill_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "jobs" / "demo_distill.yaml"
@@ -87,6 +87,15 @@ def test_teacher_logprobs_and_advantage_match_a_direct_computation_on_the_torch_
     assert any(not torch.equal(before[k], v) for k, v in eng.weights().items())
     gap = np.concatenate([(t.behav_logprobs - w)[t.loss_mask > 0] for w, t in zip(want, trajs)])
     assert stats["distill_kl"] == pytest.approx(gap.mean(), rel=1e-4)
+    # the engine centres the term on the batch's mean gap: a constant baseline, which keeps the gradient's
+    # expectation while the gap's mean (minus the reverse KL) stops pushing every sampled token down at once
+    assert eng._distill_baseline == pytest.approx(-gap.mean(), rel=1e-5)
+    centred = PolicyStep(
+        Objective(), True, trajs, adv, idx, [None] * len(trajs), [None] * len(trajs), dict.fromkeys(idx, 1.0), 0,
+        torch.device("cpu"), teacher_all=want, distill_coef=0.5, distill_baseline=-gap.mean(),
+    )  # fmt: skip
+    mask = np.concatenate([t.loss_mask for t in trajs])
+    np.testing.assert_allclose(centred.cat["adv"].numpy(), direct + 0.5 * gap.mean() * mask, rtol=1e-5, atol=1e-5)
     plain = engine(None)
     plain.ppo_update(trajs, zero)
     assert all(torch.equal(before[k], v) for k, v in plain.weights().items())  # nothing to learn without it
@@ -107,8 +116,15 @@ def test_deepspeed_zero3_trainers_compute_the_same_teacher_logprobs(tiny_model_d
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(tmp_path / "ds.pkl", "rb") as f:
         ranks = pickle.load(f)
-    assert [len(m) for m, _, _ in ranks] == [3, 2]
-    for mine, lps, kl in ranks:
+    assert [len(m) for m, _, _, _ in ranks] == [3, 2]
+    both = [i for mine, _, _, _ in ranks for i in mine]
+    whole = np.concatenate(
+        [(w - trajs[i].behav_logprobs)[trajs[i].loss_mask > 0] for i, w in zip(both, direct_teacher_logprobs(
+            teacher_dir, [trajs[i].input_ids for i in both]))]
+    )  # fmt: skip
+    for _, _, _, baseline in ranks:  # the whole batch's mean gap on every trainer, not its own share's
+        assert baseline == pytest.approx(whole.mean(), rel=1e-5)
+    for mine, lps, kl, _ in ranks:
         want = direct_teacher_logprobs(teacher_dir, [trajs[i].input_ids for i in mine])
         for g, w in zip(lps, want):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
@@ -211,7 +227,7 @@ def test_an_async_run_distilling_alone_logs_distill_kl_every_version(teacher_dir
 
     # a checkpoint of this project as a teacher: its run's architecture, its weights
     ckpt = run / "checkpoints" / "v00000004"
-    held = load_teacher(DistillSpec(str(ckpt)), "float32", "cpu", packing=False).model.state_dict()
+    held = load_teacher(distill_spec(str(ckpt)), "float32", "cpu", packing=False).model.state_dict()
     for k, v in load_file(str(ckpt / "model.safetensors")).items():
         torch.testing.assert_close(held[k], v)
     with pytest.raises(RunFailed, match="another model"):

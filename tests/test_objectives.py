@@ -1,5 +1,4 @@
-"""The objective menu (clip-higher, dual-clip, aggregations, GSPO, TIS, CISPO, sequence rejection, KL, entropy)
-against a direct computation."""
+"""Every term of the objective menu (docs/algorithm.md) against a direct computation with full logits."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def reverse_kl_sum(teacher_logp: torch.Tensor, behav_logp: torch.Tensor, mask: t
     return float((behav_logp.float() - teacher_logp.float())[m].sum())
 
 
-def gap_sums(teacher_all: list, trajectories) -> tuple[float, float]:
+def baseline_sums(teacher_all: list, trajectories) -> tuple[float, float]:
     """(sum of log p_teacher - log p_behaviour over the loss tokens, their count): the batch baseline's parts,
     added over trainers before the division."""
     total, n = 0.0, 0.0

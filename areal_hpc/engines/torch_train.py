@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areal_hpc.algo.distill import gap_sums as distill_gap_sums
+from areal_hpc.algo.distill import baseline_sums
 from areal_hpc.algo.mismatch import version_sums
 from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
 from areal_hpc.algo.ppo import Objective, sequence_weights
@@ -272,7 +272,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             totals["ref_t_end"] = time.time()
         if self.distill is not None:
             self._teacher_all = self._teacher_logprobs(seqs, totals)
-            gap, n = self._allreduce_sum(list(distill_gap_sums(self._teacher_all, trajectories)))
+            gap, n = self._allreduce_sum(list(baseline_sums(self._teacher_all, trajectories)))
             self._distill_baseline = gap / max(n, 1.0)  # the whole batch's, on every trainer
 
         lengths = [len(s) for s in seqs]

@@ -11,7 +11,7 @@ import yaml
 from areal_hpc.config import Config, load_config, save_config, to_yaml
 from areal_hpc.launch.jobs import run_jobs
 from areal_hpc.launch.slurm import SlurmError, load_job, render_sbatch, save_job
-from areal_hpc.model_record import model_fingerprint, model_mismatch, read_model_record
+from areal_hpc.model_record import model_fingerprint, model_mismatch, read_model_record, teacher_mismatch
 from areal_hpc.rundir import RunDir
 from areal_hpc.utils import atomic_write_text
 
@@ -93,8 +93,8 @@ def plan_resume(run_dir: str | Path, overrides: list[str]) -> tuple[Config, dict
         if active:
             jobs = ", ".join(f"job {j} of this run is still {state}" for j, state in active)
             raise ResumeError(f"{jobs}: cancel it first (areal-hpc cancel {run.root})")
-    if (why := model_problem(run, old, new)) is not None:
-        raise ResumeError(why)
+    if (why := model_problem(run, old, new) or teacher_mismatch(run.root, new.distill.teacher)) is not None:
+        raise ResumeError(why)  # before anything is written: the job's script would refuse it after the queue
     ckpt = run.latest_checkpoint()
     if ckpt is not None and new.trainer.versions <= ckpt:
         raise ResumeError(

@@ -200,8 +200,8 @@ def check_request(cfg: Config, het: bool = True) -> PartitionInfo:
 def request_problems(cfg: Config, het: bool = True) -> tuple[PartitionInfo | None, list[str]]:
     """One clear line per impossible request, before anything is queued (het=False: one allocation for all ranks).
     No partition (it does not exist): the checks against its nodes are left out."""
-    from areal_hpc.engines.teacher import teacher_problem
     from areal_hpc.model import ModelFolderError, check_model_folder
+    from areal_hpc.teacher import teacher_problem
 
     sc, problems = cfg.slurm, []
     try:

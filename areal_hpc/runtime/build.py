@@ -15,10 +15,10 @@ from areal_hpc.config import Config
 from areal_hpc.data import MathDataset, check_prompts_fit
 from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_engine, make_train_engine
 from areal_hpc.engines.lora import LoraSpec, adapter_params, model_skeleton, target_modules
-from areal_hpc.engines.teacher import DistillSpec, check_teacher
 from areal_hpc.model import DTYPES
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.weight_sync import cast_floating, weights_checksum
+from areal_hpc.teacher import check_teacher, distill_spec
 from areal_hpc.utils import atomic_write_text
 from areal_hpc.warm_start import warm_start_segments, warm_start_targets
 
@@ -165,7 +165,7 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None, full: b
         logprob_chunk_tokens=tc.logprob_chunk_tokens,
         gradient_checkpointing=tc.gradient_checkpointing,
         lora=None if full else lora_spec(cfg),
-        distill=None if full or not cfg.distill.teacher else DistillSpec(cfg.distill.teacher, cfg.distill.coef),
+        distill=None if full or not cfg.distill.teacher else distill_spec(cfg.distill.teacher, cfg.distill.coef),
         **extra,
     )
 

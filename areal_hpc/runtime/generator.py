@@ -176,7 +176,8 @@ class Generator(RoleLoop):
         # resumed as prompt + partial: their next tokens carry the new version
         self.engine.add([self.requests[o.request_id].resumed(o) for o in partials] + self.held)
         self.held = []
-        held = published if self.adapters is not None else self.engine.state_dict()
+        # what arrived, where the engine holds something else: the merged adapter, or rounded weights
+        held = published if (self.adapters is not None or self.cfg.rollout.weight_bits) else self.engine.state_dict()
         crc = weights_checksum(held) if self.cfg.sync.checksum else None
         self.have_weights = True
         self._weights_ok(version, crc, load_s)

@@ -172,7 +172,7 @@ def run_sync(cfg: Config) -> RunSummary:
                 "wall_s": t_end - t0,
                 **episode_metrics([episode_stats(batch)], len(batch)),
                 **generated.row(),
-                **mismatch.without_sums(stats),
+                **{k: v for k, v in mismatch.without_sums(stats).items() if not k.endswith(("_t_start", "_t_end"))},
                 **mismatch.row_columns([stats]),  # the same columns as the asynchronous runtime's rank 0 writes
             }
             last = step == tc.versions or (tc.max_wall_s and t_end - t_rl >= tc.max_wall_s)

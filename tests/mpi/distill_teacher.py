@@ -1,6 +1,4 @@
-"""Under mpirun -n 2: DeepSpeed ZeRO-3 trainers distilling from a teacher: each rank's teacher logprobs of its share
-and the distill_kl of one update (task advantages zero) are written for the test to check against a direct
-computation. argv: student folder, teacher folder, output folder."""
+"""Under mpirun -n 2 (argv: student, teacher, out): ZeRO-3 trainers' teacher logprobs, distill_kl, baseline."""
 
 import pickle
 import sys
@@ -40,7 +38,8 @@ def main(student: str, teacher: str, out: str) -> None:
     )
     lps = engine._teacher_logprobs([t.input_ids for t in share], {})
     stats = engine.ppo_update(share, np.zeros(len(share), np.float32))
-    got = comm.gather((mine, [lp.numpy() for lp in lps], stats["distill_kl"] if share else None), root=0)
+    kl = stats["distill_kl"] if share else None
+    got = comm.gather((mine, [lp.numpy() for lp in lps], kl, engine._distill_baseline), root=0)
     if rank == 0:
         with open(f"{out}/ds.pkl", "wb") as f:
             pickle.dump(got, f)
