@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from areal_hpc.config_checks import ConfigError
 
 log = logging.getLogger("areal_hpc.config")
-_warned: set[str] = set()  # each warning once per process: every rank loads the config
+_warned: set[str] = set()  # each warning once per process
+# every rank loads the config: the launcher (no rank) and rank 0 say it, so a run's log has it once
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 
 
 def check_objective(cfg: Any) -> None:
@@ -43,6 +46,8 @@ def check_objective(cfg: Any) -> None:
             f"config trainer.warmup_versions={cfg.trainer.warmup_versions} must be below "
             f"trainer.versions={cfg.trainer.versions}"
         )
+    if any(os.environ.get(v, "0") != "0" for v in _RANK_VARS):
+        return
     for line in objective_warnings(cfg):
         if line not in _warned:
             _warned.add(line)

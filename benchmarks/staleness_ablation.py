@@ -99,6 +99,8 @@ SETTINGS = {
     # generation on weights rounded to 4 bits per row (k3 ~0.02 against the trainer, bf16 gives ~1e-5), and the
     # policy moving far between versions
     "mismatch": ["rollout.weight_bits=4", "trainer.lr=4e-4", "ppo.n_minibatches=8"],
+    # 3 bits: k3 ~0.3 against the trainer, a mismatch far past any peer's bar
+    "mismatch3": ["rollout.weight_bits=3", "trainer.lr=4e-4", "ppo.n_minibatches=8"],
 }
 
 

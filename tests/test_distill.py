@@ -83,19 +83,21 @@ def test_teacher_logprobs_and_advantage_match_a_direct_computation_on_the_torch_
     # the update trains on it: with every task advantage zero, the teacher's term alone moves the weights
     zero = np.zeros(len(trajs), np.float32)
     before = {k: v.clone() for k, v in eng.weights().items()}
+    student = eng.compute_logprobs(seqs)  # the proximal recompute: the student the term compares with
     stats = eng.ppo_update(trajs, zero)
     assert any(not torch.equal(before[k], v) for k, v in eng.weights().items())
-    gap = np.concatenate([(t.behav_logprobs - w)[t.loss_mask > 0] for w, t in zip(want, trajs)])
+    gap = np.concatenate([(s - w)[t.loss_mask > 0] for s, w, t in zip(student, want, trajs)])
     assert stats["distill_kl"] == pytest.approx(gap.mean(), rel=1e-4)
     # the engine centres the term on the batch's mean gap: a constant baseline, which keeps the gradient's
     # expectation while the gap's mean (minus the reverse KL) stops pushing every sampled token down at once
     assert eng._distill_baseline == pytest.approx(-gap.mean(), rel=1e-5)
     centred = PolicyStep(
-        Objective(), True, trajs, adv, idx, [None] * len(trajs), [None] * len(trajs), dict.fromkeys(idx, 1.0), 0,
+        Objective(), True, trajs, adv, idx, student, [None] * len(trajs), dict.fromkeys(idx, 1.0), 0,
         torch.device("cpu"), teacher_all=want, distill_coef=0.5, distill_baseline=-gap.mean(),
     )  # fmt: skip
     mask = np.concatenate([t.loss_mask for t in trajs])
-    np.testing.assert_allclose(centred.cat["adv"].numpy(), direct + 0.5 * gap.mean() * mask, rtol=1e-5, atol=1e-5)
+    fresh = np.concatenate([a + 0.5 * (w - s) * t.loss_mask for a, w, s, t in zip(adv, want, student, trajs)])
+    np.testing.assert_allclose(centred.cat["adv"].numpy(), fresh + 0.5 * gap.mean() * mask, rtol=1e-5, atol=1e-5)
     plain = engine(None)
     plain.ppo_update(trajs, zero)
     assert all(torch.equal(before[k], v) for k, v in plain.weights().items())  # nothing to learn without it
@@ -118,17 +120,19 @@ def test_deepspeed_zero3_trainers_compute_the_same_teacher_logprobs(tiny_model_d
         ranks = pickle.load(f)
     assert [len(m) for m, _, _, _ in ranks] == [3, 2]
     both = [i for mine, _, _, _ in ranks for i in mine]
+    seqs = [trajs[i].input_ids for i in both]
+    # the student the term compares with: the trainers' proximal recompute, the student folder's own weights here
+    student = dict(zip(both, direct_teacher_logprobs(tiny_model_dir, seqs)))
     whole = np.concatenate(
-        [(w - trajs[i].behav_logprobs)[trajs[i].loss_mask > 0] for i, w in zip(both, direct_teacher_logprobs(
-            teacher_dir, [trajs[i].input_ids for i in both]))]
-    )  # fmt: skip
+        [(w - student[i])[trajs[i].loss_mask > 0] for i, w in zip(both, direct_teacher_logprobs(teacher_dir, seqs))]
+    )
     for _, _, _, baseline in ranks:  # the whole batch's mean gap on every trainer, not its own share's
         assert baseline == pytest.approx(whole.mean(), rel=1e-5)
     for mine, lps, kl, _ in ranks:
         want = direct_teacher_logprobs(teacher_dir, [trajs[i].input_ids for i in mine])
         for g, w in zip(lps, want):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
-        gap = np.concatenate([(trajs[i].behav_logprobs - w)[trajs[i].loss_mask > 0] for i, w in zip(mine, want)])
+        gap = np.concatenate([(student[i] - w)[trajs[i].loss_mask > 0] for i, w in zip(mine, want)])
         assert kl == pytest.approx(gap.mean(), rel=1e-4)
 
 

@@ -6,33 +6,33 @@ import torch
 
 
 def distill_term(
-    teacher_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, coef: float, baseline: float = 0.0
+    teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor, coef: float, baseline: float = 0.0
 ) -> torch.Tensor:
-    """Per token, coef x (log p_teacher - log p_behaviour - baseline) on the loss mask, 0 elsewhere; added to the
-    advantage. `baseline` is the batch's mean of the gap (batch_baseline): a constant, so the policy gradient keeps
+    """Per token, coef x (log p_teacher - log p_student - baseline) on the loss mask, 0 elsewhere; added to the
+    advantage. `baseline` is the batch's mean of the gap (baseline_sums): a constant, so the policy gradient keeps
     its expectation, while the gap's mean (minus the reverse KL, always < 0) no longer pushes every sampled token
     down at once.
 
-    The behaviour logprobs are those of the student weights that sampled the token, so the mean over tokens of
-    the negated term / coef estimates KL(student || teacher) (reverse KL, k1) on the student's own samples.
+    The student's logprobs are the trained weights' (the proximal recompute) or, without one, the sampler's, so
+    the negated gap is the k1 sample of KL(student || teacher) (reverse KL) on the student's own tokens.
     Detached: an advantage, not a loss (the policy-gradient objective carries it as it carries the task's)."""
     m = mask.to(torch.float32)
-    gap = (teacher_logp.detach().float() - behav_logp.detach().float() - baseline) * m
+    gap = (teacher_logp.detach().float() - student_logp.detach().float() - baseline) * m
     return coef * torch.where(m > 0, gap, torch.zeros_like(gap))
 
 
-def reverse_kl_sum(teacher_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """Sum over the loss tokens of log p_behaviour - log p_teacher: distill_kl's numerator (its tokens: mask.sum())."""
+def reverse_kl_sum(teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Sum over the loss tokens of log p_student - log p_teacher: distill_kl's numerator (its tokens: mask.sum())."""
     m = mask.to(torch.float32) > 0
-    return float((behav_logp.float() - teacher_logp.float())[m].sum())
+    return float((student_logp.float() - teacher_logp.float())[m].sum())
 
 
-def baseline_sums(teacher_all: list, trajectories) -> tuple[float, float]:
-    """(sum of log p_teacher - log p_behaviour over the loss tokens, their count): the batch baseline's parts,
+def baseline_sums(teacher_all: list, student_all: list, masks: list) -> tuple[float, float]:
+    """(sum of log p_teacher - log p_student over the loss tokens, their count): the batch baseline's parts,
     added over trainers before the division."""
     total, n = 0.0, 0.0
-    for lp, t in zip(teacher_all, trajectories, strict=True):
-        m = torch.as_tensor(t.loss_mask) > 0
-        total += float((torch.as_tensor(lp).float() - torch.as_tensor(t.behav_logprobs).float())[m].sum())
+    for lp, student, mask in zip(teacher_all, student_all, masks, strict=True):
+        m = torch.as_tensor(mask) > 0
+        total += float((torch.as_tensor(lp).float().cpu() - torch.as_tensor(student).float().cpu())[m].sum())
         n += float(m.sum())
     return total, n

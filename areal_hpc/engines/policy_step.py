@@ -64,24 +64,27 @@ class PolicyStep:
     ):
         self.obj, self.decoupled, self.version = obj, decoupled, version
         self.recompute = prox_all[idx[0]] is not None
-        self.distill = [0.0] if teacher_all is not None else None  # sum of log p_behav - log p_teacher
+        self.distill = [0.0] if teacher_all is not None else None  # sum of log p_student - log p_teacher
         cols: dict[str, list] = {k: [] for k in ("prox", "ref", "behav", "adv", "mask", "versions", "weight", "seq")}
         for j, i in enumerate(idx):
             t = trajectories[i]
             n = len(t.input_ids)
             cols["behav"].append(torch.as_tensor(t.behav_logprobs, dtype=torch.float32))
+            if self.recompute:
+                cols["prox"].append(torch.as_tensor(prox_all[i], dtype=torch.float32).cpu())
             adv = torch.full((n,), float(advantages[i]))
             if teacher_all is not None:  # distillation: the teacher's per-token term joins the sequence's advantage
-                teacher, mask = torch.as_tensor(teacher_all[i]), torch.as_tensor(t.loss_mask)
-                adv = adv + distill_term(teacher, cols["behav"][-1], mask, distill_coef, distill_baseline)
-                self.distill[0] += reverse_kl_sum(teacher, cols["behav"][-1], mask)
+                # against the student being trained (its recomputed logprobs) where there are: with stale data
+                # the sampler's would keep pushing a token the student has already moved
+                teacher, mask = torch.as_tensor(teacher_all[i]).cpu(), torch.as_tensor(t.loss_mask)
+                student = cols["prox"][-1] if self.recompute else cols["behav"][-1]
+                adv = adv + distill_term(teacher, student, mask, distill_coef, distill_baseline)
+                self.distill[0] += reverse_kl_sum(teacher, student, mask)
             cols["adv"].append(adv)
             cols["mask"].append(torch.as_tensor(t.loss_mask, dtype=torch.float32))
             cols["versions"].append(torch.as_tensor(t.versions))
             cols["weight"].append(torch.full((n,), float(seq_weight[i])))
             cols["seq"].append(torch.full((n,), j, dtype=torch.long))
-            if self.recompute:
-                cols["prox"].append(torch.as_tensor(prox_all[i], dtype=torch.float32))
             if ref_all[i] is not None:
                 cols["ref"].append(torch.as_tensor(ref_all[i], dtype=torch.float32))
         self.cat = {k: torch.cat(v).to(device) for k, v in cols.items() if v}

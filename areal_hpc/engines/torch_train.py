@@ -272,7 +272,11 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             totals["ref_t_end"] = time.time()
         if self.distill is not None:
             self._teacher_all = self._teacher_logprobs(seqs, totals)
-            gap, n = self._allreduce_sum(list(baseline_sums(self._teacher_all, trajectories)))
+            # the student's own logprobs: the recomputed ones (the weights being trained) where there are, else the
+            # sampler's; the same in the term (PolicyStep) as in its baseline
+            student = [p if p is not None else t.behav_logprobs for p, t in zip(prox_all, trajectories, strict=True)]
+            masks = [t.loss_mask for t in trajectories]
+            gap, n = self._allreduce_sum(list(baseline_sums(self._teacher_all, student, masks)))
             self._distill_baseline = gap / max(n, 1.0)  # the whole batch's, on every trainer
 
         lengths = [len(s) for s in seqs]
