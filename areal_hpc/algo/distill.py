@@ -16,20 +16,13 @@ def distill_term(
     The student's logprobs are the trained weights' (the proximal recompute) or, without one, the sampler's, so
     the negated gap is the k1 sample of KL(student || teacher) (reverse KL) on the student's own tokens.
     Detached: an advantage, not a loss (the policy-gradient objective carries it as it carries the task's)."""
-    m = mask.to(torch.float32)
-    gap = (teacher_logp.detach().float() - student_logp.detach().float() - baseline) * m
-    return coef * torch.where(m > 0, gap, torch.zeros_like(gap))
-
-
-def reverse_kl_sum(teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """Sum over the loss tokens of log p_student - log p_teacher: distill_kl's numerator (its tokens: mask.sum())."""
-    m = mask.to(torch.float32) > 0
-    return float((student_logp.float() - teacher_logp.float())[m].sum())
+    gap = teacher_logp.detach().float() - student_logp.detach().float() - baseline
+    return coef * torch.where(mask > 0, gap, torch.zeros_like(gap))
 
 
 def baseline_sums(teacher_all: list, student_all: list, masks: list) -> tuple[float, float]:
-    """(sum of log p_teacher - log p_student over the loss tokens, their count): the batch baseline's parts,
-    added over trainers before the division."""
+    """(sum of log p_teacher - log p_student over the loss tokens, their count): the batch baseline's parts, added
+    over trainers before the division; a share's own are its distill_kl (negated, over the count)."""
     total, n = 0.0, 0.0
     for lp, student, mask in zip(teacher_all, student_all, masks, strict=True):
         m = torch.as_tensor(mask) > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from areal_hpc.algo.distill import distill_term, reverse_kl_sum
+from areal_hpc.algo.distill import distill_term
 from areal_hpc.algo.ppo import Objective, loglinear_prox_logp, policy_loss, segment_mean
 from areal_hpc.types import Trajectory
 
@@ -21,7 +21,6 @@ PPO_STATS = {
     "kl": "in_tokens",
     "entropy_bonus": "in_tokens",
     "entropy": "in_tokens",
-    "distill_kl": "in_tokens",
 }
 
 
@@ -43,7 +42,8 @@ class PolicyStep:
     without recomputed proximal logprobs, the forward runs a prepass (`prepass`) that fills in each sequence's
     mean log-ratios before any loss is taken; with them recomputed, rejection's weights are known beforehand.
     `teacher_all` (distillation) holds each trajectory's teacher logprobs: every loss token's advantage gains
-    `distill_coef` x (teacher - behaviour) (algo/distill.py), and the stats gain distill_kl.
+    `distill_coef` x (teacher - student - `distill_baseline`) (algo/distill.py), the student's logprobs being the
+    recomputed proximal ones where there are, else the behaviour ones.
     """
 
     def __init__(
@@ -64,7 +64,6 @@ class PolicyStep:
     ):
         self.obj, self.decoupled, self.version = obj, decoupled, version
         self.recompute = prox_all[idx[0]] is not None
-        self.distill = [0.0] if teacher_all is not None else None  # sum of log p_student - log p_teacher
         cols: dict[str, list] = {k: [] for k in ("prox", "ref", "behav", "adv", "mask", "versions", "weight", "seq")}
         for j, i in enumerate(idx):
             t = trajectories[i]
@@ -79,7 +78,6 @@ class PolicyStep:
                 teacher, mask = torch.as_tensor(teacher_all[i]).cpu(), torch.as_tensor(t.loss_mask)
                 student = cols["prox"][-1] if self.recompute else cols["behav"][-1]
                 adv = adv + distill_term(teacher, student, mask, distill_coef, distill_baseline)
-                self.distill[0] += reverse_kl_sum(teacher, student, mask)
             cols["adv"].append(adv)
             cols["mask"].append(torch.as_tensor(t.loss_mask, dtype=torch.float32))
             cols["versions"].append(torch.as_tensor(t.versions))
@@ -144,7 +142,4 @@ class PolicyStep:
         """The micro-batch's stats, its mean entropy over the loss tokens included."""
         mask = self.cat["mask"]
         entropy = float((torch.cat(entropies).to(mask.device) * mask).sum()) / max(float(mask.sum()), 1.0)
-        out = {**merge_stats(self.parts), "entropy": entropy}
-        if self.distill is not None:
-            out["distill_kl"] = self.distill[0] / max(float(mask.sum()), 1.0)
-        return out
+        return {**merge_stats(self.parts), "entropy": entropy}

@@ -111,7 +111,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         self.reference: ReferencePolicy | None = None  # built at the first update when there is a KL term
         self.distill, self.teacher = distill, None  # the teacher: loaded at the first update when distilling
         self._teacher_all: list | None = None  # this version's teacher logprobs, per trajectory
-        self._distill_baseline = 0.0  # this version's mean teacher-behaviour gap over the batch's loss tokens
+        self._distill_baseline = 0.0  # this version's mean teacher-student gap over the batch's loss tokens
         self.bf16 = bf16
         self.prox = prox
         self.decoupled = decoupled
@@ -276,8 +276,11 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             # sampler's; the same in the term (PolicyStep) as in its baseline
             student = [p if p is not None else t.behav_logprobs for p, t in zip(prox_all, trajectories, strict=True)]
             masks = [t.loss_mask for t in trajectories]
-            gap, n = self._allreduce_sum(list(baseline_sums(self._teacher_all, student, masks)))
+            mine = baseline_sums(self._teacher_all, student, masks)
+            gap, n = self._allreduce_sum(list(mine))
             self._distill_baseline = gap / max(n, 1.0)  # the whole batch's, on every trainer
+            if mine[1]:  # this share's mean reverse KL; rank 0 weighs the shares by their loss tokens
+                totals["distill_kl"] = -mine[0] / mine[1]
 
         lengths = [len(s) for s in seqs]
         if minibatches is None:
