@@ -169,6 +169,10 @@ class TrainerConfig:
     zero_stage: int = 2  # trainer.engine=deepspeed: ZeRO stage 1, 2 or 3
     bf16: bool = False  # bf16 compute on fp32 master weights (torch: autocast; deepspeed: its bf16 mode)
     packing: bool = True  # padding-free micro-batches (false: right-padded, the old path, for comparison)
+    # compute each shared token prefix once (a group's prompt, a workflow's earlier turns, an agent's preamble):
+    # laid down once per micro-batch, its continuations attend to it (docs/prefix-sharing.md); needs packing
+    share_prefixes: bool = True
+    share_min_tokens: int = 32  # the shortest common prefix laid down once (shorter ones are computed per sequence)
     logprob_chunk_tokens: int = 256  # positions whose full-vocabulary logits exist at once
     gradient_checkpointing: bool = False  # recompute each layer's activations in backward
     lora_rank: int = 0  # LoRA: train and publish a rank-r adapter on a frozen base (0 = train every weight)

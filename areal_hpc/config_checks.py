@@ -101,6 +101,7 @@ _LOWER = {
     "trainer.grad_clip": (0, True),
     "trainer.max_tokens_per_mb": (1, True),
     "trainer.logprob_chunk_tokens": (1, True),
+    "trainer.share_min_tokens": (1, True),
     "trainer.versions": (1, True),
     "trainer.max_wall_s": (0, True),
     "trainer.warm_start_steps": (0, True),

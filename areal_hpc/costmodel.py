@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from statistics import NormalDist
 
@@ -41,6 +42,8 @@ class CostModel:
         return tokens / self.prefill_tokens_per_s
 
     def train_s(self, tokens: int) -> float:
+        """PPO on `tokens` token positions computed (with prefix sharing, fewer than the tokens trained on:
+        `train_tokens`)."""
         return tokens / self.train_tokens_per_s
 
     def to_dict(self) -> dict:
@@ -118,6 +121,29 @@ def with_overrides(model: CostModel, overrides: dict[str, float]) -> CostModel:
     return replace(model, **{k: float(v) for k, v in overrides.items()})
 
 
+def train_tokens(
+    prefix: int, continuations: Sequence[int], share: bool = True, min_prefix: int = 32, mb_tokens: int = 0
+) -> int:
+    """Token positions a trainer computes for sequences that open with the same `prefix` tokens (a group's
+    prompt, an agent's preamble) and go on for `continuations` tokens each.
+
+    Without sharing (`share` off, or a prefix shorter than `min_prefix`: trainer.share_prefixes and
+    trainer.share_min_tokens) every sequence is computed whole: n * prefix + sum(continuations). With it the
+    prefix is laid down once per micro-batch part: prefix + sum(continuations) when they fit in `mb_tokens`
+    (trainer.max_tokens_per_mb; 0: no limit); a group too large for one is split, each part keeping the
+    prefix, and a continuation too long for any part with others gets a part of its own.
+    """
+    n, rest = len(continuations), int(sum(continuations))
+    if not share or n < 2 or prefix < max(1, min_prefix):
+        return n * prefix + rest
+    parts, used = 1, 0
+    for c in continuations:
+        if used and mb_tokens and prefix + used + c > mb_tokens:
+            parts, used = parts + 1, 0
+        used += c
+    return parts * prefix + rest
+
+
 @dataclass(frozen=True)
 class ResponseLengths:
     """Long-tailed response lengths, as in reasoning traces: log-normal with this median, capped."""
@@ -140,3 +166,15 @@ def unit_hash(seed: int, key: str) -> float:
     """A number in (0, 1), uniform over keys and stable across processes (unlike hash())."""
     h = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
     return (int.from_bytes(h, "little") + 0.5) / 2**64
+
+
+class EmpiricalLengths:
+    """Response lengths as measured in a run (its trajectories' generated lengths)."""
+
+    def __init__(self, values):
+        self.ordered = sorted(int(v) for v in values)
+        if not self.ordered:
+            raise ValueError("no measured response lengths to draw from")
+
+    def quantile(self, u: float) -> int:
+        return self.ordered[min(len(self.ordered) - 1, int(u * len(self.ordered)))]

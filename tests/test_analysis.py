@@ -161,8 +161,17 @@ def test_report_compares_runs_or_a_sweep_in_one_html_file(two_runs, tmp_path):
     r = _report(str(two_runs[1]), "--baseline", str(two_runs[0]), "--target-acc", "0", "-o", str(out))
     assert r.returncode == 0, r.stderr
     text = out.read_text()
-    # speedup, two learning-curve figures, staleness, the training-inference gap, one utilisation figure per run
-    assert text.count('src="data:image/png;base64,') == 7 and "Training-inference gap" in text
+    # speedup, two learning-curve figures, staleness, prefix sharing, the training-inference gap, one utilisation
+    # figure per run
+    assert text.count('src="data:image/png;base64,') == 8 and "Training-inference gap" in text
+    shared = analysis.prefix_sharing(two_runs)  # the trainers' counts of positions computed, summed per version
+    for run, path in zip(("eta0", "eta2"), two_runs):
+        m = pd.read_csv(path / "metrics.csv").dropna(subset=["train_tokens_computed"])
+        assert len(m) == len(shared[shared.run == run]) == m.version.gt(0).sum() > 0
+        assert (m.train_tokens_computed <= m.train_tokens_unshared).all()
+        assert (m.train_tokens_unshared >= m.tokens).all()  # every forward over every token, at least one
+        computed, unshared = int(m.train_tokens_computed.sum()), int(m.train_tokens_unshared.sum())
+        assert f"{run}: the trainers computed {computed:,} of the {unshared:,} token positions they stand for" in text
     assert "throughput_speedup" in text and "time_to_target_s" in text
     assert "<tr class=differs><td>rollout.eta</td><td>0</td><td>2</td></tr>" in text  # the baseline joins first
     sweep = tmp_path / "sweep"
@@ -171,7 +180,7 @@ def test_report_compares_runs_or_a_sweep_in_one_html_file(two_runs, tmp_path):
     (sweep / "sweep.json").write_text(json.dumps({"points": points}))
     r = _report(str(sweep), "-o", str(tmp_path / "sweep.html"))
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "sweep.html").read_text().count('src="data:image/png;base64,') == 7
+    assert (tmp_path / "sweep.html").read_text().count('src="data:image/png;base64,') == 8
     r = _report(str(tmp_path / "sweep" / ".."), "-o", str(tmp_path / "bad.html"))
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "not a run directory" in r.stderr
     assert not (tmp_path / "bad.html").exists()

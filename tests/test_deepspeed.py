@@ -77,12 +77,16 @@ def test_zero_update_matches_torch_engine_and_checkpoint_resumes(stage, tiny_mod
         loss_norm_tokens=6,
         objective=Objective(**objective),
         lora=LoraSpec(*lora) if lora else None,
+        share_prefixes=False,  # the trainers lay each group's prompt down once: the same update
     )
     start = {k: v.clone() for k, v in ref.weights().items()}
     ref_stats = ref.ppo_update(trajs, adv)  # one trainer, the whole batch, the same minibatch split
     for k, v in ref.weights().items():
         torch.testing.assert_close(got["sgd_step"][k], v, rtol=1e-4, atol=1e-5, msg=f"ZeRO-{stage} {k}")
     assert any(not torch.equal(start[k], v) for k, v in ref.weights().items())
+    # each group's prompt was computed once on the trainers (and every token by the single unshared one)
+    computed, unshared = (sum(x[k] for x in got["stats"]) for k in ("train_tokens_computed", "train_tokens_unshared"))
+    assert computed < unshared and ref_stats["train_tokens_computed"] == ref_stats["train_tokens_unshared"]
     # the two trainers' mismatch sums merge into the single trainer's figures (ZeRO-3: empty micro-batches add none)
     gaps, ref_gaps = row_columns(got["stats"]), row_columns([ref_stats])
     assert gaps.keys() == ref_gaps.keys() and gaps["offpolicy_tokens"] == sum(int(t.loss_mask.sum()) for t in trajs)

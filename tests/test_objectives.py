@@ -16,11 +16,18 @@ from areal_hpc.types import Trajectory
 NORM = 7  # Dr.GRPO's constant in these tests
 
 
-def _batch(vocab: int, seed: int = 0):
-    """Six sequences with a prompt, answer tokens and an untrained span (a tool's output) between them."""
+def _batch(vocab: int, seed: int = 0, shared: bool = False):
+    """Six sequences with a prompt, answer tokens and an untrained span (a tool's output) between them.
+
+    `shared`: nested prefixes, as a prefix tree lays them down once: all six open with the same 2 tokens, each
+    pair (a group) shares its prompt, and the last pair also its first 3 answer tokens (trained tokens)."""
     rng = np.random.default_rng(seed)
     trajs = []
+    preamble = rng.integers(1, vocab, 2)
+    pair_prefix = [rng.integers(1, vocab, 8) for _ in range(3)]
     for i, (n_prompt, n_ans) in enumerate([(3, 9), (4, 5), (2, 12), (5, 7), (3, 4), (2, 10)]):
+        if shared:
+            n_prompt = 5
         n = n_prompt + n_ans
         mask = np.zeros(n, np.uint8)
         mask[n_prompt:] = 1
@@ -29,6 +36,10 @@ def _batch(vocab: int, seed: int = 0):
         behav = np.where(mask > 0, -rng.uniform(0.5, 4.0, n), 0).astype(np.float32)
         versions = np.where(mask > 0, 0, -1).astype(np.int32)
         ids = rng.integers(1, vocab, n).astype(np.int32)
+        if shared:
+            ids[:2], ids[2:5] = preamble, pair_prefix[i // 2][:3]
+            if i >= 4:
+                ids[5:8] = pair_prefix[2][5:]
         trajs.append(Trajectory(i // 2, i // 2, i % 2, ids, behav, versions, mask, n_prompt))
     adv = np.array([1.0, -1.0, 0.7, -1.3, 0.4, -0.2], np.float32)
     return trajs, adv
@@ -118,14 +129,23 @@ LOGLINEAR = {"seq_reject_loglinear"}
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("path", ["fused", "zero3_checkpointed"])
-def test_every_objective_equals_the_direct_computation_in_loss_and_gradients(tiny_qwen_dir, case, path):
+@pytest.mark.parametrize("layout", ["packed", "prefix_tree"])
+def test_every_objective_equals_the_direct_computation_in_loss_and_gradients(tiny_qwen_dir, case, path, layout):
     obj, agg = CASES[case]
+    tree = layout == "prefix_tree"  # shared prefixes laid down once (shorter than the default threshold here)
     tr = TorchTrainEngine(
-        str(tiny_qwen_dir), objective=obj, loss_agg=agg, loss_norm_tokens=NORM, logprob_chunk_tokens=5, seed=0
+        str(tiny_qwen_dir),
+        objective=obj,
+        loss_agg=agg,
+        loss_norm_tokens=NORM,
+        logprob_chunk_tokens=5,
+        seed=0,
+        share_prefixes=tree,
+        share_min_tokens=2,
     )
     if path == "zero3_checkpointed":
         tr.fixed_chunks = 4  # the ZeRO-3 path: a fixed number of head calls, checkpointed, the loss taken at once
-    trajs, adv = _batch(tr.model.config.vocab_size)
+    trajs, adv = _batch(tr.model.config.vocab_size, shared=tree)
     rng = np.random.default_rng(1)
     current = tr.compute_logprobs([t.input_ids for t in trajs])
     # proximal logprobs straddle the clip range around the current policy; behaviour ones straddle the cap
@@ -142,7 +162,10 @@ def test_every_objective_equals_the_direct_computation_in_loss_and_gradients(tin
     weights = dict(zip(idx, sequence_weights(n_tok, agg, sum(n_tok), len(trajs), NORM)))
     prox_t = [None] * 6 if case in LOGLINEAR else [torch.as_tensor(p, dtype=torch.float32) for p in prox]
     ref_t = [torch.as_tensor(r, dtype=torch.float32) for r in ref]
+    tr.batching.reset()
     loss, stats = tr._ppo_micro(trajs, adv, prox_t, ref_t if obj.kl_coef else [None] * 6, idx, weights)[:2]
+    # the tree computed each shared prefix once: 5 x 2 + 3 x 3 + 3 tokens fewer than the sequences hold
+    assert tr.batching.unshared - tr.batching.positions == (22 if tree else 0)
     tr.model.zero_grad()
     loss.backward()
     got = torch.cat([p.grad.reshape(-1) for p in tr.model.parameters()])

@@ -312,6 +312,11 @@ def test_eta0_is_on_policy_with_two_trainers_and_disk_weights(tmp_path):
     assert len(trains) >= 6 and "prox" not in set(tl.event)  # ppo.decoupled=false: no proximal recompute
     assert "ref" in set(tl.event)  # the KL's reference forward: a span of its own
     assert (m["weights_match"] == 1).all()
+    # the generation side: the torch engine prefills each group's prompt once for its 8 samples, so every
+    # version's prefills served most prompt tokens from the shared part (eval's single greedy samples share none)
+    hit = m["prefix_cache_hit_rate"]
+    assert hit.dropna().between(0, 1).all() and hit[trained.index].gt(0.5).all(), hit
+    assert "prefix_cache_hit_rate" in tags
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v00000005", "v00000006"]
     assert s["dropped_stale"] == 0
 
@@ -551,6 +556,10 @@ def test_lora_demo_learns_on_vllm_and_deepspeed_zero2_publishing_only_the_adapte
     assert len(eaten) == s["versions"] * cfg.rollout.batch_prompts * cfg.rollout.n_samples
     (gen_log,) = (run / "logs").glob("rank*-generator.log")
     assert "vllm" in gen_log.read_text()  # the generator really ran vLLM
+    # vLLM's prefix cache serves whole KV blocks only: the demo's prompts are shorter than one, so its rate is 0
+    # (an empty cell: a version whose window prefilled nothing, such as a load skipped for a newer one)
+    hit = pd.read_csv(run / "metrics.csv")["prefix_cache_hit_rate"]
+    assert hit.notna().any() and hit.dropna().between(0, 1).all(), hit
     assert len(list((run / "logs").glob("rank*-trainer.log"))) == 2
 
     # only the adapter travels, and the generator holds exactly what trainer 0 sent, every version

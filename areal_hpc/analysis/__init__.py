@@ -7,6 +7,7 @@ from areal_hpc.analysis.runs import Run, flatten, load_run, load_runs, load_swee
 from areal_hpc.analysis.tables import (
     learning_curves,
     mismatch_curves,
+    prefix_sharing,
     speedup_table,
     staleness_distribution,
     time_to_accuracy,
@@ -21,6 +22,7 @@ __all__ = [
     "load_runs",
     "load_sweep",
     "mismatch_curves",
+    "prefix_sharing",
     "speedup_table",
     "staleness_distribution",
     "sweep_runs",

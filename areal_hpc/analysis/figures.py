@@ -90,3 +90,18 @@ def mismatch_figure(curves: pd.DataFrame):
         ax.legend()
     fig.tight_layout()
     return fig
+
+
+def prefix_sharing_figure(per_version: pd.DataFrame):
+    """The share of token positions the trainers did not compute thanks to prefix sharing, per version, one
+    line per run, from `prefix_sharing`."""
+    fig, (ax,) = _figure()
+    for run, c in per_version.groupby("run", sort=False):
+        ax.plot(c["version"], c["saved"], marker="o", label=run)
+    ax.set_xlabel("version")
+    ax.set_ylabel("share of token positions saved")
+    ax.set_ylim(bottom=0)
+    ax.set_title("prefix sharing in the trainers")
+    ax.legend()
+    fig.tight_layout()
+    return fig

@@ -30,7 +30,9 @@ img { max-width: 100%; display: block; margin: 1em 0; }
 Throughput is tokens trained on per second of RL.</p>
 <h2>Speedup</h2>
 {{ speedup | safe }}
-{% for name, png in images %}<h2>{{ name }}</h2><img alt="{{ name }}" src="data:image/png;base64,{{ png }}">
+{% if sharing %}<h2>Prefix sharing</h2>
+<ul>{% for line in sharing %}<li>{{ line }}</li>{% endfor %}</ul>
+{% endif %}{% for name, png in images %}<h2>{{ name }}</h2><img alt="{{ name }}" src="data:image/png;base64,{{ png }}">
 {% endfor %}
 <h2>Configs</h2>
 <p>Keys whose values differ between the runs are highlighted and listed first.</p>
@@ -54,6 +56,18 @@ def _configs_table(runs: list[Run]) -> str:
         cells = "".join(f"<td>{html.escape(str(r.config.get(k, '')))}</td>" for r in runs)
         rows.append(f"<tr{' class=differs' if k in differ else ''}><td>{html.escape(k)}</td>{cells}</tr>")
     return f"<table><tr><th>key</th>{head}</tr>{''.join(rows)}</table>"
+
+
+def _sharing_lines(per_version) -> list[str]:
+    """One sentence per run whose trainers counted the positions they computed."""
+    lines = []
+    for run, r in tables.prefix_sharing_totals(per_version).iterrows():
+        computed, unshared = int(r["train_tokens_computed"]), int(r["train_tokens_unshared"])
+        lines.append(
+            f"{run}: the trainers computed {computed:,} of the {unshared:,} token positions they stand for "
+            f"({r['saved']:.1%} saved)"
+        )
+    return lines
 
 
 def expand(paths: list[os.PathLike | str]) -> list[Run]:
@@ -86,6 +100,9 @@ def write_report(
         ("Learning curves (version)", _png(figures.learning_figure(curves, x="version"))),
         ("Staleness", _png(figures.staleness_figure(tables.staleness_distribution(runs)))),
     ]
+    shared = tables.prefix_sharing(runs)
+    if len(shared):  # runs whose trainers counted the positions they computed (docs/prefix-sharing.md)
+        images.append(("Prefix sharing per version", _png(figures.prefix_sharing_figure(shared))))
     gaps = tables.mismatch_curves(runs)
     if len(gaps):  # runs that measured the training-inference gap (docs/algorithm.md)
         images.append(
@@ -101,6 +118,7 @@ def write_report(
         speedup=speedup.to_html(float_format=lambda v: f"{v:.3f}", na_rep="–"),
         images=images,
         configs=_configs_table(runs),
+        sharing=_sharing_lines(shared),
     )
     out = Path(out)
     atomic_write_text(out, text)

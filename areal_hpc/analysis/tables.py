@@ -152,3 +152,26 @@ def mismatch_curves(runs) -> pd.DataFrame:
             frames.append(frame.assign(n_tokens=m[f"{name}_tokens"]).dropna(subset=["n_tokens"]))
     cols = ["run", "version", "tokens", *[k for k in FIGURES if k != "tokens"], "n_tokens"]
     return pd.concat(frames, ignore_index=True)[cols] if frames else pd.DataFrame(columns=cols)
+
+
+SHARING = ("train_tokens_computed", "train_tokens_unshared")
+
+
+def prefix_sharing(runs) -> pd.DataFrame:
+    """Per (run, version): the token positions the trainers computed and those they stand for (without prefix
+    sharing), and `saved`, the share not computed; runs from before they were counted are left out."""
+    frames = []
+    for r in as_runs(runs):
+        m = r.metrics
+        if not set(SHARING) <= set(m):
+            continue
+        f = pd.DataFrame({"run": r.name, "version": m["version"], **{k: m[k] for k in SHARING}}).dropna()
+        frames.append(f.assign(saved=1 - f[SHARING[0]] / f[SHARING[1]].where(f[SHARING[1]] > 0)))
+    cols = ["run", "version", *SHARING, "saved"]
+    return pd.concat(frames, ignore_index=True)[cols] if frames else pd.DataFrame(columns=cols)
+
+
+def prefix_sharing_totals(per_version: pd.DataFrame) -> pd.DataFrame:
+    """One row per run of `prefix_sharing`: its positions over every version, and the share saved."""
+    t = per_version.groupby("run", sort=False)[list(SHARING)].sum()
+    return t.assign(saved=1 - t[SHARING[0]] / t[SHARING[1]].where(t[SHARING[1]] > 0))

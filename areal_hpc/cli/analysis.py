@@ -40,7 +40,15 @@ def report_cmd(run_dirs: tuple[str, ...], baseline: str | None, target_acc: floa
 @click.option("--sweep", "sweep_spec", help="KEY=V1,V2,... : one simulated run per value, as a table.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="With --sweep: write the throughput figure here.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the figures as JSON here.")
-def simulate_cmd(config_path, overrides, calibrate_dir, sweep_spec, plot, json_path) -> None:
+@click.option("--prompt-tokens", type=int, help="Tokens per prompt (default: the dataset's mean, or the run's).")
+@click.option(
+    "--shared-prefix-tokens",
+    type=int,
+    help="Tokens at the start of each prompt that a group's samples share (an agent's preamble; default: all).",
+)
+def simulate_cmd(
+    config_path, overrides, calibrate_dir, sweep_spec, plot, json_path, prompt_tokens, shared_prefix_tokens
+) -> None:
     """Predict a run's throughput, utilisation and staleness in seconds (a discrete-event model of the loop)."""
     import json
 
@@ -59,6 +67,7 @@ def simulate_cmd(config_path, overrides, calibrate_dir, sweep_spec, plot, json_p
             raise click.ClickException("give a config file (e.g. jobs/emulated_1p5b.yaml) or --calibrate RUN_DIR")
         else:
             sim = sim_mod.sim_config(load_or_fail(config_path, overrides))
+        sim = sim_mod.with_prompts(sim, prompt_tokens, shared_prefix_tokens)
         out: dict = {"cost": sim.cost.to_dict()}
         if sweep_spec:
             key, values = sim_mod.parse_sweep(sweep_spec)
@@ -76,6 +85,11 @@ def simulate_cmd(config_path, overrides, calibrate_dir, sweep_spec, plot, json_p
                 f"tokens/s, {row['gen_tokens_per_s']:.0f} generated tokens/s"
             )
             click.echo(f"busy:        generators {r.gen_busy:.1%}, trainers {r.train_busy:.1%}")
+            click.echo(
+                f"training:    {r.train_s_per_version:.2f} s per version; computed {r.train_tokens_computed:,} of "
+                f"the {r.train_tokens_unshared:,} token positions trained on ({r.prefix_saving:.1%} saved by prefix "
+                "sharing)"
+            )
             click.echo(
                 f"staleness:   {r.staleness} (versions behind -> trajectories); dropped too stale: {r.dropped_stale}"
             )

@@ -61,6 +61,9 @@ class GenerationEngine(ABC):
     """Sequences one step can hold; more are queued and join as slots free."""
     prefill_tokens: int
     """Tokens processed by prefills since start-up (new requests, and resumed ones' prompt + partial again)."""
+    prefill_shared_tokens: int
+    """Prompt (+ partial) tokens of requests prefilled since start-up that were served from a prefix cache or
+    a group's shared prefill instead of computed: prefill_tokens + this is every prompt token prefilled."""
 
     def __init__(self, max_num_seqs: int, temperature: float, top_p: float) -> None:
         if max_num_seqs < 1:
@@ -72,6 +75,7 @@ class GenerationEngine(ABC):
         self.top_p = top_p
         self.paused = False
         self.prefill_tokens = 0
+        self.prefill_shared_tokens = 0
         self.model_path: str | None = None  # set by the engine: its tokenizer decodes stop strings
         self._tokenizer = None
         self._ready: list[GenOutput] = []  # finished without a step (no budget left); returned by the next step

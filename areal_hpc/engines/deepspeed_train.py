@@ -60,7 +60,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         self.zero_stage = zero_stage
         self.collective_weights = zero_stage == 3
         if zero_stage == 3:  # every call of the head gathers its parameters: all ranks make as many
-            self.fixed_chunks = -(-self.max_tokens_per_mb // self.logprob_chunk_tokens)
+            self.fixed_chunks = -(-self.batching.max_tokens // self.logprob_chunk_tokens)
         config = {
             "train_micro_batch_size_per_gpu": 1,  # micro-batches are packed by token budget here
             "gradient_accumulation_steps": 1,  # accumulation boundaries are set explicitly per minibatch
@@ -73,10 +73,11 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         }
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer, config=config)
         if self.packing:  # chosen again for the device DeepSpeed placed the model on, in its precision
-            forward.use_packed_attention(self.model, torch.device(self.ds.device), half=bf16)
+            device = torch.device(self.ds.device)
+            forward.use_packed_attention(self.model, device, half=bf16, trees=self.batching.trees)
         self._deepspeed = deepspeed
         self._fwd = self.ds
-        self.device = self.ds.device
+        self.device = self.batching.device = self.ds.device
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
 

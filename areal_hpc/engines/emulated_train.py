@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from areal_hpc.costmodel import preset, with_overrides
+from areal_hpc.costmodel import preset, train_tokens, with_overrides
 from areal_hpc.engines.base import TrainEngine
 from areal_hpc.engines.emulated_gen import payload
 from areal_hpc.types import Trajectory
@@ -19,7 +20,9 @@ from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
 class EmulatedTrainEngine(TrainEngine):
     """Each data-parallel trainer takes `cost.train_s(its tokens)`. Rank 0 waits for every trainer's result
-    before the version counts, so the largest share sets the step time, as the gradient all-reduce would."""
+    before the version counts, so the largest share sets the step time, as the gradient all-reduce would.
+    Its tokens are the positions a trainer computes: with `share_prefixes`, each group's common token prefix
+    once per micro-batch part (costmodel.train_tokens, the simulator's arithmetic)."""
 
     def __init__(
         self,
@@ -28,12 +31,28 @@ class EmulatedTrainEngine(TrainEngine):
         cost_overrides: dict | None = None,
         time_scale: float = 1.0,
         payload_mb: float = 1.0,
+        share_prefixes: bool = True,
+        share_min_tokens: int = 32,
+        max_tokens_per_mb: int = 4096,
     ):
         self.model_path = Path(model_path)
         self.cost = with_overrides(preset(preset_name), cost_overrides or {})
         self.time_scale = time_scale
         self.version = 0
         self._weights = payload(payload_mb)
+        self.share = (share_prefixes, share_min_tokens, max_tokens_per_mb)
+
+    def positions(self, trajectories: list[Trajectory]) -> tuple[int, int]:
+        """(computed, unshared): the token positions of one pass over the trajectories, with and without
+        each group's common prefix laid down once."""
+        groups: dict[int, list[np.ndarray]] = defaultdict(list)
+        for t in trajectories:
+            groups[t.group_id].append(np.asarray(t.input_ids))
+        computed = 0
+        for seqs in groups.values():
+            p = common_prefix(seqs)
+            computed += train_tokens(p, [len(s) - p for s in seqs], *self.share)
+        return computed, int(sum(len(s) for seqs in groups.values() for s in seqs))
 
     def _spend(self, seconds: float) -> None:
         time.sleep(seconds * self.time_scale)
@@ -45,11 +64,17 @@ class EmulatedTrainEngine(TrainEngine):
     def ppo_update(
         self, trajectories: list[Trajectory], advantages: np.ndarray, minibatches: list[list[int]] | None = None
     ) -> dict[str, float]:
-        tokens = int(sum(len(t.input_ids) for t in trajectories))
-        self._spend(self.cost.train_s(tokens))
+        computed, unshared = self.positions(trajectories)
+        self._spend(self.cost.train_s(computed))
         self.version += 1
         self._weights["emulated.payload"][0] = float(self.version)  # the checksum changes as real weights would
-        return {"loss": 0.0, "emulated_train_s": self.cost.train_s(tokens)}
+        return {
+            "loss": 0.0,
+            "emulated_train_s": self.cost.train_s(computed),
+            # one pass's positions (a real trainer counts every forward's): their ratio is the saving
+            "train_tokens_computed": computed,
+            "train_tokens_unshared": unshared,
+        }
 
     def supervised_step(self, sequences: list[np.ndarray], loss_masks: list[np.ndarray], lr: float) -> float:
         self._spend(self.cost.train_s(sum(len(s) for s in sequences)))
@@ -72,3 +97,11 @@ class EmulatedTrainEngine(TrainEngine):
     def load_checkpoint(self, path: Path) -> None:
         self.version = int(json.loads((Path(path) / "emulated.json").read_text())["version"])
         self._weights["emulated.payload"][0] = float(self.version)
+
+
+def common_prefix(seqs: list[np.ndarray]) -> int:
+    """The number of leading tokens every sequence has in common."""
+    n = min(len(s) for s in seqs)
+    first = seqs[0][:n]
+    same = np.logical_and.reduce([s[:n] == first for s in seqs[1:]]) if len(seqs) > 1 else np.ones(n, bool)
+    return int(n if same.all() else np.argmin(same))

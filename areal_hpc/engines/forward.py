@@ -3,6 +3,9 @@
 Packed: the sequences are laid end to end in one row and position ids restart at 0 at each sequence.
 Attention never crosses a boundary: flash attention's varlen kernel reads the boundaries from the position
 ids on GPUs; elsewhere `PACKED_SDPA` runs causal sdpa once per sequence (no mask, no cross-sequence work).
+Prefix tree (engines/micro_batch.py `shared`): a prefix several sequences share is laid down once and their
+continuations attend to it; only `PACKED_SDPA` knows the tree (engines/prefix_attention.py), and the head
+computes a shared (position, next token) row once, its value and gradient standing for every sequence.
 
 The vocabulary projection never runs on the whole micro-batch. With a loss (`chunked_loss`), each chunk of
 `chunk_tokens` positions is projected once: its log-probabilities go through the loss, and the gradients
@@ -15,70 +18,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from areal_hpc.engines.micro_batch import MicroBatch, Rows, packed, padded, shared  # noqa: F401 (the layouts)
+from areal_hpc.engines.prefix_attention import tree_sdpa
+
 PACKED_SDPA = "areal_packed_sdpa"
-
-
-@dataclass
-class MicroBatch:
-    """Model inputs for a list of sequences, and where each sequence's tokens sit in them."""
-
-    input_ids: torch.Tensor  # [1, N] packed, [B, L] padded
-    position_ids: torch.Tensor | None  # packed only
-    attention_mask: torch.Tensor | None  # padded only
-    lengths: list[int]
-    positions: int  # token positions the forward computes (padding included)
-
-    @property
-    def padding(self) -> int:
-        return self.positions - sum(self.lengths)
-
-    def predicting_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flat model positions that predict a next token of their own sequence, that token's position, and
-        its index in the sequences laid end to end (what per-token loss inputs are indexed by)."""
-        width = self.input_ids.shape[1]
-        src, index, offset = [], [], 0
-        for i, n in enumerate(self.lengths):
-            start = offset if self.position_ids is not None else i * width
-            src.append(torch.arange(start, start + n - 1))
-            index.append(torch.arange(offset + 1, offset + n))
-            offset += n
-        device = self.input_ids.device
-        src_t = torch.cat(src).to(device)
-        return src_t, src_t + 1, torch.cat(index).to(device)
-
-    def per_sequence(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Rows in predicting order -> one tensor per sequence, position 0 (no prefix) set to 0."""
-        out, k = [], 0
-        for n in self.lengths:
-            out.append(torch.cat([flat.new_zeros(1), flat[k : k + n - 1]]))
-            k += n - 1
-        return out
-
-
-def packed(seqs: list[np.ndarray], device: torch.device) -> MicroBatch:
-    lengths = [len(s) for s in seqs]
-    ids = torch.cat([torch.as_tensor(np.asarray(s), dtype=torch.long) for s in seqs])[None]
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    return MicroBatch(ids.to(device), pos.to(device), None, lengths, sum(lengths))
-
-
-def padded(seqs: list[np.ndarray], pad_token_id: int, device: torch.device) -> MicroBatch:
-    """Right padding: positions stay 0..L-1, so no position ids are needed."""
-    lengths = [len(s) for s in seqs]
-    width = max(lengths)
-    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.as_tensor(np.asarray(s), dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return MicroBatch(ids.to(device), None, mask.to(device), lengths, len(seqs) * width)
 
 
 # -- attention over packed rows --------------------------------------------------------------------------
@@ -87,6 +35,8 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
 
     transformers passes no mask to an attention it does not know, so a padded batch (right padding, where
     causal attention alone keeps real tokens off the padding) takes the plain causal path."""
+    if kwargs.get("prefix_tree") is not None:  # shared prefixes laid down once (engines/prefix_attention.py)
+        return tree_sdpa(query, key, value, kwargs["prefix_tree"], dropout if module.training else 0.0, scaling), None
     pos = kwargs.get("position_ids")
     gqa = query.shape[1] != key.shape[1]
     if pos is None or query.shape[0] != 1:
@@ -109,16 +59,17 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
-def use_packed_attention(model: torch.nn.Module, device: torch.device, half: bool = False) -> str:
+def use_packed_attention(model: torch.nn.Module, device: torch.device, half: bool = False, trees: bool = False) -> str:
     """Switch `model` to an attention that keeps packed sequences apart; returns its name.
 
-    `half`: the model computes in bf16 (flash attention takes no fp32)."""
+    `half`: the model computes in bf16 (flash attention takes no fp32). `trees`: micro-batches may be prefix
+    trees, which only PACKED_SDPA reads (on a GPU its sdpa calls take the flash or memory-efficient kernels)."""
     from transformers import AttentionInterface
 
     if getattr(model.config, "use_sliding_window", False):
         raise ValueError("a model with sliding-window attention cannot be packed here; set trainer.packing=false")
     name = PACKED_SDPA
-    if device.type == "cuda" and half:
+    if device.type == "cuda" and half and not trees:
         import importlib.util
 
         if importlib.util.find_spec("flash_attn") is not None:
@@ -130,18 +81,18 @@ def use_packed_attention(model: torch.nn.Module, device: torch.device, half: boo
 
 
 # -- log-probabilities without a loss: checkpointed chunks -------------------------------------------------
-def _hidden_rows(model: torch.nn.Module, mb: MicroBatch):
+def _hidden_rows(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, Rows]:
+    """The last hidden state of each row the head computes, and those rows."""
     out = model(
         input_ids=mb.input_ids,
-        attention_mask=mb.attention_mask,
-        position_ids=mb.position_ids,
         output_hidden_states=True,
         logits_to_keep=1,  # the head is applied here, in chunks
         use_cache=False,
+        **mb.model_kwargs(),
     )
     last = out.hidden_states[-1]
-    src, tgt, index = mb.predicting_rows()
-    return last.reshape(-1, last.shape[-1])[src], mb.input_ids.reshape(-1)[tgt], index
+    rows = mb.head_rows()
+    return last.reshape(-1, last.shape[-1])[rows.src], rows
 
 
 def _entropy(logsm: torch.Tensor, rows: int = 64) -> torch.Tensor:
@@ -181,7 +132,8 @@ def token_logprobs(
     each call gathers the head's parameters, so every trainer must make the same number of calls.
     `entropy_grad`: the entropies carry a gradient (an entropy bonus), else they are detached.
     """
-    hidden, targets, _ = _hidden_rows(model, mb)
+    hidden, rows = _hidden_rows(model, mb)
+    targets = rows.targets
     step = chunk_tokens if n_chunks is None else max(1, -(-len(hidden) // n_chunks))
     starts = range(0, len(hidden), step) if n_chunks is None else [i * step for i in range(n_chunks)]
     logps, ents = [], []
@@ -195,7 +147,9 @@ def token_logprobs(
         ents.append(ent)
     flat_lp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
     flat_ent = torch.cat(ents) if ents else flat_lp.detach()
-    return mb.per_sequence(flat_lp), mb.per_sequence(flat_ent)
+    if rows.inverse is not None:  # a shared row's value goes to every sequence through it
+        flat_lp, flat_ent = flat_lp[rows.inverse], flat_ent[rows.inverse]
+    return mb.per_sequence(flat_lp, rows.index), mb.per_sequence(flat_ent, rows.index)
 
 
 # -- a loss over tokens, its gradient taken chunk by chunk in the forward ----------------------------------
@@ -231,17 +185,22 @@ class _HeadLoss(torch.autograd.Function):
     """loss(log_softmax(hidden @ W.T / T)[targets]) whose backward hands over gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, index, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass):
+    def forward(ctx, hidden, weight, rows, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         w = weight.detach().to(dtype)
+        targets, index, inverse = rows.targets, rows.index, rows.inverse
         if prepass is not None:
-            prepass(_HeadLoss.logprobs(hidden, w, targets, temperature, chunk_tokens, dtype), index)
+            lp_all = _HeadLoss.logprobs(hidden, w, targets, temperature, chunk_tokens, dtype)
+            prepass(lp_all if inverse is None else lp_all[inverse], index)
+        if inverse is not None:  # the loss rows of each chunk of head rows: a contiguous run (inverse is sorted)
+            starts = torch.arange(0, len(hidden) + chunk_tokens, chunk_tokens, device=inverse.device)
+            bounds = torch.searchsorted(inverse, starts).tolist()
         grad_h = torch.empty_like(hidden)
         # a frozen head (LoRA) takes no gradient: no head-sized buffer, no second matmul per chunk
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for a in range(0, len(hidden), chunk_tokens):
+        for k, a in enumerate(range(0, len(hidden), chunk_tokens)):
             h = hidden[a : a + chunk_tokens].detach().to(dtype)
             t = targets[a : a + chunk_tokens]
             logits = (h @ w.T).float()
@@ -251,17 +210,26 @@ class _HeadLoss(torch.autograd.Function):
             logsm = logits.sub_(lse[:, None])  # in place: the chunk's log-softmax
             logp = logsm.gather(-1, t[:, None]).squeeze(-1)
             entropy = _entropy(logsm)
+            if inverse is None:
+                local, row_lp, row_ent, idx = None, logp, entropy, index[a : a + chunk_tokens]
+            else:  # each head row once per sequence through it
+                lo, hi = bounds[k], bounds[k + 1]
+                local, idx = inverse[lo:hi] - a, index[lo:hi]
+                row_lp, row_ent = logp[local], entropy[local]
             with torch.enable_grad():
-                lp = logp.detach().requires_grad_()
+                lp = row_lp.detach().requires_grad_()
                 if with_entropy:
-                    ent = entropy.detach().requires_grad_()
-                    loss = loss_fn(lp, index[a : a + chunk_tokens], ent)
+                    ent = row_ent.detach().requires_grad_()
+                    loss = loss_fn(lp, idx, ent)
                     g, g_ent = torch.autograd.grad(loss, (lp, ent), allow_unused=True, materialize_grads=True)
                 else:
-                    loss = loss_fn(lp, index[a : a + chunk_tokens])
+                    loss = loss_fn(lp, idx)
                     (g,), g_ent = torch.autograd.grad(loss, lp, allow_unused=True, materialize_grads=True), None
+            if local is not None:  # a head row's gradient: the sum over the loss rows it stands for
+                g = g.new_zeros(len(logp)).index_add_(0, local, g)
+                g_ent = None if g_ent is None else g_ent.new_zeros(len(logp)).index_add_(0, local, g_ent)
             total += loss.detach().float()
-            record(logp, entropy)
+            record(row_lp, row_ent)
             del logits
             # through the log-softmax (and the entropy), then through the division by T
             grad_z = _grad_logits(logsm, t, g, g_ent, entropy)
@@ -295,7 +263,7 @@ class _HeadLoss(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         grad_weight = None if grad_w is None else grad_w * grad_out
-        return (grad_h * grad_out, grad_weight) + (None,) * 8
+        return (grad_h * grad_out, grad_weight) + (None,) * 7
 
 
 def chunked_loss(
@@ -325,7 +293,7 @@ def chunked_loss(
         else:
             loss = loss_fn(flat, index)
         return loss, [lp.detach() for lp in logps], [e.detach() for e in ents]
-    hidden, targets, index = _hidden_rows(model, mb)
+    hidden, rows = _hidden_rows(model, mb)
     lps, ents = [], []
 
     def record(lp, ent):
@@ -334,8 +302,8 @@ def chunked_loss(
 
     with head_weight():
         loss = _HeadLoss.apply(
-            hidden, head.weight, targets, index, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass
+            hidden, head.weight, rows, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass
         )
     flat_lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
     flat_ent = torch.cat(ents) if ents else flat_lp
-    return loss, mb.per_sequence(flat_lp), mb.per_sequence(flat_ent)
+    return loss, mb.per_sequence(flat_lp, rows.index), mb.per_sequence(flat_ent, rows.index)

@@ -19,7 +19,15 @@ class FrozenPolicy:
     """A model without gradients on the trainer's device, in the trainer's compute precision, and its chunked
     no-grad logprobs: the KL's reference (below) and the distillation teacher (engines/teacher.py)."""
 
-    def __init__(self, model_path: str, weights: dict[str, torch.Tensor] | None, dtype: str, device, packing: bool):
+    def __init__(
+        self,
+        model_path: str,
+        weights: dict[str, torch.Tensor] | None,
+        dtype: str,
+        device,
+        packing: bool,
+        trees: bool = False,
+    ):
         # a model of its own from the folder (then `weights`, if given): a copy of the trainer's module would
         # carry whatever DeepSpeed hung on it
         self.model = load_causal_lm(model_path, dtype).to(device).eval()
@@ -28,7 +36,8 @@ class FrozenPolicy:
         for p in self.model.parameters():
             p.requires_grad_(False)
         if packing:
-            forward.use_packed_attention(self.model, torch.device(device), half=dtype == "bfloat16")
+            # trees: the trainer's micro-batches may lay shared prefixes down once (engines/batching.py)
+            forward.use_packed_attention(self.model, torch.device(device), half=dtype == "bfloat16", trees=trees)
 
     @torch.no_grad()
     def logprobs(self, mbs, temperature: float, chunk_tokens: int) -> list[np.ndarray]:

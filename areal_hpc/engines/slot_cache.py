@@ -65,14 +65,14 @@ class SlotCache:
         return self.keys[layer][:n, :, self.start : col + 1], self.values[layer][:n, :, self.start : col + 1]
 
     # -- rows joining and leaving ----------------------------------------------------------------
-    def join(self, cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Append rows prefilled together (`cache` and its left-padded `mask` [rows, w]) as the last rows."""
+    def join(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> None:
+        """Append rows prefilled together (per layer [rows, heads, w, dim], left-padded as `mask` [rows, w])
+        as the last rows."""
         joiners, w = mask.shape
-        layers = cache.layers
         self.margin = max(self.margin, w)
         if not self.keys:  # the first joiners fix heads, head size and dtype
-            _, heads, _, dim = layers[0].keys.shape
-            like = layers[0].keys
+            _, heads, _, dim = keys[0].shape
+            like = keys[0]
             self.keys = [like.new_zeros((0, heads, 0, dim)) for _ in range(self.n_layers)]
             self.values = [like.new_zeros((0, heads, 0, dim)) for _ in range(self.n_layers)]
             self.first = torch.zeros(0, dtype=torch.long, device=like.device)
@@ -81,9 +81,9 @@ class SlotCache:
         if self.rows + joiners > self.keys[0].shape[0] or self.end - w < 0 or self.end > self.keys[0].shape[2]:
             self._relayout(self.rows + joiners, self.margin)
         n, lo = self.rows, self.end - w
-        for mine_k, mine_v, theirs in zip(self.keys, self.values, layers, strict=True):
-            mine_k[n : n + joiners, :, lo : self.end] = theirs.keys
-            mine_v[n : n + joiners, :, lo : self.end] = theirs.values
+        for mine_k, mine_v, k, v in zip(self.keys, self.values, keys, values, strict=True):
+            mine_k[n : n + joiners, :, lo : self.end] = k
+            mine_v[n : n + joiners, :, lo : self.end] = v
         self.first[n : n + joiners] = lo + (w - mask.sum(1))
         self.rows += joiners
         self.start = int(self.first[: self.rows].min())

@@ -20,7 +20,7 @@ class DistillSpec:
     read_weights: Callable[[], dict] | None = None
 
 
-def load_teacher(spec: DistillSpec, dtype: str, device, packing: bool) -> FrozenPolicy:
+def load_teacher(spec: DistillSpec, dtype: str, device, packing: bool, trees: bool = False) -> FrozenPolicy:
     """The teacher on this trainer's device in `dtype` (the trainer's compute precision), without gradients."""
     weights = spec.read_weights() if spec.read_weights is not None else None
-    return FrozenPolicy(spec.folder or spec.teacher, weights, dtype, device, packing)
+    return FrozenPolicy(spec.folder or spec.teacher, weights, dtype, device, packing, trees)

@@ -7,6 +7,7 @@ from collections import deque
 import torch
 
 from areal_hpc.engines.base import GenerationEngine, InFlight
+from areal_hpc.engines.prefill_share import SharePlan, left_pad, pack_right, plan, positions
 from areal_hpc.engines.slot_cache import SlotCache
 from areal_hpc.model import load_causal_lm
 from areal_hpc.model import stop_token_ids as model_stop_ids
@@ -35,6 +36,8 @@ class TorchGenerationEngine(GenerationEngine):
     slots (so a request added now gets its first token in this step), writes the joiners into the
     cache and drops the rows that finished: a finished row costs no more compute, a join or a finish
     copies no other row, and columns no row uses any more are not attended.
+    Joiners with the same prompt (a group's n samples, added together) compute their common prefix once
+    and each its own tokens after it (docs/prefix-sharing.md); `share_prefill=False` computes each in full.
 
     Logprobs are those of the sampled token under softmax(logits / temperature), the distribution the
     trainer recomputes (top-p only restricts which tokens can be drawn).
@@ -52,6 +55,7 @@ class TorchGenerationEngine(GenerationEngine):
         device: str = "cpu",
         max_num_seqs: int = 256,
         weight_bits: int = 0,
+        share_prefill: bool = True,
     ):
         if top_p < 1:  # the recorded logprobs are those of the full distribution, which is what is sampled
             raise ValueError(f"top_p={top_p} is not supported: behaviour logprobs are of the full distribution")
@@ -60,6 +64,7 @@ class TorchGenerationEngine(GenerationEngine):
         self.device = torch.device(device)
         self.model = load_causal_lm(model_path, dtype).to(self.device).eval()
         self.weight_bits = weight_bits  # > 0: every load is rounded (rollout.weight_bits)
+        self.share_prefill = share_prefill  # False: each joiner's prompt computed in full (benchmarks compare)
         if weight_bits:
             self.model.load_state_dict(fake_quantize(self.model.state_dict(), weight_bits))
         cfg = self.model.config
@@ -154,21 +159,80 @@ class TorchGenerationEngine(GenerationEngine):
         return self._record(0, self.rows, out.logits[:, -1, :])
 
     def _prefill(self, joiners: list[InFlight]) -> set[int]:
-        """Prefill the joiners (left-padded among themselves), merge them into the batch, sample their first token."""
+        """Prefill the joiners, merge them into the batch, sample their first token. Joiners with the same
+        prompt (a group's n samples) compute their common prefix once; the rest are left-padded together."""
         prefixes = [list(s.request.prompt_ids) + s.ids for s in joiners]
-        width = max(len(p) for p in prefixes)
-        self.prefill_tokens += sum(len(p) for p in prefixes)
-        ids = torch.full((len(joiners), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(joiners), width), dtype=torch.long)
-        for i, p in enumerate(prefixes):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        shares = plan([s.request.prompt_ids for s in joiners], prefixes) if self.share_prefill else None
+        if shares is None:
+            keys, values, logits = self._forward_rows(prefixes)
+            self.prefill_tokens += sum(len(p) for p in prefixes)
+        else:
+            keys, values, logits = self._forward_shared(prefixes, shares)
+            self.prefill_tokens += shares.computed(prefixes)
+            self.prefill_shared_tokens += shares.served()
+        lens = torch.tensor([len(p) for p in prefixes], device=self.device)
+        width = keys[0].shape[2]
+        mask = (torch.arange(width, device=self.device)[None, :] >= width - lens[:, None]).long()  # left-packed
         first = len(self.rows)
-        self._merge(joiners, out.past_key_values, mask, pos[:, -1] + 1)
-        return self._record(first, joiners, out.logits[:, -1, :])
+        self._merge(joiners, keys, values, mask, lens)
+        return self._record(first, joiners, logits)
+
+    def _forward(self, ids, mask, pos, past=None):
+        # the last position's logits only: a long prompt's full [rows, width, vocab] would dwarf its KV
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True, logits_to_keep=1
+        )
+        if any(getattr(layer, "is_sliding", False) for layer in out.past_key_values.layers):
+            raise RuntimeError(
+                "the torch generation engine does not support sliding-window attention; use rollout.engine=vllm"
+            )
+        return out
+
+    def _forward_rows(self, prefixes: list[list[int]]):
+        """Every prefix computed in full, left-padded among the others: its keys, values and last logits."""
+        ids, mask = left_pad(prefixes, *self._pad)
+        out = self._forward(ids, mask, positions(mask))
+        cache = out.past_key_values.layers
+        return [c.keys for c in cache], [c.values for c in cache], out.logits[:, -1, :]
+
+    def _forward_shared(self, prefixes: list[list[int]], shares: SharePlan):
+        """Part A: each group's shared prefix once. Part B: every joiner's own tokens after it, over a copy of
+        its group's keys and values (padding between the two is masked). Then each row is left-packed."""
+        ids_a, mask_a = left_pad([prefixes[m[0]][:s] for m, s in zip(shares.groups, shares.shared)], *self._pad)
+        out_a = self._forward(ids_a, mask_a, positions(mask_a))
+        parts = []  # (joiners, their keys and values per layer, their last logits)
+        whole = [j for j in range(len(prefixes)) if j not in shares.own]  # all of it shared: part A's row
+        if whole:
+            g = torch.tensor([shares.group_of[j] for j in whole], device=self.device)
+            parts.append((whole, *self._packed(out_a, g, mask_a[g], prefixes), out_a.logits[g, -1]))
+        if shares.own:
+            own = shares.own
+            ids_b, mask_b = left_pad([prefixes[j][shares.start(j) :] for j in own], *self._pad)
+            g = torch.tensor([shares.group_of.get(j, 0) for j in own], device=self.device)
+            in_group = torch.tensor([j in shares.group_of for j in own], device=self.device)
+            full = torch.cat([mask_a[g] * in_group[:, None], mask_b], dim=1)  # a joiner in no group: no prefix
+            past = out_a.past_key_values
+            past.batch_select_indices(g)  # new tensors: the rows of part A taken above stay as they were
+            out_b = self._forward(ids_b, full, positions(full)[:, mask_a.shape[1] :], past)
+            rows = torch.arange(len(own), device=self.device)
+            parts.append((own, *self._packed(out_b, rows, full, prefixes), out_b.logits[:, -1]))
+        order = torch.tensor([j for p in parts for j in p[0]], device=self.device).argsort()
+        keys = [torch.cat([p[1][i] for p in parts])[order] for i in range(len(parts[0][1]))]
+        values = [torch.cat([p[2][i] for p in parts])[order] for i in range(len(parts[0][2]))]
+        return keys, values, torch.cat([p[3] for p in parts])[order]
+
+    @property
+    def _pad(self):
+        return self.pad_token_id, self.device
+
+    @staticmethod
+    def _packed(out, rows: torch.Tensor, mask: torch.Tensor, prefixes: list[list[int]]):
+        """Rows `rows` of a forward's cache, their real columns (`mask`) left-packed to the widest prefix."""
+        width = max(len(p) for p in prefixes)
+        cache = out.past_key_values.layers
+        return [pack_right(c.keys[rows], mask, width) for c in cache], [
+            pack_right(c.values[rows], mask, width) for c in cache
+        ]
 
     def _record(self, first_row: int, seqs: list[InFlight], logits: torch.Tensor) -> set[int]:
         """Sample one token per sequence (rows first_row...), append it, note which finished."""
@@ -197,15 +261,11 @@ class TorchGenerationEngine(GenerationEngine):
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
     # -- the batch's cache -------------------------------------------------------------------------
-    def _merge(self, joiners: list[InFlight], cache, mask: torch.Tensor, pos: torch.Tensor) -> None:
-        """Append the joiners' rows to the running batch."""
-        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-            raise RuntimeError(
-                "the torch generation engine does not support sliding-window attention; use rollout.engine=vllm"
-            )
+    def _merge(self, joiners: list[InFlight], keys, values, mask: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append the joiners' rows (left-packed keys and values per layer) to the running batch."""
         if self._cache is None:
-            self._cache = SlotCache(len(cache.layers))
-        self._cache.join(cache, mask)
+            self._cache = SlotCache(len(keys))
+        self._cache.join(keys, values, mask)
         self._pos = pos if not self.rows else torch.cat([self._pos, pos])
         self.rows += joiners
 

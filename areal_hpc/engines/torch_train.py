@@ -10,11 +10,11 @@ import torch.distributed as dist
 
 from areal_hpc.algo.distill import baseline_sums
 from areal_hpc.algo.mismatch import version_sums
-from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
 from areal_hpc.algo.ppo import Objective, sequence_weights
 from areal_hpc.engines import forward
 from areal_hpc.engines import lora as lora_lib
 from areal_hpc.engines.base import TrainEngine
+from areal_hpc.engines.batching import Batching
 from areal_hpc.engines.policy_step import PPO_STATS, PolicyStep, merge_stats
 from areal_hpc.engines.reference import FrozenPolicy, ReferencePolicy
 from areal_hpc.engines.teacher import DistillSpec, load_teacher
@@ -36,7 +36,8 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
 
     The weights and the optimizer state are fp32 whatever the model folder holds: AdamW updates at small
     learning rates round away in bf16. `bf16` computes the forward and backward in bf16 (autocast) on
-    top of them. Micro-batches are packed without padding (`packing`), log-probabilities are computed
+    top of them. Micro-batches are packed without padding (`packing`), each prefix several sequences share
+    laid down once (`share_prefixes`, engines/batching.py), log-probabilities are computed
     `logprob_chunk_tokens` at a time, and `gradient_checkpointing` recomputes each layer in backward.
 
     `objective` is the policy loss (algo.ppo.Objective; by default decoupled PPO from `eps_clip` and
@@ -70,6 +71,8 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         device: str = "cpu",
         bf16: bool = False,
         packing: bool = True,
+        share_prefixes: bool = True,
+        share_min_tokens: int = 32,
         logprob_chunk_tokens: int = 256,
         gradient_checkpointing: bool = False,
         objective: Objective | None = None,
@@ -88,7 +91,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         if lora is not None:
             lora_lib.attach(self.model, lora)
         if packing:
-            forward.use_packed_attention(self.model, self.device, half=bf16)
+            forward.use_packed_attention(self.model, self.device, half=bf16, trees=share_prefixes)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -96,15 +99,17 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         self.packing = packing
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.fixed_chunks: int | None = None  # set under ZeRO-3: the same number of head calls on every rank
-        self.positions = self.padding = 0  # token positions computed, and how many were padding (per step)
         self.pad_token_id = self.model.config.pad_token_id or 0
+        # micro-batches, and the token positions a version's forwards computed (of them padding; stood for)
+        self.batching = Batching(
+            max_tokens_per_mb, packing, share_prefixes, share_min_tokens, self.pad_token_id, self.device
+        )
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter alone
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(trained, lr=lr, weight_decay=weight_decay)
         else:
             self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         self.grad_clip = grad_clip
-        self.max_tokens_per_mb = max_tokens_per_mb
         self.n_minibatches = n_minibatches
         self.objective = objective or Objective(eps_clip=eps_clip, behav_cap=behav_imp_weight_cap or None)
         self.loss_agg, self.loss_norm_tokens = loss_agg, loss_norm_tokens
@@ -122,12 +127,6 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         self._fwd = self.model  # what a forward pass calls
 
     # -- forward ---------------------------------------------------------------------------------
-    def _micro_batch(self, seqs: list[np.ndarray]) -> forward.MicroBatch:
-        mb = forward.packed(seqs, self.device) if self.packing else forward.padded(seqs, self.pad_token_id, self.device)
-        self.positions += mb.positions
-        self.padding += mb.padding
-        return mb
-
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
@@ -135,7 +134,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         """Per sequence: each token's logprob given its prefix under softmax(logits / T)."""
         with self._autocast():
             head = self.model.get_output_embeddings()
-            mb = self._micro_batch(seqs)
+            mb = self.batching.build(seqs)
             return forward.token_logprobs(
                 self._fwd, head, mb, self.temperature, self.logprob_chunk_tokens, self.fixed_chunks
             )[0]
@@ -149,7 +148,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         `with_entropy` and `prepass`: as forward.chunked_loss takes them."""
         with self._autocast():
             head = self.model.get_output_embeddings()
-            mb = self._micro_batch(seqs)
+            mb = self.batching.build(seqs)
             return forward.chunked_loss(
                 self._fwd,
                 head,
@@ -174,7 +173,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
 
     def _logprobs_no_grad(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
         out: list[np.ndarray | None] = [None] * len(sequences)
-        mbs: list = pack_microbatches([len(s) for s in sequences], self.max_tokens_per_mb) if sequences else []
+        mbs: list = self.batching.plan(sequences)
         if self.lockstep:  # every rank runs as many forwards as the busiest one (agreed before any forward)
             mbs += [None] * (self._allreduce_max(len(mbs)) - len(mbs))
         for mb in mbs:
@@ -214,7 +213,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
     def _zero_loss(self) -> torch.Tensor:
         """A forward that contributes nothing, for a rank with fewer micro-batches under lockstep."""
         loss = self._loss([np.array([self.pad_token_id, self.pad_token_id])], lambda lp, index: lp.sum() * 0.0)[0]
-        self.padding += 2  # all of it is waste
+        self.batching.count(0, 2, 0)  # all of it is waste
         return loss
 
     def _allreduce_grads(self) -> None:
@@ -255,7 +254,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         forward; rank 0 merges them over trainers into the mismatch_* and offpolicy_* columns.
         """
         seqs = [t.input_ids for t in trajectories]
-        self.positions = self.padding = 0
+        self.batching.reset()
         totals: dict[str, float] = {}
         if self.decoupled and self.prox == "recompute" and (seqs or self.lockstep):
             totals["prox_t_start"] = time.time()  # the trainer's timeline shows the recompute as its own span
@@ -282,10 +281,9 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             if mine[1]:  # this share's mean reverse KL; rank 0 weighs the shares by their loss tokens
                 totals["distill_kl"] = -mine[0] / mine[1]
 
-        lengths = [len(s) for s in seqs]
         if minibatches is None:
             if seqs:
-                minibatches = balance_across_ranks(lengths, self.n_minibatches)
+                minibatches = self.batching.minibatches(seqs, self.n_minibatches)
             else:
                 minibatches = [[] for _ in range(self.n_minibatches)]
         micro_stats: list[dict] = []
@@ -297,7 +295,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
                 continue  # nothing to learn from on any rank; all ranks skip together
             weights = sequence_weights(loss_tokens, self.loss_agg, total_tokens, total_seqs, self.loss_norm_tokens)
             seq_weight = dict(zip(mb_idx, weights))
-            micros: list = pack_microbatches([lengths[i] for i in mb_idx], self.max_tokens_per_mb)
+            micros: list = self.batching.plan([seqs[i] for i in mb_idx])
             if self.lockstep:
                 micros += [None] * (self._allreduce_max(len(micros)) - len(micros))
             for k, micro in enumerate(micros):
@@ -321,7 +319,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             totals["loss"] /= len(minibatches)  # mean minibatch loss
         if micro_stats:
             totals.update({k: v for k, v in merge_stats(micro_stats).items() if k in PPO_STATS})
-        totals["fwd_positions"], totals["fwd_padding"] = self.positions, self.padding
+        totals.update(self.batching.counts())  # every forward of the version: recompute, reference, teacher, steps
         return totals
 
     def _ppo_micro(self, trajectories, advantages, prox_all, ref_all, idx, seq_weight):
@@ -360,14 +358,17 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
                 return [torch.as_tensor(lp) for lp in self.compute_logprobs(seqs)]
         if self.reference is None:
             dtype = "bfloat16" if self.bf16 else "float32"
-            self.reference = ReferencePolicy(self.model_path, self.weights(), dtype, self.device, self.packing)
+            self.reference = ReferencePolicy(
+                self.model_path, self.weights(), dtype, self.device, self.packing, self.batching.trees
+            )
         return self._frozen_logprobs(self.reference, seqs)
 
     def _teacher_logprobs(self, seqs: list[np.ndarray], totals: dict) -> list:
         """Each sequence's logprobs under the distillation teacher (loaded the first time, before its span starts:
         the timeline's "teacher" span is the forward alone). No collective: a plain module on every trainer."""
         if self.teacher is None:
-            self.teacher = load_teacher(self.distill, "bfloat16" if self.bf16 else "float32", self.device, self.packing)
+            dtype = "bfloat16" if self.bf16 else "float32"
+            self.teacher = load_teacher(self.distill, dtype, self.device, self.packing, self.batching.trees)
         totals["teacher_t_start"] = time.time()
         out = self._frozen_logprobs(self.teacher, seqs)
         totals["teacher_t_end"] = time.time()
@@ -375,8 +376,8 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
 
     def _frozen_logprobs(self, policy: FrozenPolicy, seqs: list[np.ndarray]) -> list:
         """Each sequence's logprobs under a frozen model (the reference, the teacher): chunked, no grad."""
-        groups = pack_microbatches([len(s) for s in seqs], self.max_tokens_per_mb) if seqs else []
-        mbs = [self._micro_batch([seqs[i] for i in g]) for g in groups]
+        groups = self.batching.plan(seqs)
+        mbs = [self.batching.build([seqs[i] for i in g]) for g in groups]
         out: list = [None] * len(seqs)
         order = [i for g in groups for i in g]
         for i, lp in zip(order, policy.logprobs(mbs, self.temperature, self.logprob_chunk_tokens)):

@@ -85,7 +85,7 @@ class VLLMGenerationEngine(GenerationEngine):
         # vLLM's first step builds what its kernels need (2-3 s for the tiny CPU model): here it is start-up,
         # overlapping the other ranks', instead of a stall in the first generation the runtime times
         generate(self, [GenRequest("warmup", [self.stop_ids[0] if self.stop_ids else 0], 1, greedy=True)])
-        self.prefill_tokens = 0  # the warm-up is not the runtime's work
+        self.prefill_tokens = self.prefill_shared_tokens = 0  # the warm-up is not the runtime's work
 
     @property
     def num_running(self) -> int:
@@ -178,7 +178,9 @@ class VLLMGenerationEngine(GenerationEngine):
             c = o.outputs[0]
             if o.request_id not in self._prefilled:
                 self._prefilled.add(o.request_id)  # its prompt (+ partial) went through one prefill, less cached blocks
-                self.prefill_tokens += len(o.prompt_token_ids or ()) - (o.num_cached_tokens or 0)
+                cached = o.num_cached_tokens or 0  # whole KV blocks only, and never the last prompt token
+                self.prefill_tokens += len(o.prompt_token_ids or ()) - cached
+                self.prefill_shared_tokens += cached
             for tok, lp in zip(c.token_ids, c.logprobs, strict=True):  # logprobs=0: the sampled token's
                 seq.ids.append(int(tok))
                 seq.logprobs.append(float(lp[tok].logprob))

@@ -139,7 +139,9 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None, full: b
     """The trainer of `cfg`; `full`: a plain torch trainer of every weight (LoRA's warm start, before the adapter)."""
     rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
     if tc.engine == "emulated":
-        return make_train_engine("emulated", **(_emulation_kwargs(cfg) | dict(model_path=str(model_dir))))
+        share = dict(share_prefixes=tc.share_prefixes, share_min_tokens=tc.share_min_tokens)
+        kw = _emulation_kwargs(cfg) | share | dict(model_path=str(model_dir), max_tokens_per_mb=tc.max_tokens_per_mb)
+        return make_train_engine("emulated", **kw)
     engine = "torch" if full else tc.engine
     extra = {"zero_stage": tc.zero_stage} if engine == "deepspeed" else {}
     return make_train_engine(
@@ -162,6 +164,8 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None, full: b
         device=cfg.cluster.device,
         bf16=tc.bf16,
         packing=tc.packing,
+        share_prefixes=tc.share_prefixes,
+        share_min_tokens=tc.share_min_tokens,
         logprob_chunk_tokens=tc.logprob_chunk_tokens,
         gradient_checkpointing=tc.gradient_checkpointing,
         lora=None if full else lora_spec(cfg),

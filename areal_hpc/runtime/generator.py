@@ -107,6 +107,7 @@ class Generator(RoleLoop):
         self.stopping = False
         self.interrupted = 0
         self.prefilled = 0  # engine.prefill_tokens at the last WEIGHTS_OK
+        self.prefill_shared = 0  # engine.prefill_shared_tokens at the last WEIGHTS_OK
         self.gen_since: float | None = None  # start of the current run of engine steps (a "generate" span)
         self.idle_since = time.time()
         # start-up's objects live as long as the rank: frozen, full collections skip them (their 200-400 ms pauses
@@ -144,8 +145,9 @@ class Generator(RoleLoop):
         """Tell rank 0 weights `version` arrived: loaded in load_s seconds, or (None) skipped for newer ones;
         with the tokens the engine prefilled since its last load."""
         prefilled, self.prefilled = self.engine.prefill_tokens - self.prefilled, self.engine.prefill_tokens
+        shared, self.prefill_shared = (e := self.engine.prefill_shared_tokens) - self.prefill_shared, e
         body = {"version": version, "checksum": checksum, "load_s": load_s, "skipped": load_s is None}
-        self.mail.send(0, Tag.WEIGHTS_OK, body | {"prefill_tokens": prefilled})
+        self.mail.send(0, Tag.WEIGHTS_OK, body | {"prefill_tokens": prefilled, "prefill_shared": shared})
 
     def _admitting(self) -> bool:
         """New requests may join the engine now (with drain, not while a weight load waits)."""

@@ -25,10 +25,13 @@ generator -> scheduler
                                                left out of the figures
   EVAL_PROGRESS {"tag": str, "done": n, "total": t, "reward_timeouts": r}
                                                a running evaluation's episodes finished so far, every second
-  WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s|None, "skipped": bool, "prefill_tokens": n}
+  WEIGHTS_OK  {"version": v, "checksum": int|None, "load_s": s|None, "skipped": bool, "prefill_tokens": n,
+               "prefill_shared": m}
                                                weights applied (skipped: received but replaced by a newer
                                                version first, or pruned from disk; load_s None then);
-                                               n: tokens the engine prefilled since its previous WEIGHTS_OK
+                                               n: tokens the engine prefilled since its previous WEIGHTS_OK,
+                                               m: prompt tokens it served from its prefix cache or a
+                                               group's shared prefill instead (not in n)
 scheduler -> generator
   GRANT       {"prompts": [(dataset index, group id), ...]}   join the engine at the next step
   NEW_VERSION {"version": v}                   join the weight transfer of version v now
@@ -101,7 +104,7 @@ FIELDS: dict[Tag, tuple[str, ...]] = {
         "cut",
     ),
     Tag.EVAL_PROGRESS: ("tag", "done", "total", "reward_timeouts"),
-    Tag.WEIGHTS_OK: ("version", "checksum", "load_s", "skipped", "prefill_tokens"),
+    Tag.WEIGHTS_OK: ("version", "checksum", "load_s", "skipped", "prefill_tokens", "prefill_shared"),
     Tag.GRANT: ("prompts",),
     Tag.NEW_VERSION: ("version",),
     Tag.EVAL: ("tag",),

@@ -49,6 +49,8 @@ class RunReport:
         self.tokens_generated = 0
         self.aborted_requests = 0  # requests generators interrupted for new weights (and resumed)
         self.prefill_tokens = 0  # tokens the generators' engines prefilled, resumed requests' second prefill included
+        # version -> [prefilled, served from a prefix cache or a group's shared prefill] over its loads so far
+        self.prefill_by_version: dict[int, list[int]] = {}
         self.dropped_on_resume = 0
         self.warning: str | None = None  # shown by `areal-hpc status` (progress.json) and logged once
         # groups whose samples all scored alike, by value: when a run cannot learn (the scheduler decides)
@@ -165,6 +167,10 @@ class RunReport:
         g = self.layout.index(src)
         row = {f"prefill_tokens_gen{g}": body["prefill_tokens"]}
         self.prefill_tokens += body["prefill_tokens"]
+        c = self.prefill_by_version.setdefault(body["version"], [0, 0])
+        c[0], c[1] = c[0] + body["prefill_tokens"], c[1] + body["prefill_shared"]
+        if sum(c):  # of the prompt tokens prefilled since the previous load, the share served rather than computed
+            row["prefix_cache_hit_rate"] = c[1] / sum(c)
         if body["checksum"] is not None:
             row[f"checksum_gen{g}"] = body["checksum"]
         if body["skipped"]:  # a newer version arrived first; the checksum is of what was received
@@ -251,6 +257,9 @@ class RunReport:
                 row[k] = sum(x.get(k, 0.0) * x.get("loss_tokens", 0) for x in s) / w
         # the training-inference gap: each trainer's sums merged, then the figures (docs/algorithm.md)
         row |= mismatch.row_columns(s)
+        for k in ("train_tokens_computed", "train_tokens_unshared"):  # trainers that count them: prefix sharing
+            if any(k in x for x in s):
+                row[k] = sum(x.get(k, 0) for x in s)
         if "lr" in s[0]:
             row["lr"] = s[0]["lr"]
         if any("overlong_penalty" in x for x in s):
@@ -372,6 +381,7 @@ class RunReport:
             "eta": self.cfg.rollout.eta,
             "weight_update": self.cfg.rollout.weight_update,
             "prefill_tokens": self.prefill_tokens,
+            "prefill_shared_tokens": sum(c[1] for c in self.prefill_by_version.values()),
             "aborted_requests": self.aborted_requests,
             # the cores rank 0 may run on (the job's share of the host): the simulator's calibration needs it
             "host_cpus": len(os.sched_getaffinity(0)),

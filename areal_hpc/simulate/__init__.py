@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 from tqdm import tqdm
 
+from areal_hpc.costmodel import EmpiricalLengths
 from areal_hpc.simulate.calibrate import SIM_KEYS, apply_overrides, calibrate, sim_config, trained_span_tokens_per_s
-from areal_hpc.simulate.loop import EmpiricalLengths, SimConfig, simulate
+from areal_hpc.simulate.loop import SimConfig, simulate
 from areal_hpc.simulate.result import SimResult
 
 
@@ -16,6 +19,19 @@ def parse_sweep(spec: str) -> tuple[str, list[str]]:
     if not sep or not values or key not in SIM_KEYS:
         raise ValueError(f"--sweep {spec!r} must be KEY=V1,V2,... with KEY one of {', '.join(sorted(SIM_KEYS))}")
     return key, [v for v in values.split(",") if v]
+
+
+def with_prompts(sim: SimConfig, prompt_tokens: int | None = None, shared_tokens: int | None = None) -> SimConfig:
+    """The model with prompts of `prompt_tokens` tokens whose first `shared_tokens` every sample of a group
+    shares (an agent's preamble; default the whole prompt): the numbers `simulate` takes beside the config."""
+    if prompt_tokens is not None and prompt_tokens < 1:
+        raise ValueError(f"--prompt-tokens {prompt_tokens}: a prompt has at least 1 token")
+    prompt = sim.prompt_len if prompt_tokens is None else prompt_tokens
+    if shared_tokens is not None and not 0 <= shared_tokens <= prompt:
+        raise ValueError(
+            f"--shared-prefix-tokens {shared_tokens}: the shared prefix is part of the prompt, 0 to {prompt}"
+        )
+    return replace(sim, prompt_len=prompt, shared_prefix_len=shared_tokens)
 
 
 def sweep(sim: SimConfig, key: str, values: list[str], progress: bool = True) -> pd.DataFrame:
@@ -54,4 +70,5 @@ __all__ = [
     "sweep",
     "sweep_figure",
     "trained_span_tokens_per_s",
+    "with_prompts",
 ]

@@ -11,11 +11,11 @@ import pandas as pd
 import yaml
 
 from areal_hpc.config import Config, concurrent_groups, load_config
-from areal_hpc.costmodel import CostModel, ResponseLengths, preset, with_overrides
+from areal_hpc.costmodel import CostModel, EmpiricalLengths, ResponseLengths, preset, with_overrides
 from areal_hpc.reward.emulated import EmulatedRewards
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.timeline import load_engine_samples, load_timeline
-from areal_hpc.simulate.loop import EmpiricalLengths, SimConfig
+from areal_hpc.simulate.loop import SimConfig
 from areal_hpc.store import load_trajectories
 
 
@@ -45,6 +45,9 @@ def sim_config(cfg: Config, cost: CostModel | None = None, **extra) -> SimConfig
         cost=cost,
         lengths=lengths,
         reject_uniform=cfg.ppo.drop_uniform_groups,
+        share_prefixes=cfg.trainer.share_prefixes,
+        share_min_tokens=cfg.trainer.share_min_tokens,
+        max_tokens_per_mb=cfg.trainer.max_tokens_per_mb,
         eval_every=cfg.logging.eval_every,
         eval_prompts=min(cfg.logging.eval_prompts, cfg.data.heldout_size),
         seed=cfg.trainer.seed,
@@ -159,7 +162,7 @@ def calibrate(run_dir, overrides: list[str] | None = None) -> tuple[SimConfig, d
     gens = tl[tl["role"] == "generator"]
     loads = max(1, int((gens["event"] == "load").sum()))
     sync_s = gens[gens["event"].isin(["sync", "load"])]["duration"].sum() / loads
-    per_trainer = metrics["tokens"] / cfg.cluster.n_trainers
+    per_trainer = _computed_tokens(metrics) / cfg.cluster.n_trainers
     waited = sharing.pop("train_wait_s") / cfg.cluster.n_trainers
     train_rate = float(per_trainer.sum() / max(metrics["t_train"].sum() - waited, 1e-9))
     cost = CostModel(
@@ -202,6 +205,15 @@ def calibrate(run_dir, overrides: list[str] | None = None) -> tuple[SimConfig, d
     if overrides:
         sim = apply_overrides(sim, overrides)
     return sim, measured
+
+
+def _computed_tokens(metrics: pd.DataFrame) -> pd.Series:
+    """The tokens each version's training cost: its tokens, less the share of positions prefix sharing spared
+    (train_tokens_computed over train_tokens_unshared; runs from before it computed every token)."""
+    if "train_tokens_computed" not in metrics or "train_tokens_unshared" not in metrics:
+        return metrics["tokens"]
+    share = metrics["train_tokens_computed"] / metrics["train_tokens_unshared"].where(lambda x: x > 0)
+    return metrics["tokens"] * share.fillna(1.0)
 
 
 def trained_span_tokens_per_s(run_dir) -> float:
@@ -266,6 +278,9 @@ SIM_KEYS = {
     "cluster.n_generators": "n_generators",
     "cluster.n_trainers": "n_trainers",
     "trainer.versions": "versions",
+    "trainer.share_prefixes": "share_prefixes",
+    "trainer.share_min_tokens": "share_min_tokens",
+    "trainer.max_tokens_per_mb": "max_tokens_per_mb",
 }
 
 

@@ -10,31 +10,19 @@ from __future__ import annotations
 import collections
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import simpy
 
-from areal_hpc.costmodel import CostModel
+from areal_hpc.costmodel import CostModel, train_tokens
 from areal_hpc.runtime.scheduler_core import ReadyGroup, SchedulerCore, fair_shares
 from areal_hpc.simulate.result import SimResult
 
 
 class Lengths(Protocol):
     def quantile(self, u: float) -> int: ...
-
-
-class EmpiricalLengths:
-    """Response lengths as measured in a run (its trajectories' generated lengths)."""
-
-    def __init__(self, values):
-        self.ordered = sorted(int(v) for v in values)
-        if not self.ordered:
-            raise ValueError("no measured response lengths to draw from")
-
-    def quantile(self, u: float) -> int:
-        return self.ordered[min(len(self.ordered) - 1, int(u * len(self.ordered)))]
 
 
 TRAIN_SLICES = 8  # a training version is simulated in this many slices, for the cores' sharing to follow
@@ -56,6 +44,12 @@ class SimConfig:
     cost: CostModel
     lengths: Lengths
     prompt_len: int = 64
+    # trainer.share_prefixes, share_min_tokens, max_tokens_per_mb: a group's first shared_prefix_len tokens
+    # (None: its whole prompt) computed once per micro-batch part, not per sample (costmodel.train_tokens)
+    share_prefixes: bool = True
+    share_min_tokens: int = 32
+    shared_prefix_len: int | None = None
+    max_tokens_per_mb: int = 4096
     p_uniform: float = 0.0  # chance a finished group's rewards are all equal
     reject_uniform: bool = True
     reward_s: float = 0.0  # a reward worker's time to score one group (off the generator's critical path)
@@ -73,6 +67,12 @@ class SimConfig:
     train_slowdown: float = 0.0
     seed: int = 0
 
+    def train_tokens(self, answers: list[int]) -> int:
+        """Token positions the trainer computes for a group with these answer lengths."""
+        p = self.prompt_len if self.shared_prefix_len is None else self.shared_prefix_len
+        rest = [self.prompt_len - p + a for a in answers]
+        return train_tokens(p, rest, self.share_prefixes, self.share_min_tokens, self.max_tokens_per_mb)
+
 
 @dataclass
 class _Seq:
@@ -88,6 +88,7 @@ class _Group:
     left: int
     v_start: int
     tokens: int = 0
+    answers: list[int] = field(default_factory=list)
 
 
 class _Generator:
@@ -208,6 +209,7 @@ class _Generator:
             g.left -= 1
             g.v_start = min(g.v_start, s.v_start)
             g.tokens += c.prompt_len + s.done
+            g.answers.append(s.done)
             if g.left == 0:
                 del self.groups[s.group]
                 self.sim.env.process(self.sim.score(s.group, g, self.reward_pool))
@@ -248,6 +250,9 @@ class Simulation:
         self.training = False
         self.version_wall_s: list[float] = []
         self.version_tokens: list[int] = []
+        self.computed: dict[int, int] = {}  # group id -> token positions the trainer computes for it
+        self.train_tokens = [0, 0]  # computed, unshared: over the versions trained
+        self.version_train_s: list[float] = []
 
     def train_slowdown(self) -> float:
         """How much longer training takes now than with the cores to itself (1 without sharing)."""
@@ -288,6 +293,7 @@ class Simulation:
                 yield turn
                 yield self.env.timeout(self.cfg.reward_s * (1.0 + self.cfg.gen_slowdown * self.training))
         uniform = bool(self.rng.random() < self.cfg.p_uniform)
+        self.computed[gid] = self.cfg.train_tokens(g.answers)
         if not self.core.group_done(ReadyGroup("", [], 0, gid, g.tokens, g.v_start), uniform):
             self.grant()  # its slot is free again
         if not self.batch_ready.triggered:
@@ -322,8 +328,14 @@ class Simulation:
             waited = False
             if latency:
                 yield self.env.timeout(latency)
-            shares = [sum(plan.groups[i].n_tokens for mb in share for i in mb) for share in plan.shares]
+            # what each trainer computes: its groups' token positions, each shared prefix once
+            shares = [
+                sum(self.computed.pop(plan.groups[i].group_id) for mb in share for i in mb) for share in plan.shares
+            ]
+            self.train_tokens[0] += sum(shares)
+            self.train_tokens[1] += sum(g.n_tokens for g in plan.groups)
             self.training = True
+            t_start = self.env.now
             # in slices, each slowed by the generators stepping when it starts: calibration measures the
             # sharing over the whole span, and generators often stop (their work done) partway through it
             slow = 0.0
@@ -333,6 +345,7 @@ class Simulation:
                 slow += s
             yield self.env.timeout(c.train_overhead_s)
             self.training = False
+            self.version_train_s.append(self.env.now - t_start)
             self.train_busy_s += c.train_overhead_s * c.n_trainers + sum(c.cost.train_s(n) for n in shares) * slow
             for g in plan.groups:
                 self.staleness[plan.version - g.version_start] += c.n_samples
@@ -371,6 +384,9 @@ class Simulation:
             prefill_tokens=self.prefill_tokens,
             version_wall_s=self.version_wall_s,
             version_tokens=self.version_tokens,
+            train_tokens_computed=self.train_tokens[0],
+            train_tokens_unshared=self.train_tokens[1],
+            version_train_s=self.version_train_s,
         )
 
 

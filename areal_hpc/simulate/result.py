@@ -21,6 +21,20 @@ class SimResult:
     prefill_tokens: int  # prompts and partials processed again after recompute loads included
     version_wall_s: list[float] = field(default_factory=list)
     version_tokens: list[int] = field(default_factory=list)  # consumed by each version
+    # token positions the trainers computed (each shared prefix once: trainer.share_prefixes) and the
+    # positions of the tokens trained on, over every version
+    train_tokens_computed: int = 0
+    train_tokens_unshared: int = 0
+    version_train_s: list[float] = field(default_factory=list)  # the trainers' time on each version
+
+    @property
+    def train_s_per_version(self) -> float:
+        return sum(self.version_train_s) / len(self.version_train_s) if self.version_train_s else math.nan
+
+    @property
+    def prefix_saving(self) -> float:
+        """The share of the trained tokens' positions the trainers did not compute (0 without sharing)."""
+        return 1 - self.train_tokens_computed / self.train_tokens_unshared if self.train_tokens_unshared else 0.0
 
     @property
     def steady_tokens_per_s(self) -> float:
@@ -56,4 +70,7 @@ class SimResult:
             "rejected_uniform": self.rejected_uniform,
             "interrupted": self.interrupted,
             "prefill_tokens": self.prefill_tokens,
+            "train_s_per_version": self.train_s_per_version,
+            "train_tokens_computed": self.train_tokens_computed,
+            "train_tokens_unshared": self.train_tokens_unshared,
         }

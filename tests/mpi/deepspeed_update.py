@@ -51,6 +51,7 @@ def main(model_dir: str, out: str, stage: int, agg: str, objective: dict, lora: 
             max_tokens_per_mb=128 if stage > 1 else 4096,
             logprob_chunk_tokens=7 if stage > 1 else 1024,
             lora=LoraSpec(*lora) if lora else None,
+            share_min_tokens=4,  # each group's prompt laid down once, against the reference's unshared forward
         )
 
     a = engine("sgd")
