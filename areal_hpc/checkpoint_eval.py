@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_hpc.config import Config, load_config
-from areal_hpc.rundir import RunDir
+from areal_hpc.rundir import ADAPTER_FILE, WEIGHTS_FILE, RunDir
 
 HELDOUT = "heldout"  # --data value: the run's own held-out prompts (what it logged as heldout_acc, heldout_reward_mean)
 
@@ -58,8 +58,6 @@ def adapter_base_folder(run: RunDir) -> Path:
 
 
 def is_lora_checkpoint(path: Path) -> bool:
-    from areal_hpc.engines.lora import ADAPTER_FILE
-
     return (Path(path) / ADAPTER_FILE).is_file()
 
 
@@ -91,7 +89,7 @@ def resolve(
         from areal_hpc.model import check_model_folder
 
         return EvalTarget(check_model_folder(p), cfg, None, None)
-    if not lora and not (p / "model.safetensors").is_file():
+    if not lora and not (p / WEIGHTS_FILE).is_file():
         raise EvalError(
             f"checkpoint {str(p)!r} has no model.safetensors (a DeepSpeed checkpoint?); "
             f"export it first (areal-hpc export {path} OUT_DIR) and evaluate OUT_DIR"
@@ -110,9 +108,9 @@ def resolve(
         from areal_hpc.engines.lora import read_merged
         from areal_hpc.model import untied
 
-        save_file(untied(read_merged(p, base)), str(folder / "model.safetensors"))
+        save_file(untied(read_merged(p, base)), str(folder / WEIGHTS_FILE))
     else:
-        os.symlink(p / "model.safetensors", folder / "model.safetensors")
+        os.symlink(p / WEIGHTS_FILE, folder / WEIGHTS_FILE)
     return EvalTarget(folder, cfg, run, version)
 
 

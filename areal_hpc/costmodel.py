@@ -31,6 +31,7 @@ class CostModel:
     prefill_tokens_per_s: float  # compute-bound prompt (and resumed partial) processing
     train_tokens_per_s: float  # PPO: forward + backward + the proximal logprob pass, per trainer GPU
     sync_s: float  # one version's weights over the network and loaded into a generator
+    net_bytes_per_s: float = math.inf  # of sync_s, the transfer's rate (inf: unknown, sync_s is all load)
 
     def decode_step_s(self, batch: int, context_tokens):
         """One step of `batch` (>= 1) running sequences holding `context_tokens` of KV cache in all
@@ -65,18 +66,39 @@ class ModelShape:
     layers: int
     kv_heads: int
     head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
 
     @property
     def kv_bytes_per_token(self) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+    @property
+    def head_params(self) -> int:
+        """The output layer's parameters (hidden x vocabulary)."""
+        return self.hidden * self.vocab
+
+    def adapter_per_rank(self, targets: Sequence[str] = ()) -> int:
+        """A LoRA adapter's parameters per unit of rank, r x (in + out) on each targeted linear layer of each
+        decoder layer (() = all; never the output layer, engines/lora.py)."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        sizes = {"q_proj": 2 * h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": 2 * h}
+        sizes |= dict.fromkeys(("gate_proj", "up_proj", "down_proj"), h + self.intermediate)
+        unknown = sorted(set(targets) - set(sizes))
+        if unknown:
+            raise ValueError(f"trainer.lora_targets {unknown[0]!r} is no linear layer of {self.name}: {sorted(sizes)}")
+        return self.layers * sum(n for name, n in sizes.items() if not targets or name in targets)
 
 
 # Datasheet figures. H800 SXM: HBM3 3.35 TB/s and 989 TFLOPS dense bf16 as H100 SXM; its interconnect is cut,
 # so 200 Gb/s InfiniBand (25 GB/s) per generator is assumed for the weight broadcast.
 H800 = Gpu("H800", hbm_bytes_per_s=3.35e12, bf16_flops=989e12, net_bytes_per_s=25e9)
 # DeepSeek-R1-Distill-Qwen (AReaL's base models): Qwen2.5 shapes with grouped-query attention
-QWEN_1P5B = ModelShape("1.5B", params=1.54e9, layers=28, kv_heads=2, head_dim=128)
-QWEN_7B = ModelShape("7B", params=7.62e9, layers=28, kv_heads=4, head_dim=128)
+QWEN_1P5B = ModelShape(
+    "1.5B", 1.54e9, layers=28, kv_heads=2, head_dim=128, hidden=1536, intermediate=8960, vocab=151936
+)
+QWEN_7B = ModelShape("7B", 7.62e9, layers=28, kv_heads=4, head_dim=128, hidden=3584, intermediate=18944, vocab=152064)
 
 # Efficiencies assumed (vLLM and Megatron/DeepSpeed class software on Hopper)
 DECODE_MEM_EFF = 0.70  # of HBM bandwidth reached by paged attention + GEMV-shaped decode
@@ -100,10 +122,12 @@ def derive(model: ModelShape, gpu: Gpu) -> CostModel:
         prefill_tokens_per_s=PREFILL_MFU * gpu.bf16_flops / (2 * model.params),
         train_tokens_per_s=TRAIN_MFU * gpu.bf16_flops / (TRAIN_FLOPS_PER_PARAM * model.params),
         sync_s=weight_bytes / gpu.net_bytes_per_s + LOAD_S,
+        net_bytes_per_s=gpu.net_bytes_per_s,
     )
 
 
-PRESETS: dict[str, CostModel] = {m.name: derive(m, H800) for m in (QWEN_1P5B, QWEN_7B)}  # on an H800
+SHAPES: dict[str, ModelShape] = {m.name: m for m in (QWEN_1P5B, QWEN_7B)}
+PRESETS: dict[str, CostModel] = {name: derive(m, H800) for name, m in SHAPES.items()}  # on an H800
 
 
 def preset(name: str) -> CostModel:
@@ -119,6 +143,58 @@ def with_overrides(model: CostModel, overrides: dict[str, float]) -> CostModel:
     if bad:
         raise ValueError(f"cost model has no field {bad[0]!r}; fields: {', '.join(sorted(fields))}")
     return replace(model, **{k: float(v) for k, v in overrides.items()})
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a run's settings change in a preset's costs, which are decoupled PPO with the proximal recompute,
+    publishing every weight. Each forward over the tokens trained costs 2 FLOPs per parameter it passes."""
+
+    prox_forward: bool = True  # ppo.prox=recompute with ppo.decoupled (in the presets' 8 FLOPs)
+    ref_forward: bool = False  # ppo.kl_coef != 0: the reference policy's forward
+    teacher_params: float = 0.0  # distill.teacher: its forward, of its parameters (0: no teacher)
+    head_prepass: bool = False  # ppo.importance=sequence: GSPO's second pass of the output layer
+    lora_rank: int = 0  # trainer.lora_rank: the adapter alone is published
+    lora_targets: tuple[str, ...] = ()
+
+    def train_flops_per_token(self, shape: ModelShape) -> float:
+        """Forward and backward (2 + 4) and the forwards the settings add, per token trained."""
+        policy = 2 * shape.params * (3 + self.prox_forward + self.ref_forward)
+        return policy + 2 * self.teacher_params + 2 * shape.head_params * self.head_prepass
+
+    def sync_bytes(self, shape: ModelShape) -> float:
+        """Bytes a version sends (bf16): the adapter's with LoRA, else every weight."""
+        return 2 * (self.lora_rank * shape.adapter_per_rank(self.lora_targets) if self.lora_rank else shape.params)
+
+
+def settings_of(cfg, teacher_params: float = 0.0) -> RunSettings:
+    """The RunSettings of a run config (a teacher's parameters are the caller's to count: its folder is I/O)."""
+    pc, tc = cfg.ppo, cfg.trainer
+    return RunSettings(
+        prox_forward=pc.decoupled and pc.prox == "recompute",
+        ref_forward=bool(pc.kl_coef),
+        teacher_params=teacher_params if cfg.distill.teacher else 0.0,
+        head_prepass=pc.importance == "sequence",
+        lora_rank=tc.lora_rank,
+        lora_targets=tuple(tc.lora_targets),
+    )
+
+
+def for_run(cost: CostModel, shape: ModelShape, run: RunSettings) -> CostModel:
+    """`cost` (the preset's shape) under a run's settings: a PPO version's time scales with its FLOPs, and with
+    LoRA a sync moves the adapter's bytes instead of the weights' (the load into the generator stays)."""
+    factor = run.train_flops_per_token(shape) / (TRAIN_FLOPS_PER_PARAM * shape.params)
+    sync_s = cost.sync_s
+    if run.lora_rank:
+        load_s = max(0.0, cost.sync_s - cost.weight_bytes / cost.net_bytes_per_s)
+        sync_s = load_s + run.sync_bytes(shape) / cost.net_bytes_per_s
+    return replace(cost, train_tokens_per_s=cost.train_tokens_per_s / factor, sync_s=sync_s)
+
+
+def emulated_cost(preset_name: str, overrides: dict | None = None, run: RunSettings | None = None) -> CostModel:
+    """The preset with a user's fields replaced, under the run's settings (none: as the preset assumes)."""
+    cost = with_overrides(preset(preset_name), overrides or {})
+    return for_run(cost, SHAPES[preset_name], run) if run is not None else cost
 
 
 def train_tokens(

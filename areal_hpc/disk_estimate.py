@@ -182,7 +182,7 @@ def estimate_disk(
         compression_ratio = COMPRESSION_RATIOS[cfg.store.compression]
     per_traj = (prompt + answer) * TOKEN_BYTES / compression_ratio + TRAJ_BYTES
     disk = sc.method == "disk"
-    sent = shape.adapter(tc.lora_rank) if tc.lora_rank else shape.params + shape.tied  # clones untie the head
+    sent = shape.adapter(tc.lora_rank) if tc.lora_rank else shape.params  # a tied head is written once
     weights = sent * DTYPE_BYTES[cfg.model.dtype] if disk else 0
     return DiskEstimate(
         params=shape.params,

@@ -16,7 +16,7 @@ import torch
 
 from areal_hpc.checkpoint_eval import adapter_base_folder, is_lora_checkpoint, run_model_folder, run_of_checkpoint
 from areal_hpc.model import untied
-from areal_hpc.rundir import RunDir
+from areal_hpc.rundir import CHECKPOINT_META, DEEPSPEED_TAG, WEIGHTS_FILE, RunDir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # files of a model folder that hold weights: the export writes its own, everything else is copied
@@ -46,7 +46,7 @@ class Exported:
                 f"parameters in {self.dtype} from version {self.version} ({self.kind}) and adapter_config.json; "
                 f"it applies to {self.base}"
             )
-        others = ", ".join(f for f in self.files if f != "model.safetensors")
+        others = ", ".join(f for f in self.files if f != WEIGHTS_FILE)
         return (
             f"wrote {self.out} ({_size(self.bytes)}): model.safetensors with {self.n_params / 1e6:.2f}M parameters "
             f"in {self.dtype} from version {self.version} ({self.kind}); {others} from {self.base}"
@@ -65,16 +65,16 @@ def _check_checkpoint(ckpt: Path) -> tuple[RunDir, int, dict]:
         raise ExportError(f"{str(ckpt)!r} is not a run's checkpoint folder (like {where}, with RUN_DIR/config.yaml)")
     run, version = found
     try:  # the trainers write meta.json last, so without it the folder is not a finished checkpoint
-        meta = json.loads((ckpt / "meta.json").read_text())
+        meta = json.loads((ckpt / CHECKPOINT_META).read_text())
     except (OSError, ValueError):
         raise ExportError(f"checkpoint {str(ckpt)!r} is incomplete: no readable meta.json") from None
     if "lora" in meta and not is_lora_checkpoint(ckpt):
         raise ExportError(f"checkpoint {str(ckpt)!r} is incomplete: no adapter.safetensors")
     if "zero_stage" not in meta:
-        if "lora" not in meta and not (ckpt / "model.safetensors").is_file():
+        if "lora" not in meta and not (ckpt / WEIGHTS_FILE).is_file():
             raise ExportError(f"checkpoint {str(ckpt)!r} is incomplete: no model.safetensors")
         return run, version, meta
-    shards = ckpt / "ds"
+    shards = ckpt / DEEPSPEED_TAG
     world, stage = int(meta["world"]), int(meta["zero_stage"])
     optim = list(shards.glob("*_optim_states.pt"))
     model = list(shards.glob("*_model_states.pt"))
@@ -96,14 +96,14 @@ def _read_weights(ckpt: Path, meta: dict, base: Path) -> dict[str, torch.Tensor]
     elif "zero_stage" not in meta:
         from safetensors.torch import load_file
 
-        read = partial(load_file, str(ckpt / "model.safetensors"))
+        read = partial(load_file, str(ckpt / WEIGHTS_FILE))
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a login node: no GPU, and none is needed
         try:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         except ImportError:
             raise ExportError("exporting DeepSpeed shards needs DeepSpeed: pip install deepspeed==0.19.8") from None
-        read = partial(get_fp32_state_dict_from_zero_checkpoint, str(ckpt), tag="ds")
+        read = partial(get_fp32_state_dict_from_zero_checkpoint, str(ckpt), tag=DEEPSPEED_TAG)
     chatter = io.StringIO()  # DeepSpeed's progress prints and bars; the command prints lines of its own
     try:
         with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
@@ -236,7 +236,7 @@ def export_checkpoint(
 
             GenerationConfig.from_model_config(AutoConfig.from_pretrained(base)).save_pretrained(tmp)
         cast = {k: (v.to(DTYPES[target]) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
-        save_file(untied(cast), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(untied(cast), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         _open_as_umask_allows(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         size = sum((tmp / f).stat().st_size for f in files)

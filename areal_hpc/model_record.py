@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from areal_hpc.dataset_record import file_sha256
-from areal_hpc.rundir import RunDir
+from areal_hpc.rundir import DEEPSPEED_TAG, REFERENCE_FILE, RunDir
 from areal_hpc.utils import atomic_write_text
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")  # what check_model_folder counts as weights
@@ -114,7 +114,7 @@ def record_model(run_dir: os.PathLike | str, path: os.PathLike | str) -> None:
 
 
 # -- the distillation teacher (RUN_DIR/teacher.json): a resume keeps the same one -------------------------------
-CHECKPOINT_WEIGHTS = ("*.safetensors", "ds/*_states.pt")  # what holds a trainer checkpoint's weights
+CHECKPOINT_WEIGHTS = ("*.safetensors", f"{DEEPSPEED_TAG}/*_states.pt")  # what holds a trainer checkpoint's weights
 
 
 def teacher_fingerprint(teacher: os.PathLike | str, cache: dict | None = None) -> dict:
@@ -126,7 +126,7 @@ def teacher_fingerprint(teacher: os.PathLike | str, cache: dict | None = None) -
     if not is_ckpt:
         return model_fingerprint(folder, cache) | {"kind": "folder"}
     ckpt = Path(teacher).resolve()
-    files = sorted({f for pat in CHECKPOINT_WEIGHTS for f in ckpt.glob(pat)} - {ckpt / "reference.safetensors"})
+    files = sorted({f for pat in CHECKPOINT_WEIGHTS for f in ckpt.glob(pat)} - {ckpt / REFERENCE_FILE})
     fp = {"path": str(ckpt), "kind": "checkpoint", "config_sha256": _config_sha256(folder)}
     return fp | _files_digest(ckpt, files, cache)
 

@@ -34,8 +34,6 @@ def check_objective(cfg: Any) -> None:
             "config ppo.kl_coef needs trainer.zero_stage 1 or 2 under DeepSpeed (ZeRO-3 shards no reference), "
             "or LoRA (trainer.lora_rank)"
         )
-    if tc.lora_rank and "emulated" in (tc.engine, cfg.rollout.engine):
-        raise ConfigError("config trainer.lora_rank needs real engines (trainer.engine torch or deepspeed)")
     if cfg.reward.overlong_buffer >= cfg.rollout.max_new_tokens:
         raise ConfigError(
             f"config reward.overlong_buffer={cfg.reward.overlong_buffer} must be below "

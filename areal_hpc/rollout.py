@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from areal_hpc.types import GenOutput, GenRequest, SampleId, Trajectory, parse_request_id
+from areal_hpc.columns import Batch, as_columns
+from areal_hpc.types import GenOutput, GenRequest, RequestId, SampleId, Trajectory
 
 
 def group_requests(prompt_ids: list[int], group_id: int, n_samples: int, max_new_tokens: int) -> list[GenRequest]:
-    """n requests for one prompt; ids encode (group, sample) so outputs can be regrouped."""
-    return [GenRequest(str(SampleId(group_id, s)), list(prompt_ids), max_new_tokens) for s in range(n_samples)]
+    """n requests for one prompt, each the first call of sample s's episode (outputs regroup by their ids)."""
+    return [GenRequest(sample_request(group_id, s), list(prompt_ids), max_new_tokens) for s in range(n_samples)]
+
+
+def sample_request(group_id: int, sample: int) -> RequestId:
+    """The id of the first (only) call of a training sample's episode, for requests made outside a runner."""
+    return RequestId(SampleId(group_id, sample), 0)
 
 
 def to_trajectory(
     out: GenOutput, prompt_id: int, reward: float, gen_rank: int, t_start: float, t_end: float
 ) -> Trajectory:
     """Assemble the stored record: whole sequence with prompt positions masked out."""
-    rid = parse_request_id(out.request_id)
+    rid = getattr(out.request_id, "episode", None)
     if not isinstance(rid, SampleId):
-        raise ValueError(f"request {out.request_id!r} is not a training sample")
+        raise ValueError(f"request {out.request_id} is not a training sample's: make its id with sample_request")
     p, g = len(out.prompt_ids), len(out.output_ids)
     return Trajectory(
         prompt_id=prompt_id,
@@ -77,15 +83,18 @@ def group_counts(stats: list, rejected: list = ()) -> dict:
     }
 
 
-def episode_stats(trajs: list[Trajectory]) -> dict:
-    """Sums over trajectories of what their episodes did, as a version's metrics row adds them up."""
-    after_prompt = sum(len(t.loss_mask) - t.prompt_len for t in trajs)
-    trained = int(sum(int(t.loss_mask.sum()) for t in trajs))
+def episode_stats(trajs: Batch) -> dict:
+    """Sums over trajectories (columns or records) of what their episodes did, as a version's metrics row adds
+    them up."""
+    c = as_columns(trajs)
+    s = c.seqs
+    after_prompt = int(c.offsets[-1]) - int(s["prompt_len"].sum())
+    trained = int(c.tokens["loss_mask"].sum(dtype=np.int64))
     return {
-        "turns_sum": int(sum(t.turns for t in trajs)),
-        "tool_calls": int(sum(t.tool_calls for t in trajs)),
-        "tool_errors": int(sum(t.tool_errors for t in trajs)),
-        "tool_s": float(sum(t.tool_s for t in trajs)),
+        "turns_sum": int(s["turns"].sum()),
+        "tool_calls": int(s["tool_calls"].sum()),
+        "tool_errors": int(s["tool_errors"].sum()),
+        "tool_s": float(s["tool_s"].astype(np.float64).sum()),
         "trained_tokens": trained,
         # tokens after the prompt that are not trained: a workflow's own, and turns generated with train=False
         "unsampled_tokens": int(after_prompt - trained),

@@ -1,24 +1,61 @@
-"""The run directory's layout: the one place that knows the name of every file a run writes (docs/run-dir.md)."""
+"""The run directory's names: the one place that spells every file a run writes (docs/run-dir.md)."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
-import shutil
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
-from areal_hpc.utils import fsync_dir
-
-_CHECKPOINT_STATE_RE = re.compile(r"^v(\d{8})\.scheduler\.json$")
-_CHECKPOINT_DIR_RE = re.compile(r"^v(\d{8})$")
+# Names inside the store and a version's folders, for the modules that write them (shards, engines, weight sync).
+SHARD_SUFFIX = ".h5"
+TMP_SUFFIX = ".tmp"  # ends every temporary an atomic write (utils) leaves if killed; a resume removes them
+WEIGHTS_FILE = "model.safetensors"  # the torch trainer's checkpoint and a published version: Hugging Face's name
+CHECKPOINT_META = "meta.json"  # every trainer checkpoint's record (version; LoRA's and DeepSpeed's shape), written last
+TRAINER_STATE = "trainer_state.pt"  # the torch trainer's optimizer and RNG
+ADAPTER_FILE = "adapter.safetensors"  # a LoRA checkpoint's weights: the adapter alone, fp32, published names
+REFERENCE_FILE = "reference.safetensors"  # the reference policy with ppo.kl_coef: a resume keeps the same one
+DEEPSPEED_TAG = "ds"  # the DeepSpeed trainers' shards, in this folder of the checkpoint
+EMULATED_STATE = "emulated.json"  # the emulated trainer's checkpoint: its version and cost model
+_VERSIONED = r"v(\d{8,})"
+_CHECKPOINT_STATE_RE = re.compile(rf"^{_VERSIONED}\.scheduler\.json$")
+_VERSION_DIR_RE = re.compile(rf"^{_VERSIONED}$")
+_LEDGER_RE = re.compile(rf"^{_VERSIONED}\.json$")
+_SHARD_RE = re.compile(rf"^g(\d+)-(\d+){re.escape(SHARD_SUFFIX)}$")
 
 
 def _versioned(version: int) -> str:
     return f"v{version:08d}"
+
+
+def _listdir(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
+
+
+def rng_file(rank: int) -> str:
+    """A DeepSpeed trainer's RNG state in its checkpoint, one per trainer."""
+    return f"rng_rank{rank}.pt"
+
+
+def shared_temporary(final: Path) -> Path:
+    """The folder the DeepSpeed trainers write together before it is published as `final`: one name every
+    rank knows (an atomic write's own temporary is private to its process)."""
+    return final.with_name(f"{final.name}.ds{TMP_SUFFIX}")
+
+
+def shard_name(gen_rank: int, seq: int) -> str:
+    """A shard's file name in RUN_DIR/rollouts: generator rank and its flush sequence number."""
+    return f"g{gen_rank:03d}-{seq:08d}{SHARD_SUFFIX}"
+
+
+def parse_shard_name(name: str) -> tuple[int, int] | None:
+    """(gen_rank, seq) for a shard file name, None for anything else (temporaries included)."""
+    m = _SHARD_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 class RunDirError(ValueError):
@@ -28,7 +65,8 @@ class RunDirError(ValueError):
 class RunDir:
     """Every path of one run, as submitit's JobPaths is for a job. Ask it; never join folder names by hand.
 
-    Cheap to build from a path (`RunDir(path)`), so modules that are handed a path wrap it where they need one.
+    Names and read-only listings only: what writes or deletes (a new run, a start, pruning) is in
+    rundir_actions. Cheap to build from a path (`RunDir(path)`), so modules that are handed a path wrap it.
     """
 
     def __init__(self, root: os.PathLike | str | RunDir):
@@ -132,6 +170,11 @@ class RunDir:
     def ledger_file(self, version: int) -> Path:
         return self.ledger / f"{_versioned(version)}.json"
 
+    def ledger_files(self) -> list[tuple[int, Path]]:
+        """(version, file) of every ledger file, oldest first; temporaries and strangers left out."""
+        found = ((int(m.group(1)), n) for n in _listdir(self.ledger) if (m := _LEDGER_RE.match(n)))
+        return [(v, self.ledger / n) for v, n in sorted(found)]
+
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
@@ -145,12 +188,9 @@ class RunDir:
 
     def checkpoint_parts(self) -> tuple[set[int], set[int]]:
         """The versions with a trainer folder, and those with a scheduler state (both: complete)."""
-        try:
-            names = os.listdir(self.checkpoints)
-        except FileNotFoundError:
-            return set(), set()
+        names = _listdir(self.checkpoints)
         states = {int(m.group(1)) for n in names if (m := _CHECKPOINT_STATE_RE.match(n))}
-        folders = {int(m.group(1)) for n in names if (m := _CHECKPOINT_DIR_RE.match(n))}
+        folders = {int(m.group(1)) for n in names if (m := _VERSION_DIR_RE.match(n))}
         return {v for v in folders if self.trainer_checkpoint(v).is_dir()}, states
 
     def complete_checkpoints(self) -> list[int]:
@@ -163,19 +203,6 @@ class RunDir:
         done = self.complete_checkpoints()
         return done[-1] if done else None
 
-    def prune_checkpoints(self, keep: int) -> list[int]:
-        """Delete what `checkpoints_to_prune` lists (keep 0: nothing); returns those versions.
-
-        Each goes state first, made durable, then its folder: a kill mid-delete leaves a folder without
-        its state, which no resume takes for a checkpoint and the next prune removes."""
-        doomed = checkpoints_to_prune(*self.checkpoint_parts(), keep)
-        for v in doomed:
-            self.scheduler_state(v).unlink(missing_ok=True)
-            fsync_dir(self.checkpoints)
-            if self.trainer_checkpoint(v).exists():
-                shutil.rmtree(self.trainer_checkpoint(v))
-        return doomed
-
     @property
     def weights(self) -> Path:
         """Published weights for the disk sync path, one folder per version."""
@@ -183,6 +210,14 @@ class RunDir:
 
     def weights_version(self, version: int) -> Path:
         return self.weights / _versioned(version)
+
+    def weights_file(self, version: int) -> Path:
+        return self.weights_version(version) / WEIGHTS_FILE
+
+    def published_weights(self) -> list[Path]:
+        """The published versions' folders, oldest first (a folder being written is a temporary, left out)."""
+        found = ((int(m.group(1)), n) for n in _listdir(self.weights) if (m := _VERSION_DIR_RE.match(n)))
+        return [self.weights / n for _, n in sorted(found) if (self.weights / n).is_dir()]
 
     @property
     def lora_contract(self) -> Path:
@@ -205,6 +240,15 @@ class RunDir:
     def durable_dirs(self) -> tuple[Path, ...]:
         """Where atomic writes leave temporaries if killed mid-write."""
         return self.rollouts, self.checkpoints, self.ledger, self.weights
+
+    def temporaries(self) -> list[Path]:
+        """Files and folders that atomic writes killed mid-write left in `durable_dirs` (never complete data)."""
+        return [d / n for d in self.durable_dirs for n in _listdir(d) if TMP_SUFFIX in n]
+
+    @property
+    def storage_probe(self) -> Path:
+        """The small file a start writes and removes to learn whether the run directory takes writes."""
+        return self.root / f".probe-{os.getpid()}"
 
     # -- logs -------------------------------------------------------------------------------------
     @property
@@ -301,6 +345,14 @@ class RunDir:
         """The Slurm job that owns the run (one job per run dir): taken by the job at start-up, before prepare."""
         return self.slurm / "claim.json"
 
+    def claim_draft(self, job_id: str) -> Path:
+        """A job's claim written whole beside `job_claim` before it is linked into place."""
+        return self.slurm / f".{self.job_claim.name}.{job_id}.{os.getpid()}"
+
+    def claim_aside(self, job_id: str) -> Path:
+        """Where job `job_id` moves a stale claim it replaces."""
+        return self.slurm / f".{self.job_claim.name}.stale.{job_id}"
+
     @property
     def submitit(self) -> Path:
         return self.slurm / "submitit"
@@ -309,68 +361,10 @@ class RunDir:
         """Where a start that died before its first checkpoint is set aside."""
         return self.root / f"discarded-{int(time.time())}"
 
-    # -- lifecycle --------------------------------------------------------------------------------
+    # -- what it holds ------------------------------------------------------------------------------
     def holds_run(self) -> bool:
         """Data, checkpoints or a submitted job are here: a new run must not reuse the folder."""
         return any(p.exists() for p in (self.rollouts, self.ledger, self.checkpoints, self.job_file))
-
-    def create(self, cfg, queued: bool = False, hint: str = "pick another run_name=... or store.run_dir=...") -> RunDir:
-        """A new run: refuse a folder that holds one, then write the resolved config (store.run_dir absolute).
-
-        `queued`: the run is submitted to start later (Slurm), so a config already here may belong to a
-        job still waiting in the queue: refuse it too. `hint` ends the refusal: what the user can do.
-        """
-        from areal_hpc.config import save_config
-
-        if self.holds_run() or (queued and self.config.exists()):
-            raise RunDirError(f"run dir {str(self.root)!r} already holds a run; {hint}")
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.logs.mkdir(exist_ok=True)
-        cfg.store.run_dir = str(self.root)
-        save_config(cfg, self.config)
-        return self
-
-    def storage_problem(self) -> str | None:
-        """One line if the run directory cannot take writes now (full, over quota, read-only), else None:
-        a small file is written, synced and removed."""
-        probe = self.root / f".probe-{os.getpid()}"
-        try:
-            with open(probe, "wb") as f:
-                f.write(b"\0" * 65536)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
-                return f"run dir {str(self.root)!r} cannot be written: {err.strerror}; make room or fix it, then resume"
-            return None
-        finally:
-            try:
-                probe.unlink()
-            except OSError:
-                pass
-        return None
-
-    def before_start(self) -> None:
-        """Every start (fresh, resumed or requeued): no stale stop request, error files or heartbeat (the job
-        script's watchdog must time this start's rank 0, not an earlier job's)."""
-        self.stop.unlink(missing_ok=True)
-        self.heartbeat.unlink(missing_ok=True)
-        self.logs.mkdir(parents=True, exist_ok=True)
-        for old in self.logs.glob("error-rank*.txt"):
-            old.unlink()
-
-
-def checkpoints_to_prune(folders: Iterable[int], states: Iterable[int], keep: int) -> list[int]:
-    """The versions whose checkpoint files may go, oldest first: complete ones (folder and state) older than
-    the newest `keep` complete ones, and parts of incomplete ones (a folder or a state alone: a crash
-    mid-write or mid-delete) older than the newest complete one. Nothing newer than the newest complete
-    checkpoint is listed: it may be one being written, and a resume never uses it. keep 0: nothing."""
-    folders, states = set(folders), set(states)
-    complete = sorted(folders & states)
-    if keep <= 0 or not complete:
-        return []
-    kept = set(complete[-keep:])
-    return sorted(v for v in folders | states if v < complete[-1] and v not in kept)
 
 
 class SweepDir:

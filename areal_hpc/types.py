@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,9 +61,9 @@ class Trajectory:
         return int(gen.max()) if len(gen) else -1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True, order=True)
 class SampleId:
-    """A training request: sample `sample` of group `group_id` (the engine sees it as "group:sample")."""
+    """A training episode: sample `sample` of group `group_id` ("group:sample" in log lines)."""
 
     group_id: int
     sample: int
@@ -71,10 +72,10 @@ class SampleId:
         return f"{self.group_id}:{self.sample}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True, order=True)
 class EvalId:
-    """A held-out evaluation request: sample s of held-out problem i, k samples each, has index i * k + s
-    (the engine sees "eval:index")."""
+    """A held-out evaluation episode: sample s of held-out problem i, k samples each, has index i * k + s
+    ("eval:index" in log lines)."""
 
     index: int
 
@@ -82,12 +83,17 @@ class EvalId:
         return f"eval:{self.index}"
 
 
-def parse_request_id(request_id: str) -> SampleId | EvalId:
-    """The typed id behind an engine's string request id (engines need strings; vLLM keys requests by them)."""
-    head, sep, tail = request_id.partition(":")
-    if not sep:
-        raise ValueError(f"request id {request_id!r} is neither 'group:sample' nor 'eval:index'")
-    return EvalId(int(tail)) if head == "eval" else SampleId(int(head), int(tail))
+@dataclass(frozen=True, slots=True, order=True)
+class RequestId:
+    """One generate call: the `call`-th of an episode runner's life, made by the episode keyed `episode` (a SampleId
+    or EvalId in the runtime; any hashable key in tests). Engines key requests by it as it is; one that needs a
+    string makes its own at its edge (vLLM numbers its requests, the emulated engine hashes str(id))."""
+
+    episode: Hashable
+    call: int
+
+    def __str__(self) -> str:
+        return f"{self.episode}#{self.call}"
 
 
 @dataclass
@@ -99,7 +105,7 @@ class GenRequest:
     running batch with sampled ones.
     """
 
-    request_id: str
+    request_id: Hashable  # a RequestId from the episode runner; engines only hash and compare it
     prompt_ids: list[int]
     max_new_tokens: int
     partial_ids: list[int] = field(default_factory=list)
@@ -126,9 +132,10 @@ class GenRequest:
 class GenOutput:
     """What the generation engine returns for one request (partial output included on resume)."""
 
-    request_id: str
+    request_id: Hashable  # the request's own id object
     prompt_ids: list[int]
     output_ids: list[int]
     output_logprobs: list[float]
     output_versions: list[int]
     finish_reason: str  # one of FINISH_REASONS
+    request: GenRequest | None = None  # the request it answers (engines set it): an interrupted one resumes from it

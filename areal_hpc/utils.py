@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_hpc.rundir import TMP_SUFFIX
+
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -20,11 +22,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def temporary_beside(path: Path) -> Path:
+    """This process's temporary for `path`, in the same folder (so the rename into place is atomic)."""
+    return path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a private tmp file, fsync, rename into place: readers see the old file or the new, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = temporary_beside(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -98,4 +105,4 @@ def new_tmp_dir_beside(final: Path) -> Path:
     """A fresh temporary directory next to `final` (same filesystem, so the rename is atomic)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent))
+    return Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=TMP_SUFFIX, dir=final.parent))

@@ -6,6 +6,10 @@ import gc
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_hpc.types import SampleId
 
 
 class GcPauses:
@@ -69,31 +73,33 @@ class Drive:
         self.n = 1 if sessions else cfg.rollout.n_samples
         self.max_groups = concurrent_groups(cfg.rollout)
         self.next_group = 0
-        self.on_engine: dict[str, int] = {}  # group -> its requests in the engine
+        self.on_engine: dict[int, int] = {}  # group -> its requests in the engine
 
     def _submit(self, reqs) -> None:
         for r in reqs:
-            g = r.request_id.split(":")[0]
+            g = r.request_id.episode.group_id
             self.on_engine[g] = self.on_engine.get(g, 0) + 1
         self.engine.add(reqs)
 
     def _delivered(self, out) -> None:
-        g = out.request_id.split(":")[0]
+        g = out.request_id.episode.group_id
         self.on_engine[g] -= 1
         if not self.on_engine[g]:
             del self.on_engine[g]
         self.runner.deliver(out)
 
-    def _problem(self, key: str):
-        return self.problems[int(key.split(":")[0]) % len(self.problems)]
+    def _problem(self, key: SampleId):
+        return self.problems[key.group_id % len(self.problems)]
 
-    def _start(self, key: str) -> None:
+    def _start(self, key: SampleId) -> None:
         p = self._problem(key)
         self.runner.start(key, {**p.row, **self.row_extra}, p.prompt_ids)
 
     def _start_group(self) -> None:
+        from areal_hpc.types import SampleId
+
         for s in range(self.n):
-            self._start(f"{self.next_group}:{s}")
+            self._start(SampleId(self.next_group, s))
         self.next_group += 1
 
     def _admit(self, left: int) -> int:

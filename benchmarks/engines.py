@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))  # runs from a bare checkout too (the GPU machine 
 
 from areal_hpc.engines.base import generate  # noqa: E402
 from areal_hpc.model import build_tiny_model, load_tokenizer  # noqa: E402
+from areal_hpc.rollout import sample_request  # noqa: E402
 from areal_hpc.types import GenRequest  # noqa: E402
 
 
@@ -136,7 +137,9 @@ def main() -> None:
     tok = load_tokenizer(model)
     prompts = [f"{a:02d}+{b:02d}=" for a, b in zip(range(args.prompts), range(args.prompts, 0, -1))]
     reqs = [
-        GenRequest(f"{i}:{s}", tok.encode(p), args.max_new) for i, p in enumerate(prompts) for s in range(args.samples)
+        GenRequest(sample_request(i, s), tok.encode(p), args.max_new)
+        for i, p in enumerate(prompts)
+        for s in range(args.samples)
     ]
     result = {
         "device": args.device,
@@ -213,7 +216,7 @@ def main() -> None:
             ]
         from areal_hpc.rollout import to_trajectory
 
-        trajs = [to_trajectory(o, int(o.request_id.split(":")[0]), 0.0, 0, 0.0, 0.0) for o in outs]
+        trajs = [to_trajectory(o, o.request_id.episode.group_id, 0.0, 0, 0.0, 0.0) for o in outs]
         adv = np.where(np.arange(len(trajs)) % 2 == 0, 1.0, -1.0).astype(np.float32)
         train_tokens = sum(len(t.input_ids) for t in trajs)
         engines = {k: make_train(k, model, args) for k in trains}

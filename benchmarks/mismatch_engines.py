@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # runs from a bare checkout too
 
 from areal_hpc.algo.mismatch import FIGURES, gap_figures, gap_sums  # noqa: E402
 from areal_hpc.engines.base import generate  # noqa: E402
+from areal_hpc.rollout import sample_request  # noqa: E402
 from areal_hpc.types import GenRequest  # noqa: E402
 from areal_hpc.utils import atomic_write_text  # noqa: E402
 
@@ -117,7 +118,9 @@ def train_engine(m: Model, bf16: bool = False, lora=None, lr: float = 1e-4):
 
 
 def requests(m: Model) -> list[GenRequest]:
-    return [GenRequest(f"{i}:{s}", list(p), m.max_new) for i, p in enumerate(m.prompts) for s in range(m.samples)]
+    return [
+        GenRequest(sample_request(i, s), list(p), m.max_new) for i, p in enumerate(m.prompts) for s in range(m.samples)
+    ]
 
 
 # -- measuring ----------------------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ def lora_rows(m: Model, outs, updates: int, rank: int = 8, alpha: float = 32.0) 
 
     spec = LoraSpec(rank, alpha)
     tl = train_engine(m, lora=spec, lr=1e-3)
-    trajs = [to_trajectory(o, int(o.request_id.split(":")[0]), 0.0, 0, 0.0, 0.0) for o in outs]
+    trajs = [to_trajectory(o, o.request_id.episode.group_id, 0.0, 0, 0.0, 0.0) for o in outs]
     rng = np.random.default_rng(1)
     for _ in range(updates):  # random advantages: an Adam step's size does not depend on them
         tl.ppo_update(trajs, rng.standard_normal(len(trajs)).astype(np.float32))
@@ -207,7 +210,7 @@ def straddle_rows(m: Model, kind: str, outs, lr: float, load_after: int) -> list
 
     trainer = train_engine(m, lr=lr)
     a = {k: v.detach().clone() for k, v in trainer.weights().items()}
-    trajs = [to_trajectory(o, int(o.request_id.split(":")[0]), 0.0, 0, 0.0, 0.0) for o in outs]
+    trajs = [to_trajectory(o, o.request_id.episode.group_id, 0.0, 0, 0.0, 0.0) for o in outs]
     adv = np.random.default_rng(2).standard_normal(len(trajs)).astype(np.float32)
     trainer.ppo_update(trajs, adv)  # one version at lr: B
     b = {k: v.detach().clone() for k, v in trainer.weights().items()}

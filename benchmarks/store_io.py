@@ -49,11 +49,19 @@ def token_ids(rng: np.random.Generator, n: int, dist: str) -> np.ndarray:
 
 
 def make_shard(
-    rng: np.random.Generator, n: int, group: int, version: int, gen_rank: int, max_gen: int, tokens: str = "uniform"
+    rng: np.random.Generator,
+    n: int,
+    group: int,
+    version: int,
+    gen_rank: int,
+    max_gen: int,
+    tokens: str = "uniform",
+    gen_median: int = 350,
+    first_group: int = 0,
 ):
     """n trajectories in groups of `group` samples: prompt ~100 tokens, long-tailed generation <= max_gen."""
     prompt = np.clip(rng.normal(100, 30, n // group + 1), 16, 400).astype(int).repeat(group)[:n]
-    gen = np.clip(rng.lognormal(np.log(350), 0.9, n), 1, max_gen).astype(int)
+    gen = np.clip(rng.lognormal(np.log(gen_median), 0.9, n), 1, max_gen).astype(int)
     out = []
     for i in range(n):
         p, g = int(prompt[i]), int(gen[i])
@@ -67,8 +75,8 @@ def make_shard(
         mask[p:] = 1
         out.append(
             Trajectory(
-                prompt_id=i // group,
-                group_id=i // group,
+                prompt_id=first_group + i // group,
+                group_id=first_group + i // group,
                 sample_idx=i % group,
                 input_ids=token_ids(rng, L, tokens),
                 behav_logprobs=logp,
@@ -107,9 +115,18 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--repeats", type=int, default=3, help="--compression: interleaved passes over the filters (median)"
     )
+    ap.add_argument("--trainer", action="store_true", help="the trainer's data time per version (trainer_data)")
+    ap.add_argument("--versions", type=int, default=3, help="--trainer: versions timed (the first reads cold)")
+    ap.add_argument("--batch", type=int, default=512, help="--trainer: groups per version")
+    ap.add_argument("--gen-median", type=int, default=350, help="median generation length in tokens")
+    ap.add_argument("--label", default="after", help="--trainer: the run's key in the result file (before, after)")
     args = ap.parse_args(argv)
     if args.compression:
         return compare(args)
+    if args.trainer:
+        from _trainer_data import trainer_data  # benchmarks/ is on the path when run as a script
+
+        return trainer_data(args, _host())
 
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="store_io-"))
     rollout_dir = base / "rollouts"

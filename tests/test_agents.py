@@ -282,8 +282,8 @@ def _run(agent_model, rows: list[dict], greedy=False, **workflow):
 
 
 def _outputs(eng, key: str) -> list:
-    mine = [o for rid, o in eng.outputs.items() if rid.rpartition("#")[0] == key]
-    return sorted(mine, key=lambda o: int(o.request_id.rpartition("#")[2]))
+    mine = [o for rid, o in eng.outputs.items() if rid.episode == key]
+    return sorted(mine, key=lambda o: o.request_id.call)
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int]]:
@@ -552,7 +552,7 @@ def test_a_call_cancelled_alone_leaves_the_engine(agent_model):
     settings = RunnerSettings(WorkflowConfig(), max_new_tokens=MAX_NEW, max_context=512, chat=True, sandbox="auto")
     ids = tok.encode("<user>12*34=<assistant>", add_special_tokens=False)
     starts = [EpisodeStart(str(SampleId(0, i)), {"question": "12*34="}, ids) for i in range(3)]
-    with RewardPool(num_workers=1) as pool:
+    with RewardPool(num_workers=1, scorer=MathAnswer()) as pool:
         eps = run_episodes(eng, cancels_its_call, tok, pool, settings, starts, retry=False)
     assert [e.reward for e in eps] == [0.0] * 3
     assert eng.num_running == 0 and eng.num_waiting == 0  # interrupted, not left to run to its length limit

@@ -72,7 +72,6 @@ def test_every_bad_config_value_is_one_line_naming_the_key(key, value):
         (["ppo.kl_coef=0.1", "trainer.engine=deepspeed", "trainer.zero_stage=3"], "kl_coef"),
         (["reward.overlong_buffer=8", "rollout.max_new_tokens=8"], "overlong_buffer"),
         (["trainer.warmup_versions=50", "trainer.versions=50"], "warmup_versions"),
-        (["trainer.lora_rank=8", "trainer.engine=emulated", "rollout.engine=emulated"], "lora_rank"),
         (["ppo.objective=cispo", "ppo.importance=sequence"], "importance=token"),
         (["ppo.objective=cispo", "ppo.dual_clip=3"], "dual_clip"),
         (["ppo.seq_reject_low=1.2"], "seq_reject_low"),  # the band must hold 1, an on-policy sequence
@@ -213,6 +212,18 @@ def test_damaged_or_partial_checkpoints_are_refused_before_any_rank_starts(tiny_
     before = _tree(run)
     line = _refused(["run", "--resume", str(run), f"model.path={tiny_model_dir}"], tmp_path)
     assert "no complete checkpoint" in line and _tree(run) == before, line
+
+
+def test_a_lora_resume_after_a_warm_start_needs_its_base_model_folder(tiny_model_dir, tmp_path):
+    run = _fake_run(tmp_path, tiny_model_dir)
+    lora = load_config(run / "config.yaml", ["trainer.lora_rank=8", "trainer.warm_start_steps=50"])
+    assert check_resumable(run, load_config(run / "config.yaml", ["trainer.warm_start_steps=50"])) == 2
+    with pytest.raises(CheckpointError) as err:
+        check_resumable(run, lora)
+    line = str(err.value)
+    assert "\n" not in line and str(run / "base_model") in line and "restore that folder" in line
+    (run / "base_model").mkdir()
+    assert check_resumable(run, lora) == 2
 
 
 def test_a_sweep_grid_with_an_unknown_key_is_refused_before_anything_is_written(tmp_path):

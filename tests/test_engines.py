@@ -10,6 +10,7 @@ from areal_hpc.engines.base import generate
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.model import load_causal_lm, load_tokenizer
+from areal_hpc.rollout import sample_request, to_trajectory
 from areal_hpc.types import GenRequest
 
 PROMPTS = ["07+35=", "1+2=", "99+99=", "50+5="]
@@ -173,7 +174,8 @@ def test_interrupt_then_resume_continues_with_new_version(tiny_model_dir, kind, 
     eng.pause()
     eng.update_weights(ref.state_dict(), version=1)
     eng.resume()
-    resumed = generate(eng, [r.resumed(partial[r.request_id]) for r in reqs])
+    # an interrupted output carries its request: the caller resumes it without a table of its own
+    resumed = generate(eng, [partial[r.request_id].request.resumed(partial[r.request_id]) for r in reqs])
     eng.ignore_eos = False
     for o in resumed:
         p = partial[o.request_id]
@@ -286,11 +288,9 @@ def test_weight_update_changes_outputs_and_matches_the_trainers_export(tiny_mode
 
 
 def _trajs(tok, gen, n=16):
-    reqs = [GenRequest(f"{i // 4}:{i % 4}", tok.encode(PROMPTS[i % 4]), 6) for i in range(n)]
+    reqs = [GenRequest(sample_request(i // 4, i % 4), tok.encode(PROMPTS[i % 4]), 6) for i in range(n)]
     outs = generate(gen, reqs)
-    from areal_hpc.rollout import to_trajectory
-
-    return [to_trajectory(o, int(o.request_id.split(":")[0]), float(i % 2), 0, 0.0, 0.0) for i, o in enumerate(outs)]
+    return [to_trajectory(o, o.request_id.episode.group_id, float(i % 2), 0, 0.0, 0.0) for i, o in enumerate(outs)]
 
 
 def test_train_logprobs_match_generation(tiny_model_dir):

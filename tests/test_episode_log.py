@@ -9,7 +9,7 @@ from test_workflow import RecordingEngine, _settings, _starts
 
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import RewardPool
-from areal_hpc.reward.functions import UserReward
+from areal_hpc.reward.functions import MathAnswer, UserReward
 from areal_hpc.rollout import group_counts
 from areal_hpc.types import SampleId
 from areal_hpc.workflow import Episode, WorkflowError
@@ -43,8 +43,8 @@ def test_logged_numbers_extras_and_an_untrained_turn_reach_the_episode_and_its_t
         drafts_only = run_episodes(eng, _only_drafts, tok, pool, _settings(tok), _starts(tok, 2))
     for k, ep in enumerate(eps):
         draft, answer = sorted(
-            (o for rid, o in outputs.items() if rid.startswith(f"0:{k}#")),
-            key=lambda o: int(o.request_id.split("#")[1]),
+            (o for rid, o in outputs.items() if rid.episode == str(SampleId(0, k))),
+            key=lambda o: o.request_id.call,
         )
         assert ep.reward == 0.25
         assert ep.stats.logged == {
@@ -83,7 +83,8 @@ async def _logs_nan(ep: Episode) -> float:
 def test_logging_a_non_number_fails_the_workflow_in_one_line(tiny_model_dir, flow, words):
     tok = load_tokenizer(tiny_model_dir)
     eng = RecordingEngine(str(tiny_model_dir), seed=5, max_num_seqs=2)
-    with RewardPool(num_workers=1) as pool, pytest.raises(WorkflowError, match="must be a finite number") as err:
+    pool = RewardPool(num_workers=1, scorer=MathAnswer())
+    with pool, pytest.raises(WorkflowError, match="must be a finite number") as err:
         run_episodes(eng, flow, tok, pool, _settings(tok), _starts(tok, 2))
     assert "ep.log(" in str(err.value) and words in str(err.value) and "\n" not in str(err.value)
     eng.close()

@@ -22,6 +22,7 @@ from areal_hpc.config import load_config, save_config
 from areal_hpc.data import arithmetic_problems
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.rundir import RunDir
+from areal_hpc.rundir_actions import create
 from areal_hpc.runtime.sync_loop import run_sync
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +92,7 @@ def zero3_ckpt(tiny_model_dir, ppo_batch, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3")
     overrides = [f"model.path={tiny_model_dir}", "trainer.engine=deepspeed", "trainer.zero_stage=3"]
     cfg = load_config(ROOT / "jobs" / "demo.yaml", overrides)
-    run = RunDir(tmp / "run").create(cfg)
+    run = create(RunDir(tmp / "run"), cfg)
     with open(tmp / "batch.pkl", "wb") as f:
         pickle.dump(ppo_batch, f)
     script = ROOT / "tests" / "mpi" / "deepspeed_checkpoint.py"

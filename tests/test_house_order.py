@@ -4,29 +4,75 @@ matches what is sent."""
 from __future__ import annotations
 
 import ast
+import contextlib
+import inspect
 import re
 from pathlib import Path
 
-from areal_hpc.rundir import RunDir, SweepDir
+from areal_hpc import rundir
+from areal_hpc.rundir import SHARD_SUFFIX, TMP_SUFFIX, WEIGHTS_FILE, RunDir, SweepDir, rng_file, shard_name
 from areal_hpc.runtime import protocol
 from areal_hpc.runtime.protocol import FIELDS, GROUP_FIELDS, ProtocolError, Tag, check_fields
 
 PACKAGE = Path(__file__).resolve().parents[1] / "areal_hpc"
 
 
+SAMPLE_ARGS = {"version": 3, "rank": 3, "role": "trainer", "job_id": "77"}
+
+
 def _layout_names() -> set[str]:
-    """Every file and folder name RunDir and SweepDir hand out, relative to their roots."""
+    """Every file and folder name RunDir and SweepDir hand out, relative to their roots: their properties, and
+    their methods that name a path, called with sample arguments (a version, a rank, a role, a job id); and the
+    module's names of files inside a version's folders (a checkpoint's meta.json, a shard's name)."""
     run, sweep = RunDir("/r"), SweepDir("/s")
     names = set()
     for obj, root in ((run, run.root), (sweep, sweep.root)):
         for attr in dir(type(obj)):
-            if isinstance(getattr(type(obj), attr), property):
-                value = getattr(obj, attr)
-                for p in value if isinstance(value, tuple) else [value]:
-                    rel = Path(p).relative_to(root)
-                    names.update(part for part in rel.parts)
-    names.update({run.trainer_checkpoint(3).parent.name, run.weights_version(3).parent.name})
+            member = getattr(type(obj), attr)
+            if attr.startswith("_"):
+                continue
+            if isinstance(member, property):
+                values = getattr(obj, attr)
+            elif callable(member) and set(inspect.signature(member).parameters) - {"self"} <= set(SAMPLE_ARGS):
+                params = set(inspect.signature(member).parameters) - {"self"}
+                values = getattr(obj, attr)(**{k: SAMPLE_ARGS[k] for k in params})
+            else:
+                continue
+            for p in values if isinstance(values, (tuple, list)) else [values]:
+                if isinstance(p, (str, Path)) and Path(p).is_relative_to(root):
+                    names.update(Path(p).relative_to(root).parts)
+    names.update({shard_name(3, 17), rng_file(3)})
+    names.update(v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str) and not k.endswith("_SUFFIX"))
     return names - {"%j"}
+
+
+def _template(node: ast.AST) -> str | None:
+    """A string constant or f-string as a regex of the names it can spell: `*` and each {...} match anything."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        parts = [node.value]
+    elif isinstance(node, ast.JoinedStr):
+        parts = [v.value if isinstance(v, ast.Constant) else None for v in node.values]
+    else:
+        return None
+    return "".join(".*" if p is None else ".*".join(re.escape(q) for q in p.split("*")) for p in parts)
+
+
+def _spells(template: str, literal: str, names: set[str], suffixes: set[str]) -> list[str]:
+    """The run-dir names a string spells: one whole, a piece between slashes, a pattern that builds one from
+    more than an extension of its own (`rank*.csv`, not `*.json`), a regex that parses one, or a string holding a
+    run-dir suffix (`.h5`, `.tmp`)."""
+    hits = set(re.split(r"[/\\]", literal)) & names if "*" not in literal else set()
+    hits.update(s for s in suffixes if s in literal)
+    if re.search(r"[\\^$]", literal) and len(re.sub(r"[^A-Za-z]", "", re.sub(r"\\.", "", literal))) >= 2:
+        with contextlib.suppress(re.error):  # a regex that parses a name (`^v(\d{8,})\.json$`)
+            hits.update(n for n in names if re.fullmatch(literal, n))
+    for piece in template.split("/"):
+        own = re.sub(r"\\(.)", r"\1", piece.replace(".*", ""))
+        stem = re.sub(r"\.[A-Za-z0-9]+$", "", own)  # what the piece spells beside an extension (`*.json`: none)
+        open_end = piece.endswith(".*") and not own.endswith("-")  # `summary.{key}` is no name; `discarded-{time}` is
+        if len(re.sub(r"[^A-Za-z0-9]", "", stem)) >= 2 and not open_end:
+            hits.update(n for n in names if re.fullmatch(piece, n))
+    return sorted(hits)
 
 
 # Words that are also run-dir names but mean something else where they stand: submitit's cluster kind and
@@ -39,7 +85,15 @@ NOT_PATHS = {
     ("trackers.py", "tensorboard", None),  # logging.trackers' names, defined once there
     ("trackers.py", "wandb", None),
     ("config.py", "tensorboard", None),  # the deprecated config key logging.tensorboard
+    ("export.py", ".h5", None),  # a Keras weights file a model folder may hold (export refuses to copy it)
 }
+
+
+def _literal(node: ast.AST) -> str:
+    """The characters a string constant or f-string spells itself ({...} left out)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    return "".join(v.value for v in node.values if isinstance(v, ast.Constant))
 
 
 def _meaning(tree: ast.AST) -> dict[int, str]:
@@ -57,6 +111,8 @@ def _meaning(tree: ast.AST) -> dict[int, str]:
 
 def test_no_run_dir_name_is_spelt_outside_the_rundir_module():
     names = _layout_names()
+    suffixes = {SHARD_SUFFIX, TMP_SUFFIX}
+    assert {WEIGHTS_FILE, "meta.json", "g003-00000017.h5", "v00000003.json", "error-rank003.txt"} <= names
     assert {"rollouts", "ledger", "checkpoints", "STOP", "config.yaml", "summary.json", "logs", "slurm"} <= names
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -72,15 +128,17 @@ def test_no_run_dir_name_is_spelt_outside_the_rundir_module():
             and isinstance(n.body[0].value, ast.Constant)
         }
         meaning = _meaning(tree)
+        inside_fstrings = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
         rel = str(path.relative_to(PACKAGE))
         for node in ast.walk(tree):
             if (rel, node.value if isinstance(node, ast.Constant) else None, meaning.get(id(node))) in NOT_PATHS:
                 continue
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-                # a path piece: the whole string, or a piece between slashes (f-string parts included)
-                pieces = set(re.split(r"[/\\]", node.value)) | {node.value}
-                for hit in sorted(pieces & names):
-                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {hit!r}")
+            template = _template(node)
+            if template is None or id(node) in docstrings or id(node) in inside_fstrings:
+                continue
+            literal = _literal(node)
+            for hit in _spells(template, literal, names, suffixes):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {hit!r}")
     assert not found, "run-dir names outside areal_hpc/rundir.py:\n" + "\n".join(found)
 
 

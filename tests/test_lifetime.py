@@ -13,7 +13,7 @@ from pathlib import Path
 
 from areal_hpc.lifetime import MARKER, describe, marked
 from areal_hpc.reward import RewardPool
-from areal_hpc.reward.math import ERROR, OK
+from areal_hpc.reward.bounds import ERROR, OK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,8 +68,9 @@ def test_reward_workers_die_with_the_process_that_owns_the_pool(tmp_path):
         "import sys, time\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "from areal_hpc.reward import RewardPool\n"
+        "from areal_hpc.reward.functions import MathAnswer\n"
         "if __name__ == '__main__':\n"
-        "    pool = RewardPool(num_workers=2, timeout_s=5)\n"
+        "    pool = RewardPool(num_workers=2, timeout_s=5, scorer=MathAnswer())\n"
         "    pool.warmup(120)\n"
         "    print('ready', flush=True)\n"
         "    time.sleep(600)\n"
@@ -104,7 +105,6 @@ def test_a_heldout_evaluation_past_its_bound_ends_with_what_it_has(tmp_path, tin
     from areal_hpc.data import Problem
     from areal_hpc.model import load_tokenizer
     from areal_hpc.runtime.heldout import HeldoutEvals
-    from areal_hpc.types import parse_request_id
     from areal_hpc.workflow.runner import EpisodeRunner, RunnerSettings
 
     log = tmp_path / "calls.txt"
@@ -129,7 +129,7 @@ def test_a_heldout_evaluation_past_its_bound_ends_with_what_it_has(tmp_path, tin
     end = time.time() + 120  # a sanity bound: the evaluation's own is 3 s
     while evals.busy and time.time() < end:
         for ep in runner.poll(engine_idle=True):
-            evals.episode_done(parse_request_id(ep.key).index, ep)
+            evals.episode_done(ep.key.index, ep)
         evals.tick(time.time())
         time.sleep(0.05)
     pool.close(finish_queued=False)

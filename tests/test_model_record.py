@@ -13,6 +13,7 @@ from areal_hpc.config import load_config
 from areal_hpc.model import build_tiny_model
 from areal_hpc.model_record import model_mismatch, record_model
 from areal_hpc.rundir import RunDir
+from areal_hpc.rundir_actions import create
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +50,7 @@ def test_a_start_never_builds_a_model_where_the_run_s_model_was(tmp_path):
     run, model = RunDir(tmp_path / "run"), tmp_path / "model"
     cfg = load_config(ROOT / "jobs" / "demo.yaml", [f"store.run_dir={run}", f"model.path={model}"])
     assert cfg.model.build_tiny
-    run.create(cfg)
+    create(run, cfg)
     prepare = [sys.executable, "-m", "areal_hpc.cli", "prepare", str(run)]
     first = subprocess.run(prepare, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and json.loads(run.model.read_text())["path"] == str(model), first.stderr

@@ -119,8 +119,8 @@ def test_a_version_with_shared_prefixes_updates_the_weights_as_unshared(tiny_qwe
         tr.ppo_update(trajs, adv, minibatches)  # version 0 -> 1: the KL reference is version 0
         stats.append(tr.ppo_update(trajs, adv, minibatches))  # the recompute and the reference see moved weights
         weights.append(tr.weights())
-    for k, v in weights[0].items():
-        torch.testing.assert_close(weights[1][k], v, atol=1e-5, rtol=1e-4, msg=k)
+    for k, v in weights[0].items():  # four SGD steps at lr 0.1: the gradients agree to 1e-5
+        torch.testing.assert_close(weights[1][k], v, atol=1e-6, rtol=0, msg=k)
     off, on = stats
     for k in ("loss", "grad_norm", "clip_frac", "offpolicy_k3", "kl", "entropy"):
         if k in off:

@@ -10,7 +10,8 @@ import pytest
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.disk_estimate import estimate_disk, model_shape
 from areal_hpc.launch.local import launch
-from areal_hpc.rundir import RunDir, checkpoints_to_prune
+from areal_hpc.rundir import RunDir
+from areal_hpc.rundir_actions import checkpoints_to_prune, prune_checkpoints
 from areal_hpc.store import list_shards, read_shard_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,13 +90,13 @@ def test_a_kill_mid_prune_leaves_the_newest_complete_checkpoint_to_resume_from(t
 
     monkeypatch.setattr(shutil, "rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
-        run.prune_checkpoints(1)
+        prune_checkpoints(run, 1)
     monkeypatch.undo()
     assert not run.scheduler_state(1).exists() and run.trainer_checkpoint(1).is_dir()  # half deleted ...
     assert run.complete_checkpoints() == [2, 3] and run.latest_checkpoint() == 3  # ... and never taken for whole
 
     # the next prune (after the next checkpoint) finishes the job; v3 and the half-written v4 survive
-    assert run.prune_checkpoints(1) == [1, 2]
+    assert prune_checkpoints(run, 1) == [1, 2]
     assert run.latest_checkpoint() == 3 and run.complete_checkpoints() == [3]
     assert sorted(p.name for p in run.checkpoints.iterdir()) == sorted(
         [run.trainer_checkpoint(3).name, run.scheduler_state(3).name, run.trainer_checkpoint(4).name]
@@ -106,7 +107,7 @@ def test_a_kill_mid_prune_leaves_the_newest_complete_checkpoint_to_resume_from(t
     _fake_checkpoints(run, folders=[], states=[4])  # v4 completes
     (run.trainer_checkpoint(3) / "model.safetensors").unlink()
     run.scheduler_state(3).unlink()
-    assert run.latest_checkpoint() == 4 and run.prune_checkpoints(1) == [3]
+    assert run.latest_checkpoint() == 4 and prune_checkpoints(run, 1) == [3]
 
 
 def test_keep_checkpoints_is_checked_in_one_line():

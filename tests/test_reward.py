@@ -11,10 +11,17 @@ import time
 import pytest
 
 from areal_hpc.reward import RewardPool, extract_last_boxed, math_reward
-from areal_hpc.reward.math import _bounded_call
+from areal_hpc.reward.bounds import bounded_call
+from areal_hpc.reward.functions import MathAnswer
 
 # ----------------------------------------------------------------- scorers run inside workers
 # Top-level so they pickle by reference into the worker processes.
+
+
+def _math_verify_loaded(completion: str, reference: str) -> float:
+    import sys
+
+    return float("math_verify" in sys.modules)
 
 
 def _test_scorer(completion: str, reference: str) -> float:
@@ -134,7 +141,7 @@ def test_main_thread_timeout_and_caller_alarm_preserved():
     signal.setitimer(signal.ITIMER_REAL, 30.0)
     try:
         t0 = time.monotonic()
-        assert _bounded_call(_slow, "a", "b", 0.2) == 0.0
+        assert bounded_call(_slow, "a", "b", 0.2)[0] == 0.0
         assert time.monotonic() - t0 < 5
         left, _ = signal.getitimer(signal.ITIMER_REAL)
         assert 20 < left <= 30  # the caller's own alarm is still armed
@@ -150,7 +157,7 @@ def test_main_thread_timeout_and_caller_alarm_preserved():
 @pytest.fixture(scope="module")
 def math_pool():
     # conftest imports torch first: the pool must work from such a process (no fork).
-    with RewardPool(num_workers=2, timeout_s=5.0) as pool:
+    with RewardPool(num_workers=2, timeout_s=5.0, scorer=MathAnswer()) as pool:
         yield pool
 
 
@@ -210,7 +217,7 @@ def test_hang_and_crash_score_zero_and_pool_recovers(test_pool):
 
 
 def test_closed_pool_rejects_and_scorer_must_pickle():
-    pool = RewardPool(num_workers=1, timeout_s=1.0)
+    pool = RewardPool(num_workers=1, timeout_s=1.0, scorer=MathAnswer())
     pool.close()
     pool.close()  # idempotent
     with pytest.raises(RuntimeError):
@@ -228,3 +235,15 @@ def test_pool_workers_run_on_the_cores_asked_for_also_after_a_rebuild():
         assert pool.score(["crash"], [""]) == [0.0]
         assert pool.rebuilds >= 1 and pool.score(["c"], [""]) == [float(1 << core)]
     assert os.sched_getaffinity(0) == mine  # the caller stays where it was
+
+
+def test_workers_load_only_what_their_scorer_uses():
+    """A worker warms up its own scorer (its load()), not math-verify for every reward: a code or user reward's
+    workers never import it, the math reward's have it loaded before the first call's time limit starts."""
+    with RewardPool(num_workers=1, scorer=_math_verify_loaded) as pool:
+        assert pool.warmup(120) and pool.score(["a"], [""]) == [0.0]
+    from areal_hpc.reward.functions import UserReward, WeightedRewards
+
+    mixed = WeightedRewards(("math", "mine"), (MathAnswer(), UserReward(f"{__name__}:_math_verify_loaded")), (0, 1))
+    with RewardPool(num_workers=1, scorer=mixed) as pool:
+        assert pool.warmup(120) and pool.score(["a"], ["1"]) == [1.0]

@@ -14,6 +14,7 @@ from areal_hpc.config import ConfigError, WorkflowConfig, load_config
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import RewardPool
+from areal_hpc.reward.functions import MathAnswer
 from areal_hpc.types import SampleId
 from areal_hpc.workflow import RunnerSettings, multi_turn
 from areal_hpc.workflow.batch import EpisodeStart, run_episodes
@@ -30,7 +31,8 @@ def _episodes(tiny_model_dir, feedback: str, caplog) -> list[logging.LogRecord]:
     ids = tok.encode(prompt, add_special_tokens=False)
     starts = [EpisodeStart(str(SampleId(0, i)), {"question": "12+7=", "answer": "19"}, ids, False) for i in range(8)]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="areal_hpc.workflow"), RewardPool(num_workers=1) as pool:
+    pool = RewardPool(num_workers=1, scorer=MathAnswer())
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.workflow"), pool:
         eps = run_episodes(TorchGenerationEngine(str(tiny_model_dir), seed=3), multi_turn, tok, pool, settings, starts)
     assert sum(e.stats.turns for e in eps) > 8  # feedback turns happened
     return [r for r in caplog.records if "unknown token" in r.getMessage()]

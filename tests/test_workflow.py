@@ -15,6 +15,7 @@ from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.model import load_tokenizer
 from areal_hpc.plugins import PluginError
 from areal_hpc.reward import RewardPool, reward_pool_for
+from areal_hpc.reward.functions import MathAnswer
 from areal_hpc.types import GenRequest, SampleId
 from areal_hpc.workflow import Episode, RunnerSettings, WorkflowError, load_workflow, multi_turn
 from areal_hpc.workflow.batch import EpisodeStart, run_episodes
@@ -57,14 +58,13 @@ def test_multi_turn_episodes_train_on_exactly_the_sampled_tokens(tiny_model_dir)
     settings = _settings(tok, max_turns=3, feedback="try again")
     feedback = render_turn(tok, "user", "try again", chat=True)
     assert tok.decode(feedback).startswith("<user>") and tok.decode(feedback).endswith("<assistant>")
-    with RewardPool(num_workers=1) as pool:
+    with RewardPool(num_workers=1, scorer=MathAnswer()) as pool:
         eps = run_episodes(eng, multi_turn, tok, pool, settings, _starts(tok, 12))
     turns = [e.stats.turns for e in eps]
     assert max(turns) >= 2, turns  # an untrained model is wrong: feedback turns happen
     for k, ep in enumerate(eps):
         (t,) = to_trajectories(ep, SampleId(0, k), 0, 0)
-        sampled = [o for rid, o in sorted(eng.outputs.items()) if rid.startswith(f"0:{k}#")]
-        sampled.sort(key=lambda o: int(o.request_id.split("#")[1]))
+        sampled = sorted((o for r, o in eng.outputs.items() if r.episode == ep.key), key=lambda o: o.request_id.call)
         assert len(sampled) == ep.stats.turns
         # the transcript is the prompt, then each answer as sampled with the rendered feedback between
         want, mask = list(sampled[0].prompt_ids), [0] * len(sampled[0].prompt_ids)
@@ -107,7 +107,7 @@ async def _raises(ep: Episode) -> float:
 def test_a_rejected_episode_runs_again_and_a_raising_workflow_stops_in_one_line(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     eng = RecordingEngine(str(tiny_model_dir), seed=4, max_num_seqs=4)
-    with RewardPool(num_workers=1) as pool:
+    with RewardPool(num_workers=1, scorer=MathAnswer()) as pool:
         eps = run_episodes(eng, _rejects_first, tok, pool, _settings(tok), _starts(tok, 6))
         assert all(e.reward is not None and e.reward >= 1 for e in eps)
         assert len(eng.outputs) == 12  # every sample generated twice, its slots refilled
@@ -148,7 +148,7 @@ def test_tool_calls_wait_off_the_engine_and_hostile_code_ends_safely(tiny_model_
         await ep.generate()
         return 0.0
 
-    with RewardPool(num_workers=1) as pool:
+    with RewardPool(num_workers=1, scorer=MathAnswer()) as pool:
         eps = run_episodes(eng, hostile_tool, tok, pool, _settings(tok), _starts(tok, 12))
     assert all(e.stats.turns == 2 for e in eps)  # every episode went on after its tool call
     assert not Path("/tmp/areal-tool-escape").exists()
@@ -278,12 +278,12 @@ async def _branching(ep: Episode) -> float:
 def test_a_workflow_that_rewrites_history_yields_a_sample_per_branch(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     eng = RecordingEngine(str(tiny_model_dir), seed=7, max_num_seqs=8)
-    with RewardPool(num_workers=1) as pool:
+    with RewardPool(num_workers=1, scorer=MathAnswer()) as pool:
         eps = run_episodes(eng, _branching, tok, pool, _settings(tok), _starts(tok, 2))
     trajs = [t for k, ep in enumerate(eps) for t in to_trajectories(ep, SampleId(0, k), 0, 0)]
     assert [t.sample_idx for t in trajs] == [0, 0, 1, 1] and [t.reward for t in trajs] == [1.0, 1.0, 0.0, 0.0]
     for k, ep in enumerate(eps):
-        outs = sorted((o for rid, o in eng.outputs.items() if rid.startswith(f"0:{k}#")), key=lambda o: o.request_id)
+        outs = sorted((o for rid, o in eng.outputs.items() if rid.episode == ep.key), key=lambda o: o.request_id.call)
         first, second = trajs[2 * k], trajs[2 * k + 1]
         assert first.input_ids.tolist() == outs[0].prompt_ids + outs[0].output_ids
         # the second history starts from a context taken from the first answer: seen, not trained again
@@ -292,3 +292,28 @@ def test_a_workflow_that_rewrites_history_yields_a_sample_per_branch(tiny_model_
         assert second.loss_mask[: second.prompt_len].sum() == 0 and second.loss_mask[second.prompt_len :].all()
         assert first.turns == 2 and second.turns == 0  # the episode's counts, once
     eng.close()
+
+
+def test_a_stepped_loop_pass_runs_what_is_ready_once_and_a_parked_waiter_only_when_woken():
+    from areal_hpc.workflow.stepped_loop import SteppedLoop
+
+    loop, ran = SteppedLoop(), []
+    fut = loop.future()
+
+    async def episode():
+        ran.append("started")
+        await asyncio.sleep(0)  # what a pass schedules runs at the next pass: a pass is bounded
+        ran.append(await loop.parked(fut))
+
+    loop.task(episode())
+    loop.run_ready(tasks=1)
+    assert ran == ["started"]
+    loop.run_once()  # the episode parks on fut
+    loop.IDLE_S = -1.0  # every idle pass would be due
+    fut.set_result("woken")
+    loop.run_ready(tasks=1)  # resolved without wake(): nothing tells the loop, and it waits only for us
+    assert ran == ["started"]
+    loop.wake()
+    loop.run_ready(tasks=1)
+    assert ran == ["started", "woken"]
+    loop.close()

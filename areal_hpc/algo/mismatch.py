@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from areal_hpc.columns import as_columns
+
 # what a metrics row shows, per token set (docs/algorithm.md, "Training-inference mismatch")
 FIGURES = ("k1", "k3", "chi2", "log_ppl_diff", "max_ratio", "mult_prob_err", "ess", "tokens")
 _SUMS = ("n", "n_seq", "neg_r", "k3", "rho", "rho2", "exp_abs_r", "seq_abs_r")
@@ -80,24 +82,23 @@ _KEY = "{}_sums/{}"  # flat float keys, so a trainer's stats stay a flat dict of
 def version_sums(trajectories, train_logp, version: int) -> dict[str, float]:
     """A trainer's sums of one version, as flat stats keys `<set>_sums/<sum>`.
 
-    `train_logp[i]`: trajectory i's per-token logprobs under the weights of `version` (the version before the
-    step). A token counts as staleness 0 when its whole trajectory is (`version_start == version`): a token of
-    `version` in a trajectory begun on older weights was sampled over keys and values those computed
-    (`rollout.weight_update=keep_kv`), a gap that is not numeric. No trajectories: zero sums (an empty share).
+    `trajectories`: columns (areal_hpc.columns) or Trajectory records; `train_logp[i]`: sequence i's per-token
+    logprobs under the weights of `version` (the version before the step). A token counts as staleness 0 when
+    its whole trajectory is (`version_start == version`): a token of `version` in a trajectory begun on older
+    weights was sampled over keys and values those computed (`rollout.weight_update=keep_kv`), a gap that is
+    not numeric. No trajectories: zero sums (an empty share).
     """
-    behav, train, loss, fresh, seq = [], [], [], [], []
-    for j, (t, lp) in enumerate(zip(trajectories, train_logp, strict=True)):
-        m = np.asarray(t.loss_mask) > 0
-        behav.append(np.asarray(t.behav_logprobs, np.float64))
-        train.append(np.asarray(lp, np.float64))
-        loss.append(m)
-        fresh.append(m & (np.asarray(t.versions) == version) & (t.version_start == version))
-        seq.append(np.full(len(m), j))
-    cat = (lambda xs: np.concatenate(xs)) if trajectories else (lambda xs: np.zeros(0))
-    b, tr, s = cat(behav), cat(train), cat(seq)
+    c = as_columns(trajectories)
+    if len(train_logp) != len(c):
+        raise ValueError(f"version_sums: {len(train_logp)} logprob arrays for {len(c)} sequences")
+    lens = c.lengths
+    tr = np.concatenate([np.asarray(lp, np.float64) for lp in train_logp]) if len(c) else np.zeros(0)
+    loss = c.tokens["loss_mask"] > 0
+    fresh = loss & (c.tokens["versions"] == version) & np.repeat(c.seqs["version_start"] == version, lens)
+    b, s = c.tokens["behav_logprobs"].astype(np.float64), np.repeat(np.arange(len(c)), lens)
     out = {}
-    for name, mask in zip(SETS, (cat(fresh), cat(loss)), strict=True):
-        out |= {_KEY.format(name, k): v for k, v in gap_sums(b, tr, mask.astype(bool), s).items()}
+    for name, mask in zip(SETS, (fresh, loss), strict=True):
+        out |= {_KEY.format(name, k): v for k, v in gap_sums(b, tr, mask, s).items()}
     return out
 
 

@@ -68,57 +68,60 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def _tokens(seqs) -> list[np.ndarray]:
+    return [np.asarray(s, dtype=np.int64) for s in seqs]  # one width: their bytes order like their tokens
+
+
 def _sorted(seqs: list[np.ndarray], idx: list[int]) -> list[int]:
-    """Lexicographic order: sequences sharing k tokens are then neighbours, for every k."""
-    return sorted(idx, key=lambda i: seqs[i].tolist())
+    """Lexicographic order (of the tokens' bytes: any fixed-width order does): sequences sharing k tokens are
+    then neighbours, for every k."""
+    return sorted(idx, key=lambda i: seqs[i].tobytes())
 
 
 def prefix_layout(seqs: list[np.ndarray], min_shared: int) -> PrefixLayout:
     """Lay the sequences out so that every prefix of at least `min_shared` tokens that several share is
     computed once. A shorter common run is repeated in each sequence: its own segment would cost an
-    attention call per layer for little saving."""
+    attention call per layer for little saving.
+
+    In lexicographic order the sequences below any tree node are a contiguous range, and the common prefix
+    of a range is the smallest of its neighbours' common prefixes: the tree is built from those, with a stack
+    (a session whose every call extends the last one nests as deep as it has calls)."""
     if min_shared < 1:
         raise ValueError(f"min_shared must be >= 1, got {min_shared}")
-    seqs = [np.asarray(s) for s in seqs]
+    seqs = _tokens(seqs)
+    order = _sorted(seqs, list(range(len(seqs))))
+    lcp = [_lcp(seqs[a], seqs[b]) for a, b in zip(order, order[1:])]
     segments: list[Segment] = []
     leaf = [-1] * len(seqs)
-
-    def build(order: list[int], start: int, parent: int) -> None:
-        # order: lexicographically sorted, all sharing tokens [0, start) laid down by the ancestors
-        lcps = [_lcp(seqs[a], seqs[b]) for a, b in zip(order, order[1:])]
-        run = [order[0]]
-        for i, common in zip(order[1:], lcps):
-            if common - start >= min_shared:
-                run.append(i)
-            else:
-                emit(run, start, parent)
-                run = [i]
-        emit(run, start, parent)
-
-    def emit(run: list[int], start: int, parent: int) -> None:
-        if len(run) == 1:
-            segments.append(Segment(run[0], start, len(seqs[run[0]]), parent))
-            leaf[run[0]] = len(segments) - 1
-            return
-        end = min(_lcp(seqs[a], seqs[b]) for a, b in zip(run, run[1:]))  # the whole run's common prefix
-        segments.append(Segment(run[0], start, end, parent))
+    # ("build", lo, hi, start, parent): order[lo:hi] shares tokens [0, start), laid down by `parent` and above;
+    # ("emit", lo, hi, start, parent): order[lo:hi] is one node below `parent`
+    todo: list[tuple] = [("build", 0, len(seqs), 0, -1)] if seqs else []
+    while todo:
+        task, lo, hi, start, parent = todo.pop()
+        if task == "build":  # cut where neighbours share fewer than min_shared more tokens
+            cuts = [k + 1 for k in range(lo, hi - 1) if lcp[k] - start < min_shared]
+            runs = list(zip([lo, *cuts], [*cuts, hi]))
+            todo += [("emit", a, b, start, parent) for a, b in reversed(runs)]  # popped in order: parent first
+            continue
+        if hi - lo == 1:
+            i = order[lo]
+            segments.append(Segment(i, start, len(seqs[i]), parent))
+            leaf[i] = len(segments) - 1
+            continue
+        end = min(lcp[lo : hi - 1])  # the run's common prefix
+        segments.append(Segment(order[lo], start, end, parent))
         me = len(segments) - 1
-        rest = []
-        for i in run:
-            if len(seqs[i]) == end:
-                leaf[i] = me  # all of it is shared (a duplicate, or a prefix of the others)
-            else:
-                rest.append(i)
-        if rest:
-            build(rest, end, me)
-
-    if seqs:
-        build(_sorted(seqs, list(range(len(seqs)))), 0, -1)
+        while lo < hi and len(seqs[order[lo]]) == end:  # all of it shared (a duplicate, or others' prefix)
+            leaf[order[lo]] = me  # such sequences sort first in their run
+            lo += 1
+        if lo < hi:
+            todo.append(("build", lo, hi, end, me))
     return PrefixLayout(segments, leaf)
 
 
 def clusters(seqs: list[np.ndarray], min_shared: int) -> list[list[int]]:
     """Sequences that share a prefix of at least `min_shared` tokens, transitively, in lexicographic order."""
+    seqs = _tokens(seqs)
     order = _sorted(seqs, list(range(len(seqs))))
     out: list[list[int]] = []
     for k, i in enumerate(order):
@@ -138,14 +141,15 @@ def _split(seqs: list[np.ndarray], cluster: list[int], budget: int, min_shared: 
         # in lexicographic order a sequence shares most with its predecessor: the tree grows by the rest
         shared = _lcp(seqs[cluster[k - 1]], seqs[i]) if parts[-1] else 0
         grow = len(seqs[i]) - (shared if shared >= min_shared else 0)
-        if parts[-1] and cost + grow > budget:
+        if parts[-1] and grow and cost + grow > budget:  # a duplicate costs nothing more
             parts.append([])
             cost, grow = 0, len(seqs[i])
         parts[-1].append(i)
         cost += grow
     out = []
     for part in parts:  # the estimate can fall short where a shared run is split by the threshold: check
-        if len(part) > 1 and prefix_layout([seqs[i] for i in part], min_shared).computed > budget:
+        over = max(budget, max(len(seqs[i]) for i in part))  # a sequence longer than the budget is one anyway
+        if len(part) > 1 and prefix_layout([seqs[i] for i in part], min_shared).computed > over:
             half = len(part) // 2
             out += _split(seqs, part[:half], budget, min_shared) + _split(seqs, part[half:], budget, min_shared)
         else:
@@ -159,7 +163,7 @@ def pack_shared(seqs: list[np.ndarray], budget: int, min_shared: int) -> list[li
     Sequences sharing a prefix stay together where their tree fits; a cluster that does not fit is cut into
     parts that do. Parts are then packed as pack_microbatches packs sequences (a part too long for the
     budget, a single long sequence, gets a micro-batch of its own)."""
-    seqs = [np.asarray(s) for s in seqs]
+    seqs = _tokens(seqs)
     units: list[list[int]] = []
     for c in clusters(seqs, min_shared):
         units += _split(seqs, c, budget, min_shared) if len(c) > 1 else [c]

@@ -63,6 +63,8 @@ def _sharing_lines(per_version) -> list[str]:
     lines = []
     for run, r in tables.prefix_sharing_totals(per_version).iterrows():
         computed, unshared = int(r["train_tokens_computed"]), int(r["train_tokens_unshared"])
+        if not unshared:  # nothing trained yet: no share to give
+            continue
         lines.append(
             f"{run}: the trainers computed {computed:,} of the {unshared:,} token positions they stand for "
             f"({r['saved']:.1%} saved)"

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from areal_hpc.types import GenOutput, GenRequest, Trajectory
+from areal_hpc.columns import Batch
+from areal_hpc.types import GenOutput, GenRequest
 
 
 @dataclass
@@ -39,6 +41,7 @@ class InFlight:
             output_logprobs=self.logprobs,
             output_versions=self.versions,
             finish_reason=reason,
+            request=r,
         )
 
 
@@ -99,10 +102,10 @@ class GenerationEngine(ABC):
         """One engine step: every running request gets one token; returns those that finished in it."""
 
     @abstractmethod
-    def interrupt(self, ids: list[str] | None = None) -> list[GenOutput]:
+    def interrupt(self, ids: list[Hashable] | None = None) -> list[GenOutput]:
         """End these running or waiting requests (None: all) and return their partial outputs ('abort').
 
-        Adding `request.resumed(output)` later continues each exactly where it stopped.
+        Adding `output.request.resumed(output)` later continues each exactly where it stopped.
         """
 
     def pause(self) -> None:
@@ -177,7 +180,7 @@ def generate(engine: GenerationEngine, requests: list[GenRequest]) -> list[GenOu
     if len(want) != len(requests):
         raise ValueError("generate: request ids must be unique")
     engine.add(requests)
-    done: dict[str, GenOutput] = {}
+    done: dict[Hashable, GenOutput] = {}
     while len(done) < len(want):
         for o in engine.step():
             if o.request_id in want:
@@ -211,9 +214,10 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def ppo_update(
-        self, trajectories: list[Trajectory], advantages: np.ndarray, minibatches: list[list[int]] | None = None
+        self, trajectories: Batch, advantages: np.ndarray, minibatches: list[list[int]] | None = None
     ) -> dict[str, float]:
-        """One policy version on this rank's share: one optimizer step per minibatch; version += 1.
+        """One policy version on this rank's share (columns, or Trajectory records: columns.as_columns): one
+        optimizer step per minibatch; version += 1.
 
         `minibatches` (indices into `trajectories`, the same count on every rank) is how the batch was
         split before it was shared out; None: this rank's share is split n_minibatches ways.

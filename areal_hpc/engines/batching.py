@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from areal_hpc.algo import prefix_tree
-from areal_hpc.algo.packing import balance_across_ranks, pack_microbatches
+from areal_hpc.algo.packing import pack_microbatches
 from areal_hpc.engines import micro_batch
 from areal_hpc.engines.micro_batch import MicroBatch
 
@@ -44,17 +44,6 @@ class Batching:
         if self.trees:
             return prefix_tree.pack_shared(seqs, self.max_tokens, self.min_shared)
         return pack_microbatches([len(s) for s in seqs], self.max_tokens)
-
-    def minibatches(self, seqs: list[np.ndarray], n: int) -> list[list[int]]:
-        """`seqs` split n ways by tokens; sequences sharing a prefix stay in one minibatch (it is computed once)."""
-        lengths = [len(s) for s in seqs]
-        if not self.trees:
-            return balance_across_ranks(lengths, n)
-        cluster_of = [0] * len(seqs)
-        for c, members in enumerate(prefix_tree.clusters(seqs, self.min_shared)):
-            for i in members:
-                cluster_of[i] = c
-        return balance_across_ranks(lengths, n, cluster_of)
 
     def build(self, seqs: list[np.ndarray]) -> MicroBatch:
         """One micro-batch's model inputs, counted."""

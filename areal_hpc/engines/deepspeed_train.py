@@ -19,6 +19,7 @@ from areal_hpc.engines import forward
 from areal_hpc.engines import lora as lora_lib
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.model import load_tokenizer, no_hf_progress_bars
+from areal_hpc.rundir import ADAPTER_FILE, CHECKPOINT_META, DEEPSPEED_TAG, rng_file, shared_temporary
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
 
@@ -108,7 +109,14 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         return contextlib.nullcontext()
 
     def _copied(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in state.items()} if self.zero_stage == 3 else state
+        """ZeRO-3: copies out of the gather, a tied tensor copied once so its names stay one tensor (sent once)."""
+        if self.zero_stage != 3:
+            return state
+        copies: dict[int, torch.Tensor] = {}
+        for v in state.values():
+            if v.data_ptr() not in copies:
+                copies[v.data_ptr()] = v.detach().clone()
+        return {k: copies[v.data_ptr()] for k, v in state.items()}
 
     def weights(self) -> dict[str, torch.Tensor]:
         adapter = list(lora_lib.adapter_params(self.model).values()) if self.lora is not None else None
@@ -139,18 +147,18 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
     def save_checkpoint(self, path: Path) -> None:
         """Collective: every trainer writes its shard into one folder, published by an atomic rename."""
         path = Path(path)
-        tmp = path.with_name(path.name + ".ds.tmp")
+        tmp = shared_temporary(path)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
         # with LoRA the frozen base stays out of the shards (it is the run's base model folder)
-        self.ds.save_checkpoint(str(tmp), tag="ds", exclude_frozen_parameters=self.lora is not None)
+        self.ds.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, exclude_frozen_parameters=self.lora is not None)
         adapter = self.weights() if self.lora is not None else None  # collective under ZeRO-3
         if adapter is not None and self.rank == 0:  # the adapter alone, for export and eval
-            save_file({k: v.cpu().contiguous() for k, v in adapter.items()}, str(tmp / lora_lib.ADAPTER_FILE))
+            save_file({k: v.cpu().contiguous() for k, v in adapter.items()}, str(tmp / ADAPTER_FILE))
         rng = {"torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "python_rng": random.getstate()}
-        torch.save(rng, tmp / f"rng_rank{self.rank}.pt")
+        torch.save(rng, tmp / rng_file(self.rank))
         dist.barrier()
         if self.rank == 0:
             meta = {
@@ -158,7 +166,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
                 "zero_stage": self.zero_stage,
                 "world": self.world,
             } | lora_lib.checkpoint_meta(self.lora)
-            (tmp / "meta.json").write_text(json.dumps(meta))
+            (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
             if self.reference is not None:
                 self.reference.save(tmp)
             atomic_publish_dir(tmp, path)
@@ -166,10 +174,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
 
     def load_checkpoint(self, path: Path) -> None:
         path = Path(path)
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads((path / CHECKPOINT_META).read_text())
         lora_lib.check_checkpoint(path, self.lora)
-        self.ds.load_checkpoint(str(path), tag="ds", load_module_strict=self.lora is None)
-        rng = torch.load(path / f"rng_rank{self.rank}.pt", weights_only=False)
+        self.ds.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_module_strict=self.lora is None)
+        rng = torch.load(path / rng_file(self.rank), weights_only=False)
         torch.set_rng_state(rng["torch_rng"])
         np.random.set_state(rng["numpy_rng"])
         random.setstate(rng["python_rng"])

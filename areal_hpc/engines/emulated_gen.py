@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Hashable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from areal_hpc.costmodel import ResponseLengths, preset, with_overrides
+from areal_hpc.costmodel import ResponseLengths, RunSettings, emulated_cost
 from areal_hpc.engines.base import GenerationEngine, InFlight
 from areal_hpc.model import stop_token_ids
 from areal_hpc.types import GenOutput, GenRequest
@@ -52,9 +53,10 @@ class EmulatedGenerationEngine(GenerationEngine):
         len_median: float = 0.0,
         len_sigma: float = 1.0,
         payload_mb: float = 1.0,
+        run: RunSettings | None = None,
     ):
         super().__init__(max_num_seqs, temperature, top_p)
-        self.cost = with_overrides(preset(preset_name), cost_overrides or {})
+        self.cost = emulated_cost(preset_name, cost_overrides, run)  # run: LoRA's sync_s moves the adapter alone
         self.time_scale = time_scale
         self.len_median, self.len_sigma = len_median, len_sigma
         self.seed = seed
@@ -67,7 +69,7 @@ class EmulatedGenerationEngine(GenerationEngine):
         self._weights = payload(payload_mb)
         self.running: list[InFlight] = []
         self.waiting: deque[InFlight] = deque()
-        self.target: dict[str, int] = {}  # request id -> the response length it stops at (eos)
+        self.target: dict[Hashable, int] = {}  # request id -> the response length it stops at (eos)
 
     @property
     def num_running(self) -> int:
@@ -85,7 +87,7 @@ class EmulatedGenerationEngine(GenerationEngine):
             median = self.len_median or r.max_new_tokens / 4
             # the request id, not the partial, fixes the length: a resumed request aims where it did before
             lengths = ResponseLengths(median, self.len_sigma, r.max_new_tokens)
-            self.target[r.request_id] = lengths.for_key(self.seed, r.request_id)
+            self.target[r.request_id] = lengths.for_key(self.seed, str(r.request_id))  # the id as text: its edge
             self.waiting.append(seq)
 
     def _spend(self, dt: float) -> None:
@@ -122,7 +124,7 @@ class EmulatedGenerationEngine(GenerationEngine):
         self.running = still
         return done
 
-    def interrupt(self, ids: list[str] | None = None) -> list[GenOutput]:
+    def interrupt(self, ids: list[Hashable] | None = None) -> list[GenOutput]:
         want = None if ids is None else set(ids)
         out = []
 

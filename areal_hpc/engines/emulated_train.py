@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_hpc.costmodel import preset, train_tokens, with_overrides
+from areal_hpc.columns import Batch, as_columns
+from areal_hpc.costmodel import RunSettings, emulated_cost, train_tokens
 from areal_hpc.engines.base import TrainEngine
 from areal_hpc.engines.emulated_gen import payload
-from areal_hpc.types import Trajectory
+from areal_hpc.rundir import EMULATED_STATE
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
 
@@ -22,7 +23,8 @@ class EmulatedTrainEngine(TrainEngine):
     """Each data-parallel trainer takes `cost.train_s(its tokens)`. Rank 0 waits for every trainer's result
     before the version counts, so the largest share sets the step time, as the gradient all-reduce would.
     Its tokens are the positions a trainer computes: with `share_prefixes`, each group's common token prefix
-    once per micro-batch part (costmodel.train_tokens, the simulator's arithmetic)."""
+    once per micro-batch part (costmodel.train_tokens, the simulator's arithmetic). A version's rate is the
+    preset's under the run's objective: its extra or spared forwards (costmodel.RunSettings)."""
 
     def __init__(
         self,
@@ -34,20 +36,22 @@ class EmulatedTrainEngine(TrainEngine):
         share_prefixes: bool = True,
         share_min_tokens: int = 32,
         max_tokens_per_mb: int = 4096,
+        run: RunSettings | None = None,
     ):
         self.model_path = Path(model_path)
-        self.cost = with_overrides(preset(preset_name), cost_overrides or {})
+        self.cost = emulated_cost(preset_name, cost_overrides, run)  # run: the objective's extra forwards
         self.time_scale = time_scale
         self.version = 0
         self._weights = payload(payload_mb)
         self.share = (share_prefixes, share_min_tokens, max_tokens_per_mb)
 
-    def positions(self, trajectories: list[Trajectory]) -> tuple[int, int]:
+    def positions(self, trajectories: Batch) -> tuple[int, int]:
         """(computed, unshared): the token positions of one pass over the trajectories, with and without
         each group's common prefix laid down once."""
+        cols = as_columns(trajectories)
         groups: dict[int, list[np.ndarray]] = defaultdict(list)
-        for t in trajectories:
-            groups[t.group_id].append(np.asarray(t.input_ids))
+        for gid, ids in zip(cols.seqs["group_id"].tolist(), cols.split("input_ids")):
+            groups[gid].append(ids)
         computed = 0
         for seqs in groups.values():
             p = common_prefix(seqs)
@@ -62,7 +66,7 @@ class EmulatedTrainEngine(TrainEngine):
         return [np.zeros(len(s), dtype=np.float32) for s in sequences]
 
     def ppo_update(
-        self, trajectories: list[Trajectory], advantages: np.ndarray, minibatches: list[list[int]] | None = None
+        self, trajectories: Batch, advantages: np.ndarray, minibatches: list[list[int]] | None = None
     ) -> dict[str, float]:
         computed, unshared = self.positions(trajectories)
         self._spend(self.cost.train_s(computed))
@@ -91,11 +95,11 @@ class EmulatedTrainEngine(TrainEngine):
 
     def save_checkpoint(self, path: Path) -> None:
         tmp = new_tmp_dir_beside(Path(path))
-        (tmp / "emulated.json").write_text(json.dumps({"version": self.version, "cost": self.cost.to_dict()}))
+        (tmp / EMULATED_STATE).write_text(json.dumps({"version": self.version, "cost": self.cost.to_dict()}))
         atomic_publish_dir(tmp, Path(path))
 
     def load_checkpoint(self, path: Path) -> None:
-        self.version = int(json.loads((Path(path) / "emulated.json").read_text())["version"])
+        self.version = int(json.loads((Path(path) / EMULATED_STATE).read_text())["version"])
         self._weights["emulated.payload"][0] = float(self.version)
 
 

@@ -1,8 +1,9 @@
 """One training forward over a micro-batch: padding-free packing (or right padding), chunked log-probabilities.
 
 Packed: the sequences are laid end to end in one row and position ids restart at 0 at each sequence.
-Attention never crosses a boundary: flash attention's varlen kernel reads the boundaries from the position
-ids on GPUs; elsewhere `PACKED_SDPA` runs causal sdpa once per sequence (no mask, no cross-sequence work).
+Attention never crosses a boundary: with `trainer.share_prefixes=false` on GPUs with flash-attn, its varlen
+kernel reads the boundaries from the position ids; otherwise `PACKED_SDPA` runs causal sdpa once per sequence
+(no mask, no cross-sequence work; on a GPU sdpa picks its flash or memory-efficient kernel itself).
 Prefix tree (engines/micro_batch.py `shared`): a prefix several sequences share is laid down once and their
 continuations attend to it; only `PACKED_SDPA` knows the tree (engines/prefix_attention.py), and the head
 computes a shared (position, next token) row once, its value and gradient standing for every sequence.

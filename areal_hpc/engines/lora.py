@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from areal_hpc.model import load_causal_lm
+from areal_hpc.rundir import ADAPTER_FILE, CHECKPOINT_META
 
 # PEFT names the one adapter it holds; the published names leave it out (PEFT's own saved format does too)
 _ADAPTER = "default"
@@ -163,8 +164,7 @@ class AdapterMerger:
         return merge(self.base, adapter, self.scale)
 
 
-# -- checkpoints ------------------------------------------------------------------------------------
-ADAPTER_FILE = "adapter.safetensors"  # a LoRA checkpoint's weights: the adapter alone, fp32, published names
+# -- checkpoints (their adapter in ADAPTER_FILE: alone, fp32, published names) ----------------------
 
 
 def checkpoint_meta(spec: LoraSpec | None) -> dict:
@@ -181,7 +181,7 @@ def spec_of(meta: dict) -> LoraSpec | None:
 
 def checkpoint_spec(path: Path) -> LoraSpec | None:
     """The adapter a checkpoint's meta.json records (None: full weights)."""
-    return spec_of(json.loads((Path(path) / "meta.json").read_text()))
+    return spec_of(json.loads((Path(path) / CHECKPOINT_META).read_text()))
 
 
 def check_checkpoint(path: Path, spec: LoraSpec | None) -> None:

@@ -76,7 +76,7 @@ class MicroBatch:
         ids = self.input_ids.reshape(-1)
         if self.tree is None:
             return Rows(src, ids[tgt], index)
-        base = int(ids.max()) + 1 if len(ids) else 1
+        base = 1 << 32  # above any token id: no device-to-host read of the largest
         unique, inverse = torch.unique(src * base + ids[tgt], return_inverse=True)
         order = torch.argsort(inverse, stable=True)
         return Rows(unique // base, unique % base, index[order], inverse[order])

@@ -7,7 +7,7 @@ import torch
 
 from areal_hpc.algo.distill import distill_term
 from areal_hpc.algo.ppo import Objective, loglinear_prox_logp, policy_loss, segment_mean
-from areal_hpc.types import Trajectory
+from areal_hpc.columns import Batch, as_columns
 
 # per-token stats -> the token count each is a mean over: kept loss tokens, or loss tokens before the cap
 PPO_STATS = {
@@ -36,6 +36,7 @@ def merge_stats(parts: list[dict]) -> dict:
 class PolicyStep:
     """The loss of the sequences `idx` of a minibatch: what `forward.chunked_loss` needs, and their stats.
 
+    Each per-token input is a slice of `batch`'s columns (or of the per-sequence logprobs) laid end to end.
     `prox_all` / `ref_all` hold each trajectory's recomputed proximal / reference logprobs (None: loglinear or
     plain PPO; no KL). `seq_weight[i]` is trajectory i's per-token aggregation weight. `version` is the policy
     version being trained (its proximal policy, for loglinear). With importance=sequence, or sequence rejection
@@ -50,7 +51,7 @@ class PolicyStep:
         self,
         obj: Objective,
         decoupled: bool,
-        trajectories: list[Trajectory],
+        batch: Batch,
         advantages: np.ndarray,
         idx: list[int],
         prox_all: list,
@@ -64,29 +65,30 @@ class PolicyStep:
     ):
         self.obj, self.decoupled, self.version = obj, decoupled, version
         self.recompute = prox_all[idx[0]] is not None
-        cols: dict[str, list] = {k: [] for k in ("prox", "ref", "behav", "adv", "mask", "versions", "weight", "seq")}
-        for j, i in enumerate(idx):
-            t = trajectories[i]
-            n = len(t.input_ids)
-            cols["behav"].append(torch.as_tensor(t.behav_logprobs, dtype=torch.float32))
-            if self.recompute:
-                cols["prox"].append(torch.as_tensor(prox_all[i], dtype=torch.float32).cpu())
-            adv = torch.full((n,), float(advantages[i]))
-            if teacher_all is not None:  # distillation: the teacher's per-token term joins the sequence's advantage
-                # against the student being trained (its recomputed logprobs) where there are: with stale data
-                # the sampler's would keep pushing a token the student has already moved
-                teacher, mask = torch.as_tensor(teacher_all[i]).cpu(), torch.as_tensor(t.loss_mask)
-                student = cols["prox"][-1] if self.recompute else cols["behav"][-1]
-                adv = adv + distill_term(teacher, student, mask, distill_coef, distill_baseline)
-            cols["adv"].append(adv)
-            cols["mask"].append(torch.as_tensor(t.loss_mask, dtype=torch.float32))
-            cols["versions"].append(torch.as_tensor(t.versions))
-            cols["weight"].append(torch.full((n,), float(seq_weight[i])))
-            cols["seq"].append(torch.full((n,), j, dtype=torch.long))
-            if ref_all[i] is not None:
-                cols["ref"].append(torch.as_tensor(ref_all[i], dtype=torch.float32))
-        self.cat = {k: torch.cat(v).to(device) for k, v in cols.items() if v}
+        batch = as_columns(batch)
+        lens = batch.lengths[idx]
+        # slices of the batch's columns, laid end to end; a sequence's values repeated over its tokens
+        cols = {
+            "behav": torch.from_numpy(batch.laid_out("behav_logprobs", idx)),
+            "mask": torch.from_numpy(batch.laid_out("loss_mask", idx).astype(np.float32)),
+            "versions": torch.from_numpy(batch.laid_out("versions", idx)),
+            "adv": torch.from_numpy(np.repeat(np.asarray(advantages, np.float32)[idx], lens)),
+            "weight": torch.from_numpy(np.repeat(np.array([seq_weight[i] for i in idx], np.float32), lens)),
+            "seq": torch.from_numpy(np.repeat(np.arange(len(idx)), lens)),
+        }
+        if self.recompute:
+            cols["prox"] = torch.cat([torch.as_tensor(prox_all[i], dtype=torch.float32).cpu() for i in idx])
+        if teacher_all is not None:  # distillation: the teacher's per-token term joins the sequence's advantage
+            # against the student being trained (its recomputed logprobs) where there are: with stale data
+            # the sampler's would keep pushing a token the student has already moved
+            teacher = torch.cat([torch.as_tensor(teacher_all[i]).cpu() for i in idx])
+            student = cols["prox"] if self.recompute else cols["behav"]
+            cols["adv"] = cols["adv"] + distill_term(teacher, student, cols["mask"], distill_coef, distill_baseline)
+        if ref_all[idx[0]] is not None:
+            cols["ref"] = torch.cat([torch.as_tensor(ref_all[i], dtype=torch.float32).cpu() for i in idx])
+        self.cat = {k: v.to(device) for k, v in cols.items()}
         self.n_seqs = len(idx)
+        self.seqs = [batch.token("input_ids", i) for i in idx]  # the forward's ids: views into the batch's
         self.seq_log_ratio = self.seq_log_behav_w = None  # per token of the laid-out sequences, from the prepass
         if obj.rejects and self.recompute:  # pi_prox is fixed: no second pass of the head for the weights
             c = self.cat

@@ -11,8 +11,7 @@ from safetensors.torch import save as save_safetensors
 
 from areal_hpc.engines import forward
 from areal_hpc.model import load_causal_lm
-
-FILE = "reference.safetensors"  # in a trainer checkpoint, beside the model: a resume keeps the same reference
+from areal_hpc.rundir import REFERENCE_FILE
 
 
 class FrozenPolicy:
@@ -60,14 +59,14 @@ class ReferencePolicy(FrozenPolicy):
 
     def save(self, folder: Path) -> None:
         sd = {k: v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()}
-        (Path(folder) / FILE).write_bytes(save_safetensors(sd))
+        (Path(folder) / REFERENCE_FILE).write_bytes(save_safetensors(sd))
 
     def load(self, folder: Path) -> None:
-        path = Path(folder) / FILE
+        path = Path(folder) / REFERENCE_FILE
         if not path.exists():
             raise FileNotFoundError(
-                f"checkpoint {folder} has no {FILE}: it was written with ppo.kl_coef=0, so the run's reference "
-                "policy is lost; resume with ppo.kl_coef=0 or start a new run"
+                f"checkpoint {folder} has no {REFERENCE_FILE}: it was written with ppo.kl_coef=0, so the run's "
+                "reference policy is lost; resume with ppo.kl_coef=0 or start a new run"
             )
         dtype = next(self.model.parameters()).dtype
         device = next(self.model.parameters()).device

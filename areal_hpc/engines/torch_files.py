@@ -17,6 +17,7 @@ from safetensors.torch import save as save_safetensors
 from areal_hpc.engines import lora as lora_lib
 from areal_hpc.engines.reference import ReferencePolicy
 from areal_hpc.model import load_tokenizer, no_hf_progress_bars
+from areal_hpc.rundir import ADAPTER_FILE, CHECKPOINT_META, TRAINER_STATE, WEIGHTS_FILE
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
 
@@ -67,8 +68,9 @@ class TorchEngineFiles:
                 },
                 state,
             )
-            (tmp / "trainer_state.pt").write_bytes(state.getbuffer())
-            (tmp / "meta.json").write_text(json.dumps({"version": self.version} | lora_lib.checkpoint_meta(self.lora)))
+            (tmp / TRAINER_STATE).write_bytes(state.getbuffer())
+            meta = {"version": self.version} | lora_lib.checkpoint_meta(self.lora)
+            (tmp / CHECKPOINT_META).write_text(json.dumps(meta))
             if self.reference is not None:
                 self.reference.save(tmp)
             atomic_publish_dir(tmp, Path(path))
@@ -78,7 +80,7 @@ class TorchEngineFiles:
 
     @property
     def _weights_file(self) -> str:
-        return lora_lib.ADAPTER_FILE if self.lora is not None else "model.safetensors"
+        return ADAPTER_FILE if self.lora is not None else WEIGHTS_FILE
 
     def _load_weights(self, path: Path) -> None:
         lora_lib.check_checkpoint(path, self.lora)
@@ -91,12 +93,12 @@ class TorchEngineFiles:
     def load_checkpoint(self, path: Path) -> None:
         path = Path(path)
         self._load_weights(path)
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        state = torch.load(path / TRAINER_STATE, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])
-        self.version = json.loads((path / "meta.json").read_text())["version"]
+        self.version = json.loads((path / CHECKPOINT_META).read_text())["version"]
         self._load_reference(path)
 
     def _load_reference(self, path: Path) -> None:

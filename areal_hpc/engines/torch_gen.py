@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 
 import torch
 
@@ -116,7 +117,7 @@ class TorchGenerationEngine(GenerationEngine):
             if seq is not None:
                 self.waiting.append(seq)
 
-    def interrupt(self, ids: list[str] | None = None) -> list[GenOutput]:
+    def interrupt(self, ids: list[Hashable] | None = None) -> list[GenOutput]:
         hit = None if ids is None else set(ids)
         out = [s.output("abort") for s in self.waiting if hit is None or s.request.request_id in hit]
         self.waiting = deque(s for s in self.waiting if hit is not None and s.request.request_id not in hit)

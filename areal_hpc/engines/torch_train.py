@@ -10,7 +10,9 @@ import torch.distributed as dist
 
 from areal_hpc.algo.distill import baseline_sums
 from areal_hpc.algo.mismatch import version_sums
+from areal_hpc.algo.packing import balance_across_ranks
 from areal_hpc.algo.ppo import Objective, sequence_weights
+from areal_hpc.columns import Batch, TrajectoryColumns, as_columns
 from areal_hpc.engines import forward
 from areal_hpc.engines import lora as lora_lib
 from areal_hpc.engines.base import TrainEngine
@@ -20,7 +22,6 @@ from areal_hpc.engines.reference import FrozenPolicy, ReferencePolicy
 from areal_hpc.engines.teacher import DistillSpec, load_teacher
 from areal_hpc.engines.torch_files import TorchEngineFiles
 from areal_hpc.model import load_causal_lm
-from areal_hpc.types import Trajectory
 
 
 class TorchTrainEngine(TorchEngineFiles, TrainEngine):
@@ -241,7 +242,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
 
     # -- PPO -------------------------------------------------------------------------------------
     def ppo_update(
-        self, trajectories: list[Trajectory], advantages: np.ndarray, minibatches: list[list[int]] | None = None
+        self, trajectories: Batch, advantages: np.ndarray, minibatches: list[list[int]] | None = None
     ) -> dict[str, float]:
         """One policy version: recompute pi_prox (and, with a KL, the reference's logprobs) once, then one step
         of the objective per minibatch.
@@ -253,14 +254,15 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         logprobs against the recomputed proximal ones, or without a recompute against the first minibatch's
         forward; rank 0 merges them over trainers into the mismatch_* and offpolicy_* columns.
         """
-        seqs = [t.input_ids for t in trajectories]
+        batch = as_columns(trajectories)
+        seqs = batch.split()  # views into the batch's ids
         self.batching.reset()
         totals: dict[str, float] = {}
         if self.decoupled and self.prox == "recompute" and (seqs or self.lockstep):
             totals["prox_t_start"] = time.time()  # the trainer's timeline shows the recompute as its own span
             prox_np = self.compute_logprobs(seqs)
             totals["prox_t_end"] = time.time()
-            gaps = version_sums(trajectories, prox_np, self.version)  # the recompute measures the gap for free
+            gaps = version_sums(batch, prox_np, self.version)  # the recompute measures the gap for free
             prox_all = [torch.as_tensor(x, device=self.device) for x in prox_np]
         else:
             prox_all, gaps = [None] * len(seqs), None  # measured on the first minibatch's forward below
@@ -271,25 +273,25 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             totals["ref_t_end"] = time.time()
         if self.distill is not None:
             self._teacher_all = self._teacher_logprobs(seqs, totals)
-            # the student's own logprobs: the recomputed ones (the weights being trained) where there are, else the
-            # sampler's; the same in the term (PolicyStep) as in its baseline
-            student = [p if p is not None else t.behav_logprobs for p, t in zip(prox_all, trajectories, strict=True)]
-            masks = [t.loss_mask for t in trajectories]
-            mine = baseline_sums(self._teacher_all, student, masks)
+            # the student's logprobs: the recomputed ones where there are, else the sampler's (as in PolicyStep's term)
+            student = [p if p is not None else b for p, b in zip(prox_all, batch.split("behav_logprobs"), strict=True)]
+            mine = baseline_sums(self._teacher_all, student, batch.split("loss_mask"))
             gap, n = self._allreduce_sum(list(mine))
             self._distill_baseline = gap / max(n, 1.0)  # the whole batch's, on every trainer
             if mine[1]:  # this share's mean reverse KL; rank 0 weighs the shares by their loss tokens
                 totals["distill_kl"] = -mine[0] / mine[1]
 
         if minibatches is None:
-            if seqs:
-                minibatches = self.batching.minibatches(seqs, self.n_minibatches)
+            if seqs:  # whole groups, as the scheduler splits a batch: a group's prompt is shared in every step
+                groups = batch.seqs["group_id"].tolist()
+                minibatches = balance_across_ranks(batch.lengths.tolist(), self.n_minibatches, groups)
             else:
                 minibatches = [[] for _ in range(self.n_minibatches)]
         micro_stats: list[dict] = []
         first: dict[int, torch.Tensor] = {}  # trajectory -> its logprobs in the first minibatch's forward
+        loss_all = batch.token_sums("loss_mask").tolist()
         for mb_idx in minibatches:
-            loss_tokens = [int(trajectories[i].loss_mask.sum()) for i in mb_idx]
+            loss_tokens = [loss_all[i] for i in mb_idx]
             total_tokens, total_seqs = self._allreduce_sum([sum(loss_tokens), sum(n > 0 for n in loss_tokens)])
             if total_tokens == 0:
                 continue  # nothing to learn from on any rank; all ranks skip together
@@ -304,7 +306,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
                     self._backward(self._zero_loss(), last)
                     continue
                 idx = [mb_idx[j] for j in micro]
-                loss, stats, lps = self._ppo_micro(trajectories, advantages, prox_all, ref_all, idx, seq_weight)
+                loss, stats, lps = self._ppo_micro(batch, advantages, prox_all, ref_all, idx, seq_weight)
                 if gaps is None:  # no recompute: the version's first forward, before its first optimizer step
                     first.update(zip(idx, lps))
                 self._backward(loss, last)
@@ -312,7 +314,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
                 micro_stats.append(stats)
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._optimizer_step() / len(minibatches)
             if gaps is None:
-                gaps = self._first_forward_gaps(trajectories, first)
+                gaps = self._first_forward_gaps(batch, first)
         totals.update(gaps if gaps is not None else version_sums([], [], self.version))
         self.version += 1
         if "loss" in totals:
@@ -322,12 +324,12 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         totals.update(self.batching.counts())  # every forward of the version: recompute, reference, teacher, steps
         return totals
 
-    def _ppo_micro(self, trajectories, advantages, prox_all, ref_all, idx, seq_weight):
+    def _ppo_micro(self, batch, advantages, prox_all, ref_all, idx, seq_weight):
         """The policy loss of one micro-batch (a sum over its tokens, weighted to the minibatch's aggregate)."""
         step = PolicyStep(
             self.objective,
             self.decoupled,
-            trajectories,
+            batch,
             advantages,
             idx,
             prox_all,
@@ -339,16 +341,15 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             distill_coef=self.distill.coef if self.distill is not None else 0.0,
             distill_baseline=self._distill_baseline,
         )
-        seqs = [trajectories[i].input_ids for i in idx]
-        loss, logprobs, entropies = self._loss(seqs, step.loss_fn, step.with_entropy, step.prepass)
+        loss, logprobs, entropies = self._loss(step.seqs, step.loss_fn, step.with_entropy, step.prepass)
         return loss, step.stats(entropies), logprobs
 
-    def _first_forward_gaps(self, trajectories: list[Trajectory], first: dict[int, torch.Tensor]) -> dict:
+    def _first_forward_gaps(self, batch: TrajectoryColumns, first: dict[int, torch.Tensor]) -> dict:
         """The mismatch sums of the sequences of the version's first minibatch (no proximal recompute: the
         ratio's own forward is the trainer's logprobs under the weights it holds before any step)."""
         order = sorted(first)
         lps = [first[i].float().cpu().numpy() for i in order]
-        return version_sums([trajectories[i] for i in order], lps, self.version)
+        return version_sums(batch.take(order), lps, self.version)
 
     def _reference_logprobs(self, seqs: list[np.ndarray]) -> list:
         """Each sequence's logprobs under the reference policy (made from these weights the first time;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Hashable
 
 import torch
 
@@ -157,7 +158,7 @@ class VLLMGenerationEngine(GenerationEngine):
             self.engine.add_request(rid, prompt, self._params(seq.budget, r.greedy))
             self._seqs[rid] = seq
 
-    def interrupt(self, ids: list[str] | None = None) -> list[GenOutput]:
+    def interrupt(self, ids: list[Hashable] | None = None) -> list[GenOutput]:
         hit = None if ids is None else set(ids)
         gone = [rid for rid, s in self._seqs.items() if hit is None or s.request.request_id in hit]
         if gone:

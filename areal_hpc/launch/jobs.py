@@ -56,7 +56,7 @@ def take_claim(run_dir: os.PathLike | str, job_id: str) -> str | None:
     active in Slurm is stale and replaced."""
     run = RunDir(run_dir)
     run.slurm.mkdir(parents=True, exist_ok=True)
-    mine = run.job_claim.with_name(f".{run.job_claim.name}.{job_id}.{os.getpid()}")
+    mine = run.claim_draft(job_id)
     for _ in range(5):
         mine.write_text(json.dumps({"job_id": job_id, "time": time.time(), "host": os.uname().nodename}))
         try:
@@ -86,7 +86,7 @@ def take_claim(run_dir: os.PathLike | str, job_id: str) -> str | None:
                 f"(one job per run directory); nothing in it was touched (areal-hpc status {run.root})"
             )
         # stale: moved aside under this job's own name; a newcomer's fresh claim moved by mistake goes back
-        aside = run.job_claim.with_name(f".{run.job_claim.name}.stale.{job_id}")
+        aside = run.claim_aside(job_id)
         try:
             os.replace(run.job_claim, aside)
         except FileNotFoundError:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from areal_hpc import rundir_actions
 from areal_hpc.config import Config
 from areal_hpc.engines import require_installed
 from areal_hpc.launch.environment import rank_env
@@ -69,16 +70,16 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
         raise RunFailed(why)
     try:
         if resume:
-            check_resumable(run.root)  # one line on a damaged checkpoint, before the config is rewritten
+            check_resumable(run.root, cfg)  # one line on a damaged checkpoint, before the config is rewritten
             save_config(cfg, run.config)  # a resume may change settings (more versions, a new time limit)
         else:
-            run.create(cfg, hint="resume it with --resume or pick another run_name=...")
+            rundir_actions.create(run, cfg, hint="resume it with --resume or pick another run_name=...")
     except (RunDirError, CheckpointError) as err:
         raise RunFailed(str(err)) from None
     check_model_fits(cfg, ensure_model(cfg.model))  # built once here, never by several ranks at once
     record_model(run.root, cfg.model.path)  # RUN_DIR/model.json at the first start
     record_teacher(run.root, cfg.distill.teacher)  # RUN_DIR/teacher.json likewise
-    run.before_start()
+    rundir_actions.before_start(run)
     return run
 
 
@@ -87,7 +88,7 @@ def failure_line(run_dir: Path, returncode: int) -> str:
     signal (its peers' errors, such as a reset connection, follow from it), else the first rank's own
     error, else mpirun's exit code."""
     run = RunDir(run_dir)
-    if problem := run.storage_problem():  # the ranks' own error lines could not be written there either
+    if problem := rundir_actions.storage_problem(run):  # the ranks' own error lines could not be written there either
         return problem
     failures = read_failures(run)
     if silent := silence_verdict([f.line for f in failures]):  # mpirun's kill of the stopped rank follows it

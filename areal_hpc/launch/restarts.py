@@ -11,6 +11,7 @@ from pathlib import Path
 
 from areal_hpc.launch.environment import slurm_job_id
 from areal_hpc.rundir import RunDir
+from areal_hpc.rundir_actions import storage_problem
 from areal_hpc.runtime.failures import PEER, STARTUP, read_failures
 from areal_hpc.runtime.liveness import silence_verdict
 from areal_hpc.utils import atomic_write_text
@@ -150,7 +151,7 @@ def main(argv: list[str]) -> int:
     watchdog = argv[4] if len(argv) > 4 else ""
     max_restarts = int(argv[5]) if len(argv) > 5 else None
     run = RunDir(run_dir)
-    if problem := run.storage_problem():
+    if problem := storage_problem(run):
         print(f"not restarting: {problem}")  # a new world would die the same way (and restarts.json cannot be written)
         return 2
     # the error files are this world's (each world's start clears them): a minute of slack for the file server's clock

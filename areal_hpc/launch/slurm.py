@@ -21,6 +21,7 @@ from areal_hpc.config import Config, SlurmConfig, to_yaml
 from areal_hpc.engines import EngineNotInstalled, require_installed
 from areal_hpc.launch.environment import RANK_ENV, slurm_job_id
 from areal_hpc.rundir import RunDir
+from areal_hpc.rundir_actions import before_start
 from areal_hpc.trackers import TrackerNotInstalled, require_trackers
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
@@ -281,7 +282,7 @@ def prepare_run_dir(run_dir: Path) -> str:
         check_warm_start(cfg)
     record_model(run.root, cfg.model.path)  # RUN_DIR/model.json at the first start
     record_teacher(run.root, cfg.distill.teacher)  # RUN_DIR/teacher.json likewise
-    run.before_start()
+    before_start(run)
     if job_id := slurm_job_id():  # a sweep's point as JOBID_TASK
         info = {"submitted_by": "sbatch"}  # unless submit or resume said otherwise (submitit): resume goes the same way
         try:
@@ -293,7 +294,7 @@ def prepare_run_dir(run_dir: Path) -> str:
     if n is not None:
         from areal_hpc.runtime.resume import check_resumable
 
-        check_resumable(run.root)  # CheckpointError (a ValueError): one line in the job's log, no world started
+        check_resumable(run.root, cfg)  # CheckpointError (a ValueError): one line in the job's log, no world started
         return f"resuming {run_dir} from checkpoint v{n}"
     if run.rollouts.exists() or run.ledger.exists():
         # a start that died before its first checkpoint: nothing was trained; keep it aside

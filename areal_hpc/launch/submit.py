@@ -18,6 +18,7 @@ from areal_hpc.config import Config, slurm_time_minutes
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.launch.slurm import SlurmError, component_options, job_venv, prepare_run_dir, save_job
 from areal_hpc.rundir import RunDir, RunDirError
+from areal_hpc.rundir_actions import create
 
 
 def srun_command(cfg: Config, run_dir: Path, het: bool = True, python: str = sys.executable) -> list[str]:
@@ -187,7 +188,7 @@ def new_run_dir(cfg: Config) -> Path:
     root = Path(cfg.store.run_dir).resolve()
     hint = f"to go on with it: areal-hpc resume {root}; for a new run pick another run_name=... or store.run_dir=..."
     try:
-        return RunDir(root).create(cfg, queued=True, hint=hint).root
+        return create(RunDir(root), cfg, queued=True, hint=hint).root
     except RunDirError as err:
         raise RunFailed(str(err)) from None
 

@@ -12,8 +12,6 @@ __all__ = ["code_reward", "extract_last_python_block"]
 # Bigger than any honest answer to a code task; refusing early keeps a degenerate completion cheap.
 MAX_CODE_CHARS = 100_000
 MAX_TESTS_CHARS = 1_000_000
-# A worker waits this much longer than the sandbox's wall timeout: bwrap and python3 start in ~0.1 s.
-SANDBOX_SLACK_S = 5.0
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n(.*?)```", re.S | re.I)
 

@@ -10,7 +10,7 @@ from areal_hpc.data import final_answer
 from areal_hpc.plugins import PluginError, check_signature, resolve
 from areal_hpc.reward.code import _score as _code_score
 from areal_hpc.reward.emulated import EmulatedRewards
-from areal_hpc.reward.math import _math_reward_unbounded
+from areal_hpc.reward.math import _math_reward_unbounded, warm_up
 from areal_hpc.reward.pool import RewardPool
 from areal_hpc.reward.sandbox import Limits, isolation
 from areal_hpc.reward.values import RewardValueError, as_reward
@@ -38,6 +38,9 @@ class MathAnswer:
 
     def __call__(self, completion: str, row) -> float:
         return _math_reward_unbounded(completion, final_answer(_reference(row, self.key)) or "")
+
+    def load(self) -> None:
+        warm_up()
 
 
 @dataclass(frozen=True)
@@ -168,4 +171,4 @@ def reward_pool_for(cfg, cpus: frozenset[int] | None = None) -> RewardPool | Emu
     else:
         weights = tuple(float(w) for w in rc.weights) or (1.0,) * len(parts)
         scorer = WeightedRewards(tuple(rc.names()), tuple(parts), weights)
-    return RewardPool(rc.num_workers, timeout_s, scorer, cpus=cpus)
+    return RewardPool(rc.num_workers, timeout_s, scorer=scorer, cpus=cpus)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
 
-from areal_hpc.reward.math import ERROR, TIMEOUT, Scorer, _math_reward_unbounded, bounded_call
+from areal_hpc.reward.bounds import ERROR, TIMEOUT, Scorer, bounded_call
 from areal_hpc.reward.scores import FailureLog, Scores, ScoringJob
 from areal_hpc.reward.workers import _score_chunk, _WorkerGeneration
 
@@ -45,11 +45,11 @@ class RewardPool:
     and rebuilt, its items are retried one at a time in isolation, and whichever item fails
     again scores 0.0. Results never raise: the returned futures always resolve to a list.
 
-    ``scorer`` (default: math_reward's core) must be a picklable top-level function
-    ``f(completion, reference) -> float``. Workers use the forkserver (else spawn) start
-    method, never fork, so the pool is safe to create from processes that use torch or MPI;
-    as with any spawn-style pool, a script that creates one needs an
-    ``if __name__ == "__main__":`` guard (workers re-import the main module). ``cpus``: the
+    ``scorer`` (reward/functions.py builds the run's) must be a picklable top-level function or object
+    ``f(completion, reference) -> float``; its ``load()``, if it has one, runs once in each worker at
+    start-up. Workers use the forkserver (else spawn) start method, never fork, so the pool is safe to
+    create from processes that use torch or MPI; as with any spawn-style pool, a script that creates one
+    needs an ``if __name__ == "__main__":`` guard (workers re-import the main module). ``cpus``: the
     cores the workers run on (None: wherever this process may run).
     """
 
@@ -57,7 +57,8 @@ class RewardPool:
         self,
         num_workers: int = 2,
         timeout_s: float = 5.0,
-        scorer: Scorer | None = None,
+        *,
+        scorer: Scorer,
         max_chunk: int = 8,
         hard_grace_s: float = 2.0,
         startup_grace_s: float = 120.0,
@@ -70,11 +71,10 @@ class RewardPool:
             raise ValueError("timeout_s must be > 0")
         self.num_workers = int(num_workers)
         self.timeout_s = float(timeout_s)
-        if scorer is not None:
-            try:
-                pickle.dumps(scorer)
-            except Exception as e:
-                raise ValueError("scorer must be a picklable top-level function") from e
+        try:
+            pickle.dumps(scorer)
+        except Exception as e:
+            raise ValueError("scorer must be a picklable top-level function") from e
         self.scorer = scorer
         self.max_chunk = max(1, int(max_chunk))
         self.hard_grace_s = float(hard_grace_s)
@@ -158,7 +158,7 @@ class RewardPool:
         return self.submit(completions, references).result()
 
     def warmup(self, timeout: float | None = None) -> bool:
-        """Blocks until every worker has imported math-verify; True if they all did in time."""
+        """Blocks until every worker has loaded the scorer (its `load()`); True if they all did in time."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             gen = self._gen
@@ -248,8 +248,7 @@ class RewardPool:
         with self._lock:
             src = self._suspects or self._queue
             job, idx = src.popleft()
-        fn = _math_reward_unbounded if self.scorer is None else self.scorer
-        job.put(idx, *bounded_call(fn, job.completions[idx], job.references[idx], self.timeout_s))
+        job.put(idx, *bounded_call(self.scorer, job.completions[idx], job.references[idx], self.timeout_s))
 
     def _fill(self) -> None:
         gen = self._gen

@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 
-from areal_hpc.reward.math import ERROR, OK, TIMEOUT
+from areal_hpc.reward.bounds import ERROR, OK, TIMEOUT
 
 __all__ = ["Scores", "FailureLog", "ScoringJob"]
 

@@ -9,7 +9,7 @@ import signal
 import time
 
 from areal_hpc.lifetime import exit_with
-from areal_hpc.reward.math import Scorer, _math_reward_unbounded, bounded_call
+from areal_hpc.reward.bounds import Scorer, bounded_call
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +21,8 @@ _READY_COUNTER = None
 def _worker_init(
     ready_counter, cpus: frozenset[int] | None = None, scorer: Scorer | None = None, owner: int | None = None
 ) -> None:
-    # Import + first parse compile math-verify's regexes once per worker, not per item; and the user's
-    # reward function: importing it (and what it imports) must not eat the first call's reward.timeout_s
+    # The scorer's load (math-verify's import and regexes, the user's function and what it imports) once per
+    # worker, not inside the first call's reward.timeout_s; a scorer that does not use math-verify never loads it
     global _READY_COUNTER
     _READY_COUNTER = ready_counter
     if owner is not None:  # the pool's process (a generator rank) died, killed or not: so does this worker
@@ -32,7 +32,6 @@ def _worker_init(
     try:
         # The parent handles Ctrl-C and shuts us down; a KeyboardInterrupt here only adds noise.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _math_reward_unbounded("\\boxed{\\frac{1}{2}}", "0.5")
         if (load := getattr(scorer, "load", None)) is not None:
             load()
     except BaseException:  # a reward function that cannot load fails its calls, each counted as an error
@@ -49,10 +48,9 @@ def _worker_ping() -> int:
     return os.getpid()
 
 
-def _score_chunk(scorer: Scorer | None, pairs: list[tuple[str, object]], timeout_s: float) -> list[tuple]:
+def _score_chunk(scorer: Scorer, pairs: list[tuple[str, object]], timeout_s: float) -> list[tuple]:
     """(reward, "ok" | "timeout" | "error", message) per (completion, reference) pair."""
-    fn = _math_reward_unbounded if scorer is None else scorer
-    return [bounded_call(fn, c, r, timeout_s) for c, r in pairs]
+    return [bounded_call(scorer, c, r, timeout_s) for c, r in pairs]
 
 
 class _WorkerGeneration:

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from areal_hpc.algo.ppo import Objective
 from areal_hpc.config import Config
+from areal_hpc.costmodel import settings_of
 from areal_hpc.data import MathDataset, check_prompts_fit
 from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_engine, make_train_engine
 from areal_hpc.engines.lora import LoraSpec, adapter_params, model_skeleton, target_modules
@@ -30,6 +31,7 @@ def _emulation_kwargs(cfg: Config) -> dict:
         cost_overrides=dict(ec.cost),
         time_scale=ec.time_scale,
         payload_mb=ec.payload_mb,
+        run=settings_of(cfg),  # no teacher: distillation needs real engines
     )
 
 
@@ -77,6 +79,8 @@ def objective(cfg: Config) -> Objective:
 def lora_spec(cfg: Config) -> LoraSpec | None:
     """The adapter trainer.lora_* asks for; None trains every weight."""
     tc = cfg.trainer
+    if tc.engine == "emulated":  # the payload stands for the adapter; its bytes are in the cost model's sync_s
+        return None
     return LoraSpec(tc.lora_rank, tc.lora_alpha, tuple(tc.lora_targets)) if tc.lora_rank else None
 
 

@@ -47,7 +47,7 @@ class HeldoutEvals:
         self.current: _Eval | None = None
         self.timeout_s = 0.0  # logging.eval_timeout_s (0: no bound)
         self.final_s: float | None = None  # a stop request's bound on the final evaluation (logging.stop_eval_s)
-        self.drop: Callable[[list[str]], None] = runner.cancel  # the generator's: out of the runner and the engine
+        self.drop: Callable[[list[EvalId]], None] = runner.cancel  # the generator's: out of the runner and the engine
         self.progress: Callable[[dict], None] = lambda body: None  # an EVAL_PROGRESS body to rank 0
         self._progress_t = 0.0
 
@@ -86,7 +86,7 @@ class HeldoutEvals:
             self._stop_bound(self.current)
         for i, p in enumerate(self.problems):
             for s in range(self.k):
-                self.runner.start(str(EvalId(i * self.k + s)), p.row, p.prompt_ids, greedy=self.greedy)
+                self.runner.start(EvalId(i * self.k + s), p.row, p.prompt_ids, greedy=self.greedy)
 
     def _not_run(self, tag: str) -> None:
         """An evaluation asked for and never started (superseded by a later one, or a stop): rank 0 hears so."""
@@ -124,7 +124,7 @@ class HeldoutEvals:
     def cut(self, why: str) -> None:
         """End the running evaluation now: its unfinished episodes are cancelled and counted as cut."""
         ev, total = self.current, len(self.problems) * self.k
-        keys = [str(EvalId(i)) for i in range(total) if i not in ev.rewards]
+        keys = [EvalId(i) for i in range(total) if i not in ev.rewards]
         self.drop(keys)
         log.warning(
             "held-out evaluation %s cut after %.0f s (%s): %d of %d episodes finished, %d cut and left out of it",

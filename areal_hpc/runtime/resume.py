@@ -8,7 +8,8 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
-from areal_hpc.rundir import RunDir
+from areal_hpc.config import Config
+from areal_hpc.rundir import CHECKPOINT_META, RunDir
 from areal_hpc.runtime.scheduler_core import ReadyGroup
 from areal_hpc.store import CorruptShardError, list_shards, read_shard_summary
 from areal_hpc.utils import atomic_write_text
@@ -30,13 +31,16 @@ class CheckpointError(ValueError):
     """A checkpoint a resume would start from is damaged; the message is one line naming what and how to go on."""
 
 
-def check_resumable(run_dir: Path) -> int:
+def check_resumable(run_dir: Path, cfg: Config | None = None) -> int:
     """The newest complete checkpoint's version, after reading what a resume needs from it: rank 0's state
-    (JSON), the trainers' meta.json, and the headers of their safetensors files. Raises CheckpointError
-    before any rank starts, so a damaged checkpoint costs one line and touches nothing."""
+    (JSON), the trainers' meta.json, and the headers of their safetensors files; with `cfg`, also the folders
+    its settings need (check_adapter_base). Raises CheckpointError before any rank starts, so a damaged
+    checkpoint costs one line and touches nothing."""
     from safetensors import safe_open
 
     run = RunDir(run_dir)
+    if cfg is not None:
+        check_adapter_base(run, cfg)
     v = run.latest_checkpoint()
     if v is None:
         raise CheckpointError(f"run dir {str(run.root)!r} has no complete checkpoint to resume from")
@@ -44,8 +48,8 @@ def check_resumable(run_dir: Path) -> int:
     hint = f"move {ck.name}* out of {run.checkpoints} to resume from the one before"
     try:
         load_scheduler_state(run_dir, v)
-        if (ck / "meta.json").exists():
-            json.loads((ck / "meta.json").read_text())
+        if (ck / CHECKPOINT_META).exists():
+            json.loads((ck / CHECKPOINT_META).read_text())
         files = sorted(ck.rglob("*.safetensors"))
         if not any(ck.iterdir()):
             raise CheckpointError(f"checkpoint v{v} ({ck}) is empty; {hint}")
@@ -58,6 +62,16 @@ def check_resumable(run_dir: Path) -> int:
         what = " ".join(f"{type(err).__name__}: {err}".split())[:200]
         raise CheckpointError(f"checkpoint v{v} in {str(run.root)!r} is damaged ({what}); {hint}") from None
     return v
+
+
+def check_adapter_base(run: RunDir, cfg: Config) -> None:
+    """LoRA after a warm start trains its adapter on RUN_DIR/base_model, written once by the first start: a
+    resume cannot rebuild it (its warm start is past), so a missing folder is one line."""
+    if cfg.trainer.lora_rank and cfg.trainer.warm_start_steps and not run.base_model.is_dir():
+        raise CheckpointError(
+            f"{run.base_model} is missing: this LoRA run's adapter trains on the warm-started model its first "
+            "start wrote there; restore that folder to resume, or start a new run"
+        )
 
 
 def load_scheduler_state(run_dir: Path, version: int) -> dict:
@@ -127,15 +141,10 @@ def unconsumed_groups(
 
 def clean_temporaries(run_dir: Path) -> int:
     """Remove *.tmp files and tmp folders a killed run left behind (never complete data)."""
-    n = 0
-    for d in RunDir(run_dir).durable_dirs:
-        if not d.is_dir():
-            continue
-        for p in d.iterdir():
-            if ".tmp" in p.name:
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
-                n += 1
-    return n
+    found = RunDir(run_dir).temporaries()
+    for p in found:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return len(found)

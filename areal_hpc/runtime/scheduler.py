@@ -13,6 +13,7 @@ from areal_hpc.data import load_run_dataset
 from areal_hpc.dataset_record import record_dataset
 from areal_hpc.model import load_tokenizer
 from areal_hpc.rundir import RunDir
+from areal_hpc.rundir_actions import prune_checkpoints
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.learning_signal import WARNING as NO_SIGNAL
 from areal_hpc.runtime.protocol import Tag
@@ -269,7 +270,7 @@ class Scheduler(RoleLoop):
 
     def _prune(self, keep: int) -> None:
         try:
-            gone = self.run_dir.prune_checkpoints(keep)
+            gone = prune_checkpoints(self.run_dir, keep)
         except OSError as err:  # the run goes on; the next checkpoint tries again
             log.warning("could not delete old checkpoints (trainer.keep_checkpoints=%d): %s", keep, err)
             return

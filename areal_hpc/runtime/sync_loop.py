@@ -22,6 +22,7 @@ from areal_hpc.model import ensure_model, load_tokenizer
 from areal_hpc.reward import reward_pool_for
 from areal_hpc.rollout import episode_metrics, episode_stats, group_counts
 from areal_hpc.rundir import RunDir, RunDirError
+from areal_hpc.rundir_actions import create
 from areal_hpc.runtime.adapters import AdapterLoader
 from areal_hpc.runtime.build import (
     adapt_after_warm_start,
@@ -69,7 +70,7 @@ def run_sync(cfg: Config) -> RunSummary:
     seed_everything(cfg.trainer.seed)
     torch.set_num_threads(cfg.cluster.threads_per_rank)
     try:
-        run_dir = RunDir(Path(cfg.store.run_dir).resolve()).create(cfg)
+        run_dir = create(RunDir(Path(cfg.store.run_dir).resolve()), cfg)
     except RunDirError as err:
         raise FileExistsError(str(err)) from None
     model_dir = ensure_model(cfg.model)
@@ -134,7 +135,7 @@ def run_sync(cfg: Config) -> RunSummary:
                 for g, p in enumerate(problems)
                 for s in range(rc.n_samples)
             ]
-            starts = [EpisodeStart(str(k), p.row, p.prompt_ids) for k, p in samples]
+            starts = [EpisodeStart(k, p.row, p.prompt_ids) for k, p in samples]
             t_gen = time.time()
             eps = run_episodes(gen, workflow, tokenizer, pool, settings, starts)
             generated.add(group_counts([e.stats for e in eps]))  # every episode is in the batch here

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from areal_hpc.columns import TrajectoryColumns, gather
 from areal_hpc.config import Config
 from areal_hpc.data import load_run_dataset
 from areal_hpc.model import DTYPES, load_tokenizer
@@ -27,8 +28,8 @@ from areal_hpc.runtime.protocol import Tag
 from areal_hpc.runtime.role_loop import Handler, RoleLoop
 from areal_hpc.runtime.train_step import train_version
 from areal_hpc.runtime.weight_sync import WeightSender
-from areal_hpc.store import read_shard
-from areal_hpc.types import Trajectory
+from areal_hpc.store.cache import ShardCache
+from areal_hpc.store.ledger import version_entries
 
 log = logging.getLogger("areal_hpc.trainer")
 
@@ -37,19 +38,39 @@ log = logging.getLogger("areal_hpc.trainer")
 FAULT_ENV = "AREAL_HPC_FAULT"
 
 
-def share_stats(trajs: list[Trajectory], version: int) -> dict:
+def share_stats(batch: TrajectoryColumns, version: int) -> dict:
     """What rank 0 logs about the data a trainer consumed (staleness = version - oldest token version)."""
-    stale = [version - t.version_start for t in trajs]
+    s = batch.seqs
+    stale = version - s["version_start"].astype(np.int64)
     return {
-        "samples": len(trajs),
-        "tokens": int(sum(len(t.input_ids) for t in trajs)),
-        "gen_tokens": int(sum(t.gen_len for t in trajs)),
-        "reward_sum": float(sum(t.reward for t in trajs)),
-        "staleness_sum": float(sum(stale)),
-        "staleness_max": int(max(stale, default=0)),
-        "interrupted": int(sum(t.version_start != t.version_end for t in trajs)),
-        **episode_stats(trajs),
+        "samples": len(batch),
+        "tokens": int(batch.offsets[-1]),
+        "gen_tokens": int(s["gen_len"].sum()),
+        "reward_sum": float(s["reward"].astype(np.float64).sum()),
+        "staleness_sum": float(stale.sum()),
+        "staleness_max": int(stale.max()) if len(stale) else 0,
+        "interrupted": int((s["version_start"] != s["version_end"]).sum()),
+        **episode_stats(batch),
     }
+
+
+def load_share(shards: ShardCache, share: list) -> tuple[TrajectoryColumns, list[int]]:
+    """A trainer's share as one set of columns, and the minibatch each sequence was dealt to."""
+    parts, mb_of = [], []
+    for j, minibatch in enumerate(share):
+        for shard, indices in minibatch:
+            parts.append((shards.get(shard), indices))
+            mb_of += [j] * len(indices)
+    return gather(parts), mb_of
+
+
+def train_share(engine, cfg: Config, batch: TrajectoryColumns, mb_of: list[int], n_minibatches: int, version: int):
+    """One version on a trainer's share; its stats as TRAIN_DONE carries them (the forwards' spans included)."""
+    stats, keep = train_version(engine, batch, cfg, mb_of, n_minibatches)
+    stats.update(share_stats(batch, version))
+    stats["groups_kept"] = len(np.unique(batch.seqs["group_id"][keep]))
+    stats["loss_tokens"] = int(batch.token_sums("loss_mask")[keep].sum())
+    return stats
 
 
 class Trainer(RoleLoop):
@@ -91,6 +112,7 @@ class Trainer(RoleLoop):
         self.fault_version = int(fault.split("@")[1]) if fault.startswith("trainer@") and self.index == 0 else None
         self.stopping = False
         self.wait_since = time.time()  # start of the current wait for rank 0's next message
+        self.shards = ShardCache(self.run_dir.rollouts)  # read once, kept across versions
 
     def handlers(self) -> dict[Tag, Handler]:
         return {Tag.BATCH: self._on_batch, Tag.CHECKPOINT: self._on_checkpoint, Tag.STOP: self._on_stop}
@@ -165,24 +187,13 @@ class Trainer(RoleLoop):
             raise RuntimeError(f"injected fault before training version {version} ({FAULT_ENV})")
         t0 = time.time()
         with self.timeline.span("load"):
-            trajs: list[Trajectory] = []
-            mb_of: list[int] = []  # minibatch of each trajectory
-            cache: dict[str, list[Trajectory]] = {}
-            for j, minibatch in enumerate(share):
-                for shard, indices in minibatch:
-                    if shard not in cache:
-                        cache[shard] = read_shard(self.run_dir.rollouts / shard)
-                    trajs += [cache[shard][i] for i in indices]
-                    mb_of += [j] * len(indices)
+            batch, mb_of = load_share(self.shards, share)
         with self.timeline.span("train"):
-            stats, keep = train_version(self.engine, trajs, self.cfg, mb_of, len(share))
-            gids = np.array([t.group_id for t in trajs], dtype=np.int64)
+            stats = train_share(self.engine, self.cfg, batch, mb_of, len(share), version)
+        self.shards.consumed(version_entries(self.run_dir, version))  # rank 0 recorded it before dealing
         for span in ("prox", "ref", "teacher"):  # the recompute, the reference's and the teacher's forwards
             if f"{span}_t_start" in stats:
                 self.timeline.add(span, stats.pop(f"{span}_t_start"), stats.pop(f"{span}_t_end"))
-        stats.update(share_stats(trajs, version))
-        stats["groups_kept"] = int(len(set(gids[keep].tolist()))) if trajs else 0
-        stats["loss_tokens"] = int(sum(int(t.loss_mask.sum()) for t, k in zip(trajs, keep) if k))
         stats["t_train"] = time.time() - t0
         self._announce_and_publish(Tag.TRAIN_DONE, {"version": self.engine.version, "stats": stats})
 

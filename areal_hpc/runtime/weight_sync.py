@@ -29,6 +29,30 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> int:
     return crc
 
 
+def tied_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, str]:
+    """alias -> kept name, for each name whose tensor is the same view as an earlier name's (a tied output layer).
+
+    Only the kept name travels: the first in the model's own order, the input embedding, which is the name vLLM
+    loads (it skips a tied lm_head). The receiver gives the alias the same tensor."""
+    first: dict[tuple, str] = {}
+    aliases = {}
+    for name, t in state_dict.items():
+        if t.numel() == 0:
+            continue
+        # the view, not the storage: ZeRO-1/2 parameters are distinct views into one flat buffer
+        key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def with_aliases(state_dict: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The state dict with every alias naming its kept tensor again (what the engines and checksums expect)."""
+    return state_dict | {alias: state_dict[kept] for alias, kept in aliases.items()}
+
+
 def state_nbytes(state_dict: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state_dict.values())
 
@@ -81,7 +105,8 @@ class BucketPlan:
     """Packs a state dict into a few large pre-allocated flat buffers, one dtype per bucket.
 
     Both ends build the same plan from the same model layout (sorted names, shapes, dtypes), so only
-    the buffers travel; `layout` is what they compare at start-up. With `dtype`, floating-point tensors
+    the buffers travel; `layout` is what they compare at start-up. A tied tensor travels once, under its
+    first name; `views()` names it under its aliases too. With `dtype`, floating-point tensors
     are held in it (the sender casts while packing). Buffers are allocated once and reused every
     version: re-allocating them costs more than the broadcast itself on small models.
     """
@@ -97,7 +122,8 @@ class BucketPlan:
         sizes: list[int] = []
         dtypes: list[torch.dtype] = []
         open_bucket: dict[torch.dtype, int] = {}
-        for name in sorted(state_dict):
+        self.aliases = tied_aliases(state_dict)
+        for name in sorted(set(state_dict) - set(self.aliases)):
             t = state_dict[name]
             held = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
             b = open_bucket.get(held)
@@ -127,8 +153,9 @@ class BucketPlan:
                 self.buffers[s.bucket][s.offset : s.offset + s.numel].copy_(state_dict[s.name].reshape(-1))
 
     def views(self) -> dict[str, torch.Tensor]:
-        """The state dict as views into the buffers (valid until the next transfer)."""
-        return {s.name: self.buffers[s.bucket][s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
+        """The state dict as views into the buffers (valid until the next transfer), aliases included."""
+        views = {s.name: self.buffers[s.bucket][s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
+        return with_aliases(views, self.aliases)
 
 
 class SyncGroup:
@@ -228,10 +255,11 @@ class WeightSender:
         """Start publishing; returns the previous publish's SYNC_DONE body if nobody collected it yet."""
         previous = self.wait()  # the buffers are about to be refilled
         if self.method == "disk":
+            aliases = tied_aliases(state_dict)  # before the cast, which makes each name a copy of its own
             state_dict = cast_floating(state_dict, self.dtype)
             crc = weights_checksum(state_dict) if self.checksum else None
             t0 = time.time()
-            nbytes = save_weights(self.run_dir, state_dict, version)
+            nbytes = save_weights(self.run_dir, {k: v for k, v in state_dict.items() if k not in aliases}, version)
             prune_weights(self.run_dir, self.keep_versions)
             t1 = time.time()
             self._pending = {
@@ -298,17 +326,19 @@ class WeightReceiver:
     ):
         self.method, self.group, self.run_dir = method, group, Path(run_dir)
         self.plan = BucketPlan(template, bucket_mb << 20, device) if method == "broadcast" else None
+        self.aliases = tied_aliases(template)  # a tied tensor arrives once: its aliases are named here
 
     def receive(self, version: int) -> dict[str, torch.Tensor]:
+        """Version `version` under every name of the template, a tied tensor under each of its names."""
         if self.method == "disk":
-            return load_file(str(weights_file(self.run_dir, version)))
+            return with_aliases(load_file(str(weights_file(self.run_dir, version))), self.aliases)
         for buf in self.plan.buffers:
             self.group.broadcast(buf)
         return self.plan.views()
 
 
 def weights_file(run_dir: Path, version: int) -> Path:
-    return RunDir(run_dir).weights_version(version) / "model.safetensors"
+    return RunDir(run_dir).weights_file(version)
 
 
 def save_weights(run_dir: Path, state_dict: dict[str, torch.Tensor], version: int) -> int:
@@ -317,14 +347,13 @@ def save_weights(run_dir: Path, state_dict: dict[str, torch.Tensor], version: in
     if final.exists():  # a resumed run republishing the checkpoint's version
         shutil.rmtree(final)
     tmp = new_tmp_dir_beside(final)
-    sd = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}  # clone unties shared storage
+    # clones: safetensors refuses tensors that share storage (ZeRO-1/2's views into one flat buffer)
+    sd = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
     save_file(sd, str(tmp / weights_file(run_dir, version).name))
     atomic_publish_dir(tmp, final)
     return sum(t.numel() * t.element_size() for t in sd.values())
 
 
 def prune_weights(run_dir: Path, keep: int) -> None:
-    root = RunDir(run_dir).weights
-    done = sorted(p for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
-    for old in done[:-keep]:
+    for old in RunDir(run_dir).published_weights()[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

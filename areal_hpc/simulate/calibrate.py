@@ -11,7 +11,8 @@ import pandas as pd
 import yaml
 
 from areal_hpc.config import Config, concurrent_groups, load_config
-from areal_hpc.costmodel import CostModel, EmpiricalLengths, ResponseLengths, preset, with_overrides
+from areal_hpc.costmodel import SHAPES, CostModel, EmpiricalLengths, ResponseLengths, emulated_cost, settings_of
+from areal_hpc.disk_estimate import read_model_shape
 from areal_hpc.reward.emulated import EmulatedRewards
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.timeline import load_engine_samples, load_timeline
@@ -21,10 +22,11 @@ from areal_hpc.store import load_trajectories
 
 def sim_config(cfg: Config, cost: CostModel | None = None, **extra) -> SimConfig:
     """The simulator's view of a run config; the cost model and lengths are the emulation section's
-    unless given (a calibration gives measured ones)."""
+    unless given (a calibration gives measured ones). The preset's costs are taken under the run's settings:
+    the objective's extra forwards and LoRA's smaller sync (a calibrated model measured its run's)."""
     rc, ec = cfg.rollout, cfg.emulation
     if cost is None:
-        cost = with_overrides(preset(ec.preset), dict(ec.cost))
+        cost = emulated_cost(ec.preset, dict(ec.cost), settings_of(cfg, _teacher_params(cfg)))
     lengths = extra.pop("lengths", None) or ResponseLengths(
         ec.len_median or rc.max_new_tokens / 4, ec.len_sigma, rc.max_new_tokens
     )
@@ -53,6 +55,19 @@ def sim_config(cfg: Config, cost: CostModel | None = None, **extra) -> SimConfig
         seed=cfg.trainer.seed,
         **extra,
     )
+
+
+def _teacher_params(cfg: Config) -> float:
+    """distill.teacher's parameters at the preset's scale: its size over the policy's, from the two folders'
+    config.json (the same size when either is not here), times the preset's parameters."""
+    if not cfg.distill.teacher:
+        return 0.0
+    try:
+        teacher, policy = read_model_shape(cfg.distill.teacher), read_model_shape(cfg.model.path)
+    except ValueError:  # a shape model_shape cannot count
+        teacher = policy = None
+    ratio = teacher.params / policy.params if teacher and policy else 1.0
+    return ratio * SHAPES[cfg.emulation.preset].params
 
 
 def _prompt_tokens(cfg: Config, sample: int = 200) -> int:

@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 import operator
 import os
-import re
 from pathlib import Path
 
 from areal_hpc.rundir import RunDir
 from areal_hpc.utils import atomic_write_text
 from areal_hpc.utils import fsync_dir as _fsync_dir
 
-_VERSION_RE = re.compile(r"^v(\d{8,})\.json$")
-
 Entry = tuple[str, int]
+
+
+def version_entries(run_dir: os.PathLike | str, version: int) -> list[Entry]:
+    """One version's entries, its file read alone (a trainer's shard cache; a Ledger reads every file)."""
+    doc = json.loads(RunDir(run_dir).ledger_file(version).read_text())
+    return [_norm_entry(e) for e in doc["entries"]]
 
 
 class LedgerError(ValueError):
@@ -54,13 +57,7 @@ class Ledger:
         """Re-read every ledger file (ignoring *.tmp and unrelated files)."""
         self._entries: dict[int, list[Entry]] = {}
         self._consumed: dict[Entry, int] = {}
-        try:
-            names = os.listdir(self.dir)
-        except FileNotFoundError:
-            return
-        files = sorted((int(m.group(1)), n) for n in names if (m := _VERSION_RE.match(n)))
-        for version, name in files:
-            p = self.dir / name
+        for version, p in self.run.ledger_files():
             try:
                 doc = json.loads(p.read_text())
                 if int(doc["version"]) != version:

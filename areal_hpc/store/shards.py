@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,50 +12,25 @@ import h5py
 import numpy as np
 from h5py import h5d, h5s
 
+from areal_hpc.columns import DTYPES, SEQ_DTYPES, TOKEN_COLUMNS, TOKEN_DTYPES, TrajectoryColumns, from_trajectories
+from areal_hpc.rundir import parse_shard_name, shard_name
 from areal_hpc.types import Trajectory
 from areal_hpc.utils import fsync_dir as _fsync_dir
+from areal_hpc.utils import temporary_beside
 
 SCHEMA_VERSION = 3  # 2: episode counts (turns, tool calls, reward failures); 3: the dataset row index
-SHARD_SUFFIX = ".h5"
-TMP_SUFFIX = ".tmp"
-FINISH_REASON_DTYPE = np.dtype("S8")
+FINISH_REASON_DTYPE = SEQ_DTYPES["finish_reason"]
 
-# Explicit little-endian dtypes so the checksummed bytes are the same on every platform.
-TOKEN_FIELDS: dict[str, np.dtype] = {
-    "input_ids": np.dtype("<i4"),
-    "behav_logprobs": np.dtype("<f4"),
-    "versions": np.dtype("<i4"),
-    "loss_mask": np.dtype("u1"),
-}
+# Explicit little-endian dtypes (columns.py) so the checksummed bytes are the same on every platform; TRAJ_FIELDS
+# in checksum order, each schema version adding to the end.
+TOKEN_FIELDS = TOKEN_DTYPES
 OFFSETS_DTYPE = np.dtype("<i8")
-TRAJ_FIELDS: dict[str, np.dtype] = {
-    "prompt_id": np.dtype("<i8"),
-    "group_id": np.dtype("<i8"),
-    "sample_idx": np.dtype("<i8"),
-    "reward": np.dtype("<f4"),
-    "prompt_len": np.dtype("<i4"),
-    "gen_len": np.dtype("<i4"),
-    "version_start": np.dtype("<i4"),
-    "version_end": np.dtype("<i4"),
-    "finish_reason": FINISH_REASON_DTYPE,
-    "gen_rank": np.dtype("<i4"),
-    "t_start": np.dtype("<f8"),
-    "t_end": np.dtype("<f8"),
-    "turns": np.dtype("<i4"),
-    "tool_calls": np.dtype("<i4"),
-    "tool_errors": np.dtype("<i4"),
-    "tool_s": np.dtype("<f4"),
-    "reward_timeouts": np.dtype("<i4"),
-    "reward_errors": np.dtype("<i4"),
-    "row_index": np.dtype("<i8"),
-}
+TRAJ_FIELDS = SEQ_DTYPES
 # The Trajectory fields stored as given (all but the token arrays), and the properties stored beside them so
 # that a summary (no token data) has them too. TRAJ_FIELDS, in checksum order, must hold exactly these.
 STORED_AS_GIVEN = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name not in TOKEN_FIELDS)
 DERIVED_FIELDS = ("gen_len", "version_start", "version_end")
-if set(TRAJ_FIELDS) != {*STORED_AS_GIVEN, *DERIVED_FIELDS} or set(TOKEN_FIELDS) - {
-    f.name for f in dataclasses.fields(Trajectory)
-}:
+if set(TRAJ_FIELDS) != {*STORED_AS_GIVEN, *DERIVED_FIELDS} or tuple(TOKEN_FIELDS) != TOKEN_COLUMNS:
     raise ImportError("areal_hpc.store.shards: TRAJ_FIELDS/TOKEN_FIELDS disagree with the Trajectory dataclass")
 # The per-trajectory datasets each schema version stores (each adds to the end): shards of every version still
 # read (a resumed run, an old run's analysis), with a field its schema lacks at the Trajectory's default.
@@ -100,8 +74,6 @@ CHUNK_ITEMS = 1 << 18  # 1 MB of int32 per chunk: a typical shard's token column
 # allows for the whole file has a damaged header (the contiguous ones are bounded by the file size)
 MAX_FILTER_RATIO = 1100
 
-_SHARD_RE = re.compile(r"^g(\d+)-(\d+)\.h5$")
-
 
 class CorruptShardError(Exception):
     """A shard file that cannot be trusted: unreadable, incomplete, inconsistent or failing its checksum."""
@@ -144,16 +116,6 @@ class ShardSummary:
         return np.diff(self.offsets)
 
 
-def shard_name(gen_rank: int, seq: int) -> str:
-    return f"g{gen_rank:03d}-{seq:08d}{SHARD_SUFFIX}"
-
-
-def parse_shard_name(name: str) -> tuple[int, int] | None:
-    """(gen_rank, seq) for a shard file name, None for anything else."""
-    m = _SHARD_RE.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
 def list_shards(rollout_dir: os.PathLike | str) -> list[Path]:
     """Complete shard files in rollout_dir, ordered by (gen_rank, seq); temporaries are never listed."""
     d = Path(rollout_dir)
@@ -191,36 +153,14 @@ def _header(schema_version: int, run_id: str, n: int) -> str:
     return f"areal-hpc-shard|{schema_version}|{run_id}|{n}"
 
 
+def to_columns(trajectories: list[Trajectory]) -> TrajectoryColumns:
+    """Trajectories as a shard stores them (its dtypes, the derived fields computed); ValueError on bad lengths."""
+    return from_trajectories(trajectories, DTYPES)
+
+
 def _pack(trajectories: list[Trajectory]) -> dict[str, np.ndarray]:
-    n = len(trajectories)
-    lens = np.empty(n, dtype=np.int64)
-    for i, t in enumerate(trajectories):
-        L = len(t.input_ids)
-        for f in ("behav_logprobs", "versions", "loss_mask"):
-            if len(getattr(t, f)) != L:
-                raise ValueError(f"trajectory {i}: {f} has length {len(getattr(t, f))}, input_ids has {L}")
-        if not 0 <= t.prompt_len <= L:
-            raise ValueError(f"trajectory {i}: prompt_len {t.prompt_len} outside [0, {L}]")
-        lens[i] = L
-    offsets = np.zeros(n + 1, dtype=OFFSETS_DTYPE)
-    np.cumsum(lens, out=offsets[1:])
-    out: dict[str, np.ndarray] = {"offsets": offsets}
-    for f, dt in TOKEN_FIELDS.items():
-        out[f] = (
-            np.concatenate([np.asarray(getattr(t, f)) for t in trajectories]).astype(dt, copy=False)
-            if offsets[-1]
-            else np.zeros(0, dtype=dt)
-        )
-    reasons = []
-    for i, t in enumerate(trajectories):
-        b = t.finish_reason.encode("ascii")
-        if len(b) > FINISH_REASON_DTYPE.itemsize:
-            raise ValueError(f"trajectory {i}: finish_reason {t.finish_reason!r} longer than 8 bytes")
-        reasons.append(b)
-    for f, dt in TRAJ_FIELDS.items():
-        values = reasons if f == "finish_reason" else [getattr(t, f) for t in trajectories]
-        out[f] = np.asarray(values, dtype=dt)
-    return out
+    c = to_columns(trajectories)
+    return {"offsets": c.offsets, **c.tokens, **c.seqs}
 
 
 def write_shard(
@@ -249,7 +189,7 @@ def write_shard(
     arrays = _pack(trajectories)
     n = len(trajectories)
     comp = COMPRESSIONS[compression] if isinstance(compression, str) else compression
-    tmp = d / f"{final.name}.{os.getpid()}{TMP_SUFFIX}"
+    tmp = temporary_beside(final)
     try:
         with h5py.File(tmp, "w", locking=False) as f:
             for name in CHECKSUM_ORDER:
@@ -373,18 +313,15 @@ def _check_structure(path: Path, arrays: dict[str, np.ndarray], n: int, full: bo
                 )
 
 
+def read_columns(path: os.PathLike | str) -> TrajectoryColumns:
+    """A shard's trajectories as columns, after checking schema, structure and checksum (else CorruptShardError)."""
+    a, _ = _read_verified(Path(path), full=True)
+    return TrajectoryColumns(a["offsets"], {k: a[k] for k in TOKEN_FIELDS}, {k: a[k] for k in TRAJ_FIELDS})
+
+
 def read_shard(path: os.PathLike | str) -> list[Trajectory]:
-    """All trajectories of a shard, after checking schema, structure and checksum (else CorruptShardError)."""
-    path = Path(path)
-    a, _ = _read_verified(path, full=True)
-    off = a["offsets"].tolist()
-    cols = {k: a[k].tolist() for k in STORED_AS_GIVEN}  # python scalars in bulk: much cheaper than per-item
-    cols["finish_reason"] = [r.decode("ascii", errors="replace") for r in cols["finish_reason"]]
-    rows = [dict(zip(cols, values)) for values in zip(*cols.values())]
-    # Per-token arrays are views into the shard's concatenated arrays (no copy).
-    return [
-        Trajectory(**row, **{k: a[k][s:e] for k in TOKEN_FIELDS}) for row, (s, e) in zip(rows, zip(off[:-1], off[1:]))
-    ]
+    """All trajectories of a shard as records (views into its columns); checked as read_columns."""
+    return read_columns(path).trajectories()
 
 
 def read_shard_summary(path: os.PathLike | str, verify_tokens: bool = False) -> ShardSummary:

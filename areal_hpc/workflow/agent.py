@@ -40,7 +40,7 @@ class AgentEndpoint:
         s = runner.settings
         sampling = RunSampling(s.temperature, s.top_p, s.max_new_tokens, s.model_name)
         settings = EndpointSettings(sampling, wc.endpoint_host, wc.max_request_kb, wc.tool_parser, s.max_context)
-        self.endpoint = Endpoint(runner.tokenizer, settings, wc, runner.call_in_loop)
+        self.endpoint = Endpoint(runner.text.tokenizer, settings, wc, runner.call_in_loop)
         self.failures_logged: set[str] = set()
         # vLLM's parsers log a traceback for every answer that does not parse (returned as content, as meant)
         logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from areal_hpc.workflow.runner import EpisodeRunner, FinishedEpisode, RunnerSettings, Workflow
+from areal_hpc.workflow.records import FinishedEpisode
+from areal_hpc.workflow.runner import EpisodeRunner, RunnerSettings, Workflow
 
 MAX_REJECTED = 8  # a sample whose episode is rejected this many times in a row stops the run (it never finishes)
 
 
 @dataclass
 class EpisodeStart:
-    key: str  # unique in the batch
+    key: Hashable  # unique in the batch
     row: dict
     prompt_ids: list[int]
     greedy: bool = False
 
 
-def rejected_too_often(key: str, times: int) -> RuntimeError:
+def rejected_too_often(key: Hashable, times: int) -> RuntimeError:
     return RuntimeError(
         f"rollout.workflow rejected {times} episodes in a row of {key}; return a reward (0.0) for episodes that "
         "should count"
@@ -34,9 +36,9 @@ def run_episodes(
     by_key = {s.key: s for s in starts}
     if len(by_key) != len(starts):
         raise ValueError("run_episodes: episode keys must be unique")
-    done: dict[str, FinishedEpisode] = {}
-    rejected: dict[str, int] = {}
-    carried: dict[str, list] = {}  # the stats of each key's rejected tries
+    done: dict[Hashable, FinishedEpisode] = {}
+    rejected: dict[Hashable, int] = {}
+    carried: dict[Hashable, list] = {}  # the stats of each key's rejected tries
     try:
         for s in starts:
             runner.start(s.key, s.row, s.prompt_ids, s.greedy)

@@ -1,7 +1,8 @@
-"""The records an episode deals in: completions, tool results, transcript segments and its counts."""
+"""The records an episode deals in: completions, tool results, transcript segments, its counts and its end."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 
@@ -64,8 +65,38 @@ class EpisodeStats:
         self.branches += other.branches
         self.agent_failures += other.agent_failures
 
+    def add_reward_call(self, status: str, extras: dict[str, float], t_start: float, t_end: float) -> None:
+        """A reward call that ended as `status` (ok, timeout, error), with the extras its function returned."""
+        self.reward_timeouts += status == "timeout"
+        self.reward_errors += status == "error"
+        self.logged.update((f"reward/{k}", v) for k, v in extras.items())
+        self.reward_span = (self.reward_span[0] if self.reward_span else t_start, t_end)
+
     def add_tool_call(self, result: ToolResult, t_start: float, t_end: float) -> None:
         self.tool_calls += 1
         self.tool_errors += not result.ok
         self.tool_s += result.seconds
         self.tool_spans.append((t_start, t_end))
+
+
+@dataclass
+class FinishedEpisode:
+    key: Hashable  # as given to EpisodeRunner.start
+    reward: float | None  # None: the workflow rejected the episode
+    segments: list[Segment]  # the last transcript
+    stats: EpisodeStats
+    finish_reason: str  # of its last generate call
+    t_start: float
+    t_end: float
+    branches: list[list[Segment]] = field(default_factory=list)  # earlier transcripts (Episode.branch)
+
+    @property
+    def transcripts(self) -> list[list[Segment]]:
+        """Every transcript the model sampled in (at least the last one): each becomes a trajectory."""
+        sampled = [t for t in self.branches + [self.segments] if any(s.trained for s in t)]
+        return sampled or [self.segments]
+
+    @property
+    def sampled(self) -> list[Segment]:
+        """Every segment the model sampled, trained or not."""
+        return [s for t in self.branches + [self.segments] for s in t if s.sampled]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from areal_hpc.types import SampleId, Trajectory
-from areal_hpc.workflow.records import Segment
-from areal_hpc.workflow.runner import FinishedEpisode
+from areal_hpc.workflow.records import FinishedEpisode, Segment
 
 
 def to_trajectories(

@@ -25,9 +25,11 @@ def main(model_dir: str, out: str, stage: int, agg: str, objective: dict, lora: 
     with open(f"{out}/batch.pkl", "rb") as f:
         trajs, adv = pickle.load(f)
     lengths = [len(t.input_ids) for t in trajs]
-    mine, minibatches = [], []  # as the scheduler splits: minibatches first, then across trainers
-    for mb in balance_across_ranks(lengths, 2):
-        part = [mb[j] for j in balance_across_ranks([lengths[i] for i in mb], comm.Get_size())[rank]]
+    groups = [t.group_id for t in trajs]
+    mine, minibatches = [], []  # as the scheduler splits whole groups: minibatches first, then across trainers
+    for mb in balance_across_ranks(lengths, 2, groups):
+        sizes, gids = [lengths[i] for i in mb], [groups[i] for i in mb]
+        part = [mb[j] for j in balance_across_ranks(sizes, comm.Get_size(), gids)[rank]]
         minibatches.append(list(range(len(mine), len(mine) + len(part))))
         mine += part
     share, share_adv = [trajs[i] for i in mine], adv[mine]
