@@ -13,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from areal_hpc.config_checks import ConfigError, slurm_time_minutes, validate  # noqa: F401  (re-exported)
 from areal_hpc.config_cluster import ClusterConfig, EmulationConfig, SlurmConfig
 from areal_hpc.config_files import map_deprecated_keys, quote_advice, read_config_file, text_read_as_yaml
-from areal_hpc.config_task import DataConfig, RewardConfig, WorkflowConfig  # noqa: F401  (re-exported)
+from areal_hpc.config_task import DataConfig, RewardConfig, WorkflowConfig, check_tool_limits  # noqa: F401
 from areal_hpc.plugins import absolute_spec
 from areal_hpc.trackers import DEFAULT_TRACKERS
 
@@ -316,6 +316,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         # TypeError: OmegaConf merging a mapping into an untyped (Any) key that holds a list, or the reverse
         raise ConfigError(_one_line(err, overrides)) from None
     cfg = validate(cfg)
+    check_tool_limits(cfg.workflow)
     # a file given relative to where the run was started: every rank, on any node, finds the same one
     fn = cfg.reward.fn
     cfg.reward.fn = [absolute_spec(f) for f in fn] if isinstance(fn, list) else absolute_spec(fn)

@@ -61,6 +61,7 @@ def map_deprecated_keys(merged: DictConfig, layers: list, n_files: int | None = 
     """Keys of older configs become what they meant, each with one line saying so. `layers`: the config
     file's layers, then the overrides (the first `n_files` are the file's; None: all)."""
     _map_interrupt(merged, layers)
+    _map_tool_sandbox(merged, layers)
     _map_tensorboard(merged, layers, len(layers) if n_files is None else n_files)
 
 
@@ -109,3 +110,25 @@ def _map_interrupt(merged: DictConfig, layers: list) -> None:
         f"areal-hpc: config rollout.interrupt={str(old).lower()} is deprecated; it means rollout.weight_update={mode}",
         file=sys.stderr,
     )
+
+
+# the sandbox keys of a workflow's tool calls, and the code reward's they read before they had their own
+TOOL_SANDBOX_KEYS = {"workflow.tool_sandbox": "reward.sandbox", "workflow.tool_memory_mb": "reward.code_memory_mb"}
+
+
+def _map_tool_sandbox(merged: DictConfig, layers: list) -> None:
+    """reward.sandbox and reward.code_memory_mb, which tool calls (the `tool` workflow's, a workflow of your own's
+    ep.run_python) read before workflow.tool_sandbox and workflow.tool_memory_mb, still reach them where the new
+    keys are not set, each with one line saying so."""
+    if merged.rollout.workflow in ("single_turn", "multi_turn", "agent"):  # no tool calls
+        return
+    for new, old in TOOL_SANDBOX_KEYS.items():
+        if any(OmegaConf.select(x, new) is not None for x in layers):
+            continue
+        value = [v for v in (OmegaConf.select(x, old) for x in layers) if v is not None]
+        if value:
+            OmegaConf.update(merged, new, value[-1])
+            print(
+                f"areal-hpc: config {old}={value[-1]} for tool calls is deprecated; it means {new}={value[-1]}",
+                file=sys.stderr,
+            )

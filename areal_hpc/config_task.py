@@ -74,6 +74,10 @@ class WorkflowConfig:
     max_tool_calls: int = 4  # tool: code blocks run per episode
     tool: str = "python"  # tool: python (python3 in the sandbox) | calculator (print(<arithmetic>), in-process)
     tool_timeout_s: float = 5.0  # tool: the sandbox's wall limit per call
+    # tool calls (tool=python, ep.run_python): the isolation they run under, as reward.sandbox's: bwrap | auto |
+    # none (docs/sandbox.md)
+    tool_sandbox: str = "bwrap"
+    tool_memory_mb: int = 1024  # tool calls: the address-space limit of their python3
     # tool, agent: the share of warm-start examples written with a tool call (the rest answer directly)
     warm_start_tool_share: float = 0.5
     args: dict = field(default_factory=dict)  # anything a workflow of your own reads, as episode.args
@@ -84,3 +88,17 @@ class WorkflowConfig:
     tool_parser: str = "hermes"  # agent: the vLLM tool parser reading the model's tool calls; none: never parsed
     endpoint_host: str = "127.0.0.1"  # agent: the address the endpoint binds (loopback: only this node's agents)
     max_request_kb: int = 1024  # agent: a request body larger than this is refused (413)
+
+
+def check_tool_limits(wc: WorkflowConfig) -> None:
+    """workflow.tool_sandbox and workflow.tool_memory_mb, checked as reward.sandbox and reward.code_memory_mb are
+    (config_checks.py, at its size limit): one line naming the key and what is allowed."""
+    from areal_hpc.config_checks import ConfigError
+
+    modes = ("bwrap", "auto", "none")
+    if wc.tool_sandbox not in modes:
+        raise ConfigError(
+            f"config workflow.tool_sandbox={wc.tool_sandbox!r} is not allowed; choose one of {', '.join(modes)}"
+        )
+    if wc.tool_memory_mb < 64:
+        raise ConfigError(f"config workflow.tool_memory_mb={wc.tool_memory_mb!r} is out of range; it must be >= 64")

@@ -7,12 +7,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_hpc.store.shards import OFFSETS_DTYPE, TOKEN_FIELDS, TRAJ_FIELDS
+from areal_hpc.store.shards import EPISODE_FIELDS, OFFSETS_DTYPE, TOKEN_FIELDS, TRAJ_FIELDS
 
-# Bytes a shard stores per token (input_ids, behav_logprobs, versions, loss_mask: 13) and per trajectory
-# (its per-trajectory columns and its offset: 112), uncompressed (store.compression=none)
+# Bytes a shard stores per token (input_ids, behav_logprobs, versions, loss_mask: 13) and per trajectory (its
+# per-trajectory columns and its offset: 88, and its episode's row when it is the episode's only transcript: 40),
+# uncompressed (store.compression=none)
 TOKEN_BYTES = sum(dt.itemsize for dt in TOKEN_FIELDS.values())
-TRAJ_BYTES = sum(dt.itemsize for dt in TRAJ_FIELDS.values()) + OFFSETS_DTYPE.itemsize
+TRAJ_BYTES = sum(dt.itemsize for dt in (TRAJ_FIELDS | EPISODE_FIELDS).values()) + OFFSETS_DTYPE.itemsize
 # store.compression's size reduction of the token columns: the worst case docs/run-dir.md measured (token ids
 # uniform over a 151k vocabulary; text's Zipf-like ids gave 2.27 and 2.57), so the estimate stays an upper bound
 COMPRESSION_RATIOS = {"none": 1.0, "lzf": 2.15, "gzip": 2.39}

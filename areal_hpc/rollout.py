@@ -1,11 +1,11 @@
-"""Rollout records: a group's requests and one output as a Trajectory (tests, benchmarks), group and episode sums."""
+"""Rollout records: a group's requests made outside a runner (tests, benchmarks), group and episode sums."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from areal_hpc.columns import Batch, as_columns
-from areal_hpc.types import GenOutput, GenRequest, RequestId, SampleId, Trajectory
+from areal_hpc.types import GenRequest, RequestId, SampleId, Trajectory
 
 
 def group_requests(prompt_ids: list[int], group_id: int, n_samples: int, max_new_tokens: int) -> list[GenRequest]:
@@ -16,31 +16,6 @@ def group_requests(prompt_ids: list[int], group_id: int, n_samples: int, max_new
 def sample_request(group_id: int, sample: int) -> RequestId:
     """The id of the first (only) call of a training sample's episode, for requests made outside a runner."""
     return RequestId(SampleId(group_id, sample), 0)
-
-
-def to_trajectory(
-    out: GenOutput, prompt_id: int, reward: float, gen_rank: int, t_start: float, t_end: float
-) -> Trajectory:
-    """Assemble the stored record: whole sequence with prompt positions masked out."""
-    rid = getattr(out.request_id, "episode", None)
-    if not isinstance(rid, SampleId):
-        raise ValueError(f"request {out.request_id} is not a training sample's: make its id with sample_request")
-    p, g = len(out.prompt_ids), len(out.output_ids)
-    return Trajectory(
-        prompt_id=prompt_id,
-        group_id=rid.group_id,
-        sample_idx=rid.sample,
-        input_ids=np.asarray(out.prompt_ids + out.output_ids, dtype=np.int32),
-        behav_logprobs=np.concatenate([np.zeros(p, np.float32), np.asarray(out.output_logprobs, np.float32)]),
-        versions=np.concatenate([np.full(p, -1, np.int32), np.asarray(out.output_versions, np.int32)]),
-        loss_mask=np.concatenate([np.zeros(p, np.uint8), np.ones(g, np.uint8)]),
-        prompt_len=p,
-        reward=float(reward),
-        finish_reason=out.finish_reason,
-        gen_rank=gen_rank,
-        t_start=t_start,
-        t_end=t_end,
-    )
 
 
 def group_summary(trajs: list[Trajectory], prompt_id: int, group_id: int) -> dict:
@@ -87,14 +62,14 @@ def episode_stats(trajs: Batch) -> dict:
     """Sums over trajectories (columns or records) of what their episodes did, as a version's metrics row adds
     them up."""
     c = as_columns(trajs)
-    s = c.seqs
-    after_prompt = int(c.offsets[-1]) - int(s["prompt_len"].sum())
+    e = c.episodes  # the episodes whose first trajectory is here: each counted once
+    after_prompt = int(c.offsets[-1]) - int(c.seqs["prompt_len"].sum())
     trained = int(c.tokens["loss_mask"].sum(dtype=np.int64))
     return {
-        "turns_sum": int(s["turns"].sum()),
-        "tool_calls": int(s["tool_calls"].sum()),
-        "tool_errors": int(s["tool_errors"].sum()),
-        "tool_s": float(s["tool_s"].astype(np.float64).sum()),
+        "turns_sum": int(e["turns"].sum()),
+        "tool_calls": int(e["tool_calls"].sum()),
+        "tool_errors": int(e["tool_errors"].sum()),
+        "tool_s": float(e["tool_s"].astype(np.float64).sum()),
         "trained_tokens": trained,
         # tokens after the prompt that are not trained: a workflow's own, and turns generated with train=False
         "unsampled_tokens": int(after_prompt - trained),

@@ -32,14 +32,6 @@ class Trajectory:
     gen_rank: int = 0
     t_start: float = 0.0
     t_end: float = 0.0
-    # the episode that made it (areal_hpc.workflow): engine requests, tool calls (that failed), tool seconds,
-    # reward calls past reward.timeout_s or raising
-    turns: int = 1
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_s: float = 0.0
-    reward_timeouts: int = 0
-    reward_errors: int = 0
     # the dataset row it answers: its 0-based position in the data file (a jsonl line, a parquet row) or the
     # arithmetic task's problem index; -1 where unknown (shards of schema < 3)
     row_index: int = -1
@@ -59,6 +51,22 @@ class Trajectory:
     def version_end(self) -> int:
         gen = self.versions[self.prompt_len :]
         return int(gen.max()) if len(gen) else -1
+
+
+@dataclass
+class EpisodeCounts:
+    """What one training episode did (areal_hpc.workflow), kept once per episode however many transcripts it
+    left: a shard's episode table has a row of these per (group_id, sample_idx). Engine requests, tool calls
+    (that failed), tool seconds, reward calls past reward.timeout_s or raising."""
+
+    group_id: int
+    sample_idx: int
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_s: float = 0.0
+    reward_timeouts: int = 0
+    reward_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -36,26 +36,38 @@ def calculator_call(expression: str) -> str:
     return "<tool_call>" + json.dumps(call) + "</tool_call>"
 
 
-def warm_start_segments(p: Problem, target: str, cfg, rng: random.Random, tokenizer=None) -> list[tuple[str, bool]]:
-    """The reference episode of one problem as (text, trained) segments: its target, or for the arithmetic task
-    under the `tool` or `agent` workflow (a share workflow.warm_start_tool_share of them) a tool call whose output
-    is not trained, then the target. `agent` needs the tokenizer: its tool result is rendered by the chat template
-    as the endpoint renders it after an assistant turn."""
+def warm_start_segments(p: Problem, target: str, cfg, rng: random.Random, tokenizer) -> list:
+    """The reference episode of one problem after its prompt, as the workflow's transcript Segments: its target,
+    or for the arithmetic task under the `tool` or `agent` workflow (a share workflow.warm_start_tool_share of
+    them) a tool call whose output is not trained, then the target. The tool's output is the ids the workflow
+    appends: `tool`'s observation text, `agent`'s result rendered by the chat template after an assistant turn."""
+    from areal_hpc.workflow.builtin import CODE_CLOSE, tool_observation
+    from areal_hpc.workflow.records import Segment
+    from areal_hpc.workflow.text import render_turn
+
+    def text(t: str, trained: bool) -> Segment:
+        return Segment(list(tokenizer.encode(t, add_special_tokens=False)), trained)
+
     workflow = cfg.rollout.workflow if cfg.data.kind == "arithmetic" else ""
     if workflow not in ("tool", "agent") or rng.random() >= cfg.workflow.warm_start_tool_share:
-        return [(target, True)]
+        return [text(target, True)]
     expression = p.row["question"].rstrip("=")
     if workflow == "agent":
-        from areal_hpc.workflow.runner import render_turn
-
         # the call turn ends with EOS (the endpoint returns the call there); the result turn ends in the next prompt
-        turn = render_turn(tokenizer, "tool", p.answer, chat=True)
-        result = tokenizer.decode(turn, clean_up_tokenization_spaces=False)  # encoded again to these ids
-        return [(calculator_call(expression) + tokenizer.eos_token, True), (result, False), (target, True)]
-    from areal_hpc.workflow.builtin import tool_observation
+        result = Segment(render_turn(tokenizer, "tool", p.answer, chat=True), False)
+        return [text(calculator_call(expression) + tokenizer.eos_token, True), result, text(target, True)]
+    call = f"```python\nprint({expression})\n{CODE_CLOSE}"
+    return [text(call, True), text(tool_observation(p.answer), False), text(target, True)]
 
-    code = f"```python\nprint({expression})\n```\n"
-    return [(code, True), (tool_observation(p.answer), False), (target, True)]
+
+def warm_start_example(p: Problem, target: str, cfg, rng: random.Random, tokenizer) -> tuple[list[int], list[int]]:
+    """One supervised example's token ids and loss mask: the prompt (as every rollout's), the reference episode,
+    EOS; built as the workflow builds a trajectory."""
+    from areal_hpc.workflow.records import Segment
+    from areal_hpc.workflow.samples import ids_and_mask
+
+    eos = Segment([tokenizer.eos_token_id], True)
+    return ids_and_mask([Segment(list(p.prompt_ids), False), *warm_start_segments(p, target, cfg, rng, tokenizer), eos])
 
 
 def warm_start_targets(examples: list[Problem], cfg, source: str = "") -> list[str]:

@@ -214,9 +214,9 @@ def main() -> None:
                 )
                 for r in reqs
             ]
-        from areal_hpc.rollout import to_trajectory
+        from areal_hpc.workflow.samples import output_trajectory
 
-        trajs = [to_trajectory(o, o.request_id.episode.group_id, 0.0, 0, 0.0, 0.0) for o in outs]
+        trajs = [output_trajectory(o, o.request_id.episode.group_id, 0.0) for o in outs]
         adv = np.where(np.arange(len(trajs)) % 2 == 0, 1.0, -1.0).astype(np.float32)
         train_tokens = sum(len(t.input_ids) for t in trajs)
         engines = {k: make_train(k, model, args) for k in trains}

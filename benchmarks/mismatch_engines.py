@@ -186,11 +186,11 @@ def precision_rows(m: Model, vllm_bf16: bool) -> tuple[list[dict], list]:
 def lora_rows(m: Model, outs, updates: int, rank: int = 8, alpha: float = 32.0) -> list[dict]:
     """Row 5: an adapter trained `updates` PPO versions; the generator merges it, the trainer keeps it unmerged."""
     from areal_hpc.engines.lora import AdapterMerger, LoraSpec
-    from areal_hpc.rollout import to_trajectory
+    from areal_hpc.workflow.samples import output_trajectory
 
     spec = LoraSpec(rank, alpha)
     tl = train_engine(m, lora=spec, lr=1e-3)
-    trajs = [to_trajectory(o, o.request_id.episode.group_id, 0.0, 0, 0.0, 0.0) for o in outs]
+    trajs = [output_trajectory(o, o.request_id.episode.group_id, 0.0) for o in outs]
     rng = np.random.default_rng(1)
     for _ in range(updates):  # random advantages: an Adam step's size does not depend on them
         tl.ppo_update(trajs, rng.standard_normal(len(trajs)).astype(np.float32))
@@ -206,11 +206,11 @@ def lora_rows(m: Model, outs, updates: int, rank: int = 8, alpha: float = 32.0) 
 
 def straddle_rows(m: Model, kind: str, outs, lr: float, load_after: int) -> list[dict]:
     """Row 6: weights B load with keep_kv after `load_after` engine steps of requests started under A."""
-    from areal_hpc.rollout import to_trajectory
+    from areal_hpc.workflow.samples import output_trajectory
 
     trainer = train_engine(m, lr=lr)
     a = {k: v.detach().clone() for k, v in trainer.weights().items()}
-    trajs = [to_trajectory(o, o.request_id.episode.group_id, 0.0, 0, 0.0, 0.0) for o in outs]
+    trajs = [output_trajectory(o, o.request_id.episode.group_id, 0.0) for o in outs]
     adv = np.random.default_rng(2).standard_normal(len(trajs)).astype(np.float32)
     trainer.ppo_update(trajs, adv)  # one version at lr: B
     b = {k: v.detach().clone() for k, v in trainer.weights().items()}

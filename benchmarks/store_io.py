@@ -15,8 +15,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from areal_hpc.disk_estimate import TOKEN_BYTES, TRAJ_BYTES  # each trajectory its own episode here
 from areal_hpc.store import list_shards, read_shard, read_shard_summary, write_shard
-from areal_hpc.store.shards import OFFSETS_DTYPE, TOKEN_FIELDS, TRAJ_FIELDS, Compression
+from areal_hpc.store.shards import OFFSETS_DTYPE, Compression
 from areal_hpc.types import Trajectory
 
 RESULTS = Path(__file__).resolve().parent / "results" / "store_io.json"
@@ -31,8 +32,6 @@ FILTERS = (
     Compression("gzip", 4, shuffle=False),
     Compression("gzip", 4),
 )
-TOKEN_BYTES = sum(dt.itemsize for dt in TOKEN_FIELDS.values())
-TRAJ_BYTES = sum(dt.itemsize for dt in TRAJ_FIELDS.values()) + OFFSETS_DTYPE.itemsize
 
 
 VOCAB = 151_000

@@ -33,7 +33,8 @@ def ppo_batch(tiny_model_dir):
     from areal_hpc.engines.base import generate
     from areal_hpc.engines.torch_gen import TorchGenerationEngine
     from areal_hpc.model import load_tokenizer
-    from areal_hpc.rollout import group_requests, to_trajectory
+    from areal_hpc.rollout import group_requests
+    from areal_hpc.workflow.samples import output_trajectory
 
     tok = load_tokenizer(tiny_model_dir)
     gen = TorchGenerationEngine(str(tiny_model_dir), seed=3)
@@ -42,5 +43,5 @@ def ppo_batch(tiny_model_dir):
         for g, q in enumerate(["03+04=", "11+09=", "05+05=", "19+01="])
         for r in group_requests(tok.encode(q), g, 4, 6)
     ]
-    trajs = [to_trajectory(o, 0, float(i % 3 == 0), 1, 0, 0) for i, o in enumerate(generate(gen, reqs))]
+    trajs = [output_trajectory(o, 0, float(i % 3 == 0), gen_rank=1) for i, o in enumerate(generate(gen, reqs))]
     return trajs, np.linspace(-1, 1, len(trajs)).astype(np.float32)

@@ -19,7 +19,8 @@ from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from areal_hpc.config import load_config
 from areal_hpc.launch.local import launch
 from areal_hpc.model import load_tokenizer
-from areal_hpc.store import list_shards, read_shard
+from areal_hpc.store import list_shards
+from areal_hpc.store.shards import read_columns
 from areal_hpc.workflow.runner import render_turn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,11 +61,24 @@ def _sdk_result(call: dict) -> str:
         return f"error: {error}"
 
 
-def _check_trajectory(t, tok, parser, tool_result) -> int:
-    """A stored trajectory of the calculator agent checked token for token; its number of tool calls.
+def _stored(run: Path) -> list[tuple]:
+    """Every stored trajectory with its episode's tool calls, from its shard's episode table."""
+    out = []
+    for p in list_shards(run / "rollouts"):
+        c = read_columns(p)
+        e = {k: c.episodes[k].tolist() for k in ("group_id", "sample_idx", "tool_calls")}
+        calls = dict(zip(zip(e["group_id"], e["sample_idx"]), e["tool_calls"]))
+        out += [(t, calls[t.group_id, t.sample_idx]) for t in c.trajectories()]
+    return out
+
+
+def _check_trajectory(stored: tuple, tok, parser, tool_result) -> int:
+    """A stored trajectory of the calculator agent and its episode's tool calls (no branch here: one transcript
+    each) checked token for token; its number of tool calls.
     Sampled tokens carry the version that sampled them and their behaviour logprob, nothing else does; every turn
     but the last is a calculator call, followed by exactly the tool's result as the chat template renders it
     (`tool_result(call)`: the agent's own answer to it) and the next assistant prompt, never trained."""
+    t, tool_calls = stored
     runs, sampled = _sampled_runs(t), t.loss_mask == 1
     assert (t.versions[sampled] >= 0).all() and (t.behav_logprobs[sampled] <= 0).all()
     assert (t.behav_logprobs[sampled] < 0).any()
@@ -83,11 +97,11 @@ def _check_trajectory(t, tok, parser, tool_result) -> int:
         assert t.input_ids[b:c].tolist() == glue + render_turn(tok, "tool", tool_result(call), chat=True)
     final = texts[-1]
     # each assistant turn with tool_calls is counted (the last one too, where the agent ran out of turns)
-    assert t.tool_calls == len(runs) - 1 + (_call(parser, final) is not None)
+    assert tool_calls == len(runs) - 1 + (_call(parser, final) is not None)
     a, b = map(int, re.findall(r"\d\d", question))
     assert t.reward in (0.0, 1.0), t.reward
     assert (final == f"\\boxed{{{a * b}}}") <= (t.reward == 1.0) <= (str(a * b) in final), (question, final, t.reward)
-    return t.tool_calls
+    return tool_calls
 
 
 def test_the_agents_sdk_calculator_agent_trains_on_exactly_the_tokens_it_sampled(tmp_path, monkeypatch):
@@ -124,7 +138,7 @@ def test_the_agents_sdk_calculator_agent_trains_on_exactly_the_tokens_it_sampled
     assert len(eaten) == VERSIONS * 8 * cfg.rollout.n_samples
 
     tok = load_tokenizer(tmp_path / "model")
-    trajectories = [t for p in list_shards(run / "rollouts") for t in read_shard(p)]
+    trajectories = _stored(run)
     parser = Hermes2ProToolParser(tok)
     calls = sum(_check_trajectory(t, tok, parser, _sdk_result) for t in trajectories)
     assert calls > 0, "the warm-started policy never called the calculator"
@@ -168,7 +182,7 @@ def test_an_agent_command_per_episode_trains_through_the_endpoint(tmp_path):
     eaten = _audit(run, eta=cfg.rollout.eta)
     assert len(eaten) == 2 * 4 * cfg.rollout.n_samples
     tok, agent = load_tokenizer(tmp_path / "model"), _module(COMMAND_AGENT)
-    trajectories = [t for p in list_shards(run / "rollouts") for t in read_shard(p)]
+    trajectories = _stored(run)
     parser, result = Hermes2ProToolParser(tok), lambda call: agent.product(json.dumps(call["arguments"]))
     calls = sum(_check_trajectory(t, tok, parser, result) for t in trajectories)
     assert calls > 0, "the warm-started policy never called the calculator"

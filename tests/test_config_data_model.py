@@ -66,6 +66,22 @@ def test_the_old_interrupt_key_maps_to_a_weight_update_mode_with_one_line(tmp_pa
     assert load_config(None, ["model.path=m"]).rollout.weight_update == "keep_kv"  # the default
 
 
+def test_the_reward_sandbox_keys_reach_tool_calls_as_the_workflow_keys_with_one_line(capsys):
+    tool = ROOT / "jobs" / "demo_tool.yaml"
+    cfg = load_config(tool, ["model.path=m", "reward.sandbox=auto", "reward.code_memory_mb=2048"])
+    assert (cfg.workflow.tool_sandbox, cfg.workflow.tool_memory_mb, cfg.reward.sandbox) == ("auto", 2048, "auto")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "areal-hpc: config reward.sandbox=auto for tool calls is deprecated; it means workflow.tool_sandbox=auto",
+        "areal-hpc: config reward.code_memory_mb=2048 for tool calls is deprecated; it means "
+        "workflow.tool_memory_mb=2048",
+    ]
+    both = load_config(tool, ["model.path=m", "reward.sandbox=auto", "workflow.tool_sandbox=none"])
+    assert both.workflow.tool_sandbox == "none" and not capsys.readouterr().err  # the new key wins, silently
+    assert load_config(DEMO, ["model.path=m", "reward.sandbox=auto"]).workflow.tool_sandbox == "bwrap"  # no tools
+    with pytest.raises(ConfigError, match="workflow.tool_sandbox='docker' is not allowed; choose one of bwrap"):
+        load_config(tool, ["model.path=m", "workflow.tool_sandbox=docker"])
+
+
 @pytest.mark.parametrize("text,needle", [("model: [\n", "not valid YAML"), ("- 1\n- 2\n", "must hold a mapping")])
 def test_malformed_yaml_gives_one_line(tmp_path, text, needle):
     bad = tmp_path / "bad.yaml"

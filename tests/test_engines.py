@@ -10,8 +10,9 @@ from areal_hpc.engines.base import generate
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.model import load_causal_lm, load_tokenizer
-from areal_hpc.rollout import sample_request, to_trajectory
+from areal_hpc.rollout import sample_request
 from areal_hpc.types import GenRequest
+from areal_hpc.workflow.samples import output_trajectory
 
 PROMPTS = ["07+35=", "1+2=", "99+99=", "50+5="]
 GEN_ENGINES = ["torch", "vllm"]  # vLLM: its CPU build, in-process (env/setup.sh installs it)
@@ -290,7 +291,7 @@ def test_weight_update_changes_outputs_and_matches_the_trainers_export(tiny_mode
 def _trajs(tok, gen, n=16):
     reqs = [GenRequest(sample_request(i // 4, i % 4), tok.encode(PROMPTS[i % 4]), 6) for i in range(n)]
     outs = generate(gen, reqs)
-    return [to_trajectory(o, o.request_id.episode.group_id, float(i % 2), 0, 0.0, 0.0) for i, o in enumerate(outs)]
+    return [output_trajectory(o, o.request_id.episode.group_id, float(i % 2)) for i, o in enumerate(outs)]
 
 
 def test_train_logprobs_match_generation(tiny_model_dir):

@@ -23,7 +23,8 @@ def _problem(pid: int) -> Problem:
 
 
 def _episode(key: SampleId, reward: float | None, n_out: int = 2, t_end: float = 20.0) -> FinishedEpisode:
-    stats = EpisodeStats(turns=1, reward_span=(15.0, t_end), tool_spans=[(12.0, 13.0)] if key.sample == 0 else [])
+    tools = [(12.0, 13.0)] if key.sample == 0 else []
+    stats = EpisodeStats(turns=1 + key.sample, reward_span=(15.0, t_end), tool_spans=tools)
     segments = [Segment([1, 2, 3], False), Segment([5] * n_out, True, [-0.5] * n_out, [3] * n_out)]
     return FinishedEpisode(key, reward, segments, stats, "stop", 11.0, t_end)
 
@@ -75,10 +76,11 @@ def test_a_group_ends_with_its_last_episode_as_spans_and_records_in_sample_order
     assert keys == [SampleId(4, s) for s in range(N)]
     for s in (2, 0, 3):
         assert book.ended(SampleId(4, s), _episode(SampleId(4, s), float(s), t_end=20.0 + s)) is None
-    spans, (trajs, summary) = book.ended(SampleId(4, 1), _episode(SampleId(4, 1), 1.0, t_end=21.0))
+    spans, (trajs, episodes, summary) = book.ended(SampleId(4, 1), _episode(SampleId(4, 1), 1.0, t_end=21.0))
     assert spans == [("group", 10.0, 23.0), ("reward", 15.0, 23.0), ("tool", 12.0, 13.0)]
     assert [t.sample_idx for t in trajs] == [0, 1, 2, 3] and [t.reward for t in trajs] == [0.0, 1.0, 2.0, 3.0]
     assert {(t.group_id, t.prompt_id, t.gen_rank, t.row_index) for t in trajs} == {(4, 9, 2, 19)}
+    assert [(e.group_id, e.sample_idx, e.turns) for e in episodes] == [(4, s, 1 + s) for s in range(N)]
     assert summary["group_id"] == 4 and summary["episodes"] == N and summary["uniform"] is None
     assert 4 not in book.running
 
@@ -101,7 +103,7 @@ def test_a_rejected_episodes_failures_count_on_its_group():
     bad = _episode(key, None)
     bad.stats.reward_errors = 2
     book.rejected(key, bad)
-    _, (_, summary) = book.ended(key, _episode(key, 1.0))
+    _, (_, _, summary) = book.ended(key, _episode(key, 1.0))
     assert summary["reward_errors"] == 2 and summary["episodes"] == 1
 
 
@@ -145,10 +147,11 @@ def test_a_shard_numbers_its_groups_trajectories_and_takes_the_next_sequence_num
     core = _core(shard_groups=2)
     _scored(core, 0, now=1.0)
     _scored(core, 1, now=1.0)
-    trajs, summaries, seq = core.flush(1.0)
+    trajs, episodes, summaries, seq = core.flush(1.0)
     assert seq == 7 and core.shards.seq == 8 and core.shards.scored == []
     assert [s["indices"] for s in summaries] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [(t.group_id, t.sample_idx) for t in trajs] == [(g, s) for g in (0, 1) for s in range(N)]
+    assert [(e.group_id, e.sample_idx) for e in episodes] == [(g, s) for g in (0, 1) for s in range(N)]
     assert [len(t.input_ids) for t in trajs[:N]] == [4, 5, 6, 7]
 
 
@@ -158,5 +161,5 @@ def test_a_stopping_generator_writes_what_is_scored_and_is_then_done():
     _scored(core, 0, now=1.0)
     core.stop()
     assert not core.done
-    _, summaries, _ = core.flush(1.0)
+    _, _, summaries, _ = core.flush(1.0)
     assert [s["group_id"] for s in summaries] == [0] and core.done

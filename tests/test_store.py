@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
+from areal_hpc.columns import EPISODE_DTYPES, gather
 from areal_hpc.config_checks import _CHOICES
 from areal_hpc.store import (
     CorruptShardError,
@@ -23,8 +24,8 @@ from areal_hpc.store import (
     write_shard,
 )
 from areal_hpc.store import shards as shards_mod
-from areal_hpc.store.shards import COMPRESSIONS
-from areal_hpc.types import FINISH_REASONS, Trajectory
+from areal_hpc.store.shards import COMPRESSIONS, read_columns
+from areal_hpc.types import FINISH_REASONS, EpisodeCounts, Trajectory
 
 TOKEN_FIELDS = ("input_ids", "behav_logprobs", "versions", "loss_mask")
 SCALAR_FIELDS = (
@@ -79,6 +80,13 @@ def make_batch(seed: int, n: int = 5, max_gen: int = 300) -> list[Trajectory]:
     ]
 
 
+def datasets(f: h5py.File) -> dict[str, h5py.Dataset]:
+    """Every dataset of a shard by its path (the episode table's are in the group "episodes")."""
+    out = {}
+    f.visititems(lambda name, obj: out.__setitem__(name, obj) if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
 def assert_same(a: Trajectory, b: Trajectory) -> None:
     for f in SCALAR_FIELDS:
         assert getattr(a, f) == getattr(b, f), f
@@ -101,9 +109,9 @@ def test_round_trip_every_field(tmp_path):
         make_traj(rng, 0, 9, 2),
         make_traj(rng, 33, 1500, 10, finish_reason="length"),
     ]
-    trajs[1].turns, trajs[1].tool_calls, trajs[1].tool_errors, trajs[1].tool_s = 3, 2, 1, 0.25
-    trajs[1].reward_timeouts, trajs[1].reward_errors = 1, 2
-    p = write_shard(tmp_path, trajs, gen_rank=3, seq=17, run_id="run-a")
+    episodes = [EpisodeCounts(t.group_id, t.sample_idx) for t in trajs]
+    episodes[1] = EpisodeCounts(trajs[1].group_id, trajs[1].sample_idx, 3, 2, 1, 0.25, 1, 2)
+    p = write_shard(tmp_path, trajs, gen_rank=3, seq=17, run_id="run-a", episodes=episodes)
     assert p.name == "g003-00000017.h5"
     got = read_shard(p)
     assert len(got) == len(trajs)
@@ -127,26 +135,25 @@ def test_round_trip_every_field(tmp_path):
         "t_start",
         "t_end",
         "finish_reason",
-        "turns",
-        "tool_calls",
-        "tool_errors",
-        "tool_s",
-        "reward_timeouts",
-        "reward_errors",
         "row_index",
     ):
         assert list(getattr(s, f)) == [getattr(t, f) for t in trajs], f
+    # the episode table, one row per episode, round trips (the summary's and the full read's)
+    for table in (s.episodes, read_columns(p).episodes):
+        assert {k: a.tolist() for k, a in table.items()} == {k: [getattr(e, k) for e in episodes] for k in table}
     np.testing.assert_array_equal(s.reward, np.array([t.reward for t in trajs], dtype=np.float32))
     assert read_shard_summary(p, verify_tokens=True).n_trajectories == 5
 
     with h5py.File(p) as f:
-        assert f.attrs["schema_version"] == 3 and f.attrs["n_trajectories"] == 5
+        assert f.attrs["schema_version"] == 4 and f.attrs["n_trajectories"] == 5
+        assert set(f["episodes"]) == set(EPISODE_DTYPES) and "turns" not in f  # not a column per trajectory
         assert f["finish_reason"].dtype == np.dtype("S8") and f["offsets"].dtype == np.int64
-        assert all(f[k].compression is None for k in f)
+        assert all(d.compression is None for d in datasets(f).values())
 
 
 OLD_SHARD = Path(__file__).parent / "data" / "g002-00000005.h5"  # make_batch(7, n=4), written before compression
 SCHEMA1_SHARD = Path(__file__).parent / "data" / "g001-00000003.h5"  # make_batch(8, n=3) by commit 048366c^'s code
+SCHEMA3_SHARD = Path(__file__).parent / "data" / "g003-00000011.h5"  # schema3_batch() by commit 8f289ca's code
 
 
 def test_compressed_shards_read_back_identical_and_old_ones_still_read(tmp_path):
@@ -168,7 +175,8 @@ def test_compressed_shards_read_back_identical_and_old_ones_still_read(tmp_path)
         with h5py.File(p) as f:
             # only the token columns are filtered (rank 0's summary reads never decompress); the checksums
             # are over the data, so every filter stores the same
-            assert {k for k in f if f[k].compression} == (set() if c == "none" else set(TOKEN_FIELDS)), c
+            packed = {k for k, d in datasets(f).items() if d.compression}
+            assert packed == (set() if c == "none" else set(TOKEN_FIELDS)), c
             assert f.attrs["checksum"] == checksum
     # a column that compresses below the file's size is no damaged header: 300k equal tokens
     rng = np.random.default_rng(1)
@@ -195,9 +203,10 @@ def test_shards_of_every_earlier_schema_still_read_with_defaults_for_what_they_l
     for a, b in zip(make_batch(8, n=3), read_shard(SCHEMA1_SHARD), strict=True):
         a.row_index = -1
         assert_same(a, b)
-        assert (b.turns, b.tool_calls, b.reward_errors, b.row_index) == (1, 0, 0, -1)
+        assert b.row_index == -1
     s = read_shard_summary(SCHEMA1_SHARD, verify_tokens=True)
-    assert s.run_id == "schema1" and list(s.row_index) == [-1] * 3 and list(s.turns) == [1] * 3
+    assert s.run_id == "schema1" and list(s.row_index) == [-1] * 3
+    assert list(s.episodes["turns"]) == [1] * 3 and list(s.episodes["tool_calls"]) == [0] * 3
     # beside new shards in one store, loaded as one frame: the old rows' row_index is -1
     rd = tmp_path / "rollouts"
     rd.mkdir()
@@ -211,9 +220,50 @@ def test_shards_of_every_earlier_schema_still_read_with_defaults_for_what_they_l
     # a schema this code does not know is refused as corrupt, in one line naming the ones it reads
     p = write_shard(tmp_path / "x", new, 0, 0)
     with h5py.File(p, "r+") as f:
-        f.attrs["schema_version"] = 4
-    with pytest.raises(CorruptShardError, match="schema_version 4, expected 1 to 3"):
+        f.attrs["schema_version"] = 5
+    with pytest.raises(CorruptShardError, match="schema_version 5, expected 1 to 4"):
         read_shard_summary(p)
+
+
+def schema3_batch() -> list[Trajectory]:
+    """make_batch(11, n=4) with trajectory 2 a second transcript (branch()) of trajectory 1's episode, the counts
+    as schema 3 kept them: on an episode's first trajectory, 0 on its others (the fields are gone since)."""
+    trajs = make_batch(11, n=4)
+    trajs[2].group_id, trajs[2].sample_idx = trajs[1].group_id, trajs[1].sample_idx
+    return trajs
+
+
+def test_a_schema3_shard_gives_its_per_trajectory_counts_as_an_episode_table(tmp_path):
+    with h5py.File(SCHEMA3_SHARD) as f:
+        assert f.attrs["schema_version"] == 3 and list(f["turns"]) == [1, 3, 0, 2] and "episodes" not in f
+    trajs = schema3_batch()
+    for a, b in zip(trajs, read_shard(SCHEMA3_SHARD), strict=True):
+        assert_same(a, b)
+    c = read_columns(SCHEMA3_SHARD)
+    assert {k: a.tolist() for k, a in c.episodes.items()} == {
+        "group_id": [trajs[i].group_id for i in (0, 1, 3)],
+        "sample_idx": [trajs[i].sample_idx for i in (0, 1, 3)],
+        "turns": [1, 3, 2],
+        "tool_calls": [0, 2, 0],
+        "tool_errors": [0, 1, 0],
+        "tool_s": [0.0, 0.5, 0.0],
+        "reward_timeouts": [0, 1, 0],
+        "reward_errors": [0, 0, 1],
+    }
+    # the branch's counts go with its first transcript, however the trajectories are dealt
+    assert gather([(c, [2, 3])]).episodes["turns"].tolist() == [2]
+    assert gather([(c, [1]), (c, [2])]).episodes["tool_calls"].tolist() == [2]
+    # the loader joins them back onto each episode's first trajectory
+    rd = tmp_path / "rollouts"
+    rd.mkdir()
+    (rd / SCHEMA3_SHARD.name).write_bytes(SCHEMA3_SHARD.read_bytes())
+    df = load_trajectories(tmp_path)
+    assert list(df["turns"]) == [1, 3, 0, 2] and list(df["tool_s"]) == [0.0, 0.5, 0.0, 0.0]
+    # a table that is not one row per episode is refused
+    with pytest.raises(ValueError, match="not the trajectories' 3"):
+        write_shard(tmp_path, trajs, 0, 0, episodes=[EpisodeCounts(t.group_id, t.sample_idx) for t in trajs[:2]])
+    with pytest.raises(ValueError, match="twice"):
+        write_shard(tmp_path, trajs, 0, 0, episodes=[EpisodeCounts(t.group_id, t.sample_idx) for t in trajs])
 
 
 def test_write_shard_errors_and_listing(tmp_path):
@@ -278,10 +328,21 @@ def _bad_schema(p: Path) -> None:
 def _bad_offsets_consistent_checksum(p: Path) -> None:
     # Offsets that disagree with the data while the checksums match: only the structure check can catch it.
     with h5py.File(p, "r+") as f:
-        arrays = {k: f[k][()] for k in f}
+        arrays = {k: d[()] for k, d in datasets(f).items()}
         arrays["offsets"][1] += 1
         f["offsets"][...] = arrays["offsets"]
         hdr = shards_mod._header(1, f.attrs["run_id"], int(f.attrs["n_trajectories"]))
+        f.attrs["checksum"] = shards_mod._checksum(arrays, shards_mod.CHECKSUM_ORDER, hdr)
+        f.attrs["summary_checksum"] = shards_mod._checksum(arrays, shards_mod.SUMMARY_ORDER, hdr)
+
+
+def _episode_table_consistent_checksum(p: Path) -> None:
+    # An episode table naming another episode while the checksums match: only the table's check can catch it.
+    with h5py.File(p, "r+") as f:
+        arrays = {k: d[()] for k, d in datasets(f).items()}
+        arrays["episodes/sample_idx"][0] += 100
+        f["episodes/sample_idx"][...] = arrays["episodes/sample_idx"]
+        hdr = shards_mod._header(shards_mod.SCHEMA_VERSION, f.attrs["run_id"], int(f.attrs["n_trajectories"]))
         f.attrs["checksum"] = shards_mod._checksum(arrays, shards_mod.CHECKSUM_ORDER, hdr)
         f.attrs["summary_checksum"] = shards_mod._checksum(arrays, shards_mod.SUMMARY_ORDER, hdr)
 
@@ -309,6 +370,9 @@ CORRUPTIONS = {
     "missing-token-dataset": (_delete_dataset("loss_mask"), False),
     "missing-traj-dataset": (_delete_dataset("t_end"), True),
     "missing-offsets": (_delete_dataset("offsets"), True),
+    "flip-episode-data": (_flip_byte_in("episodes/tool_calls", 1), True),
+    "missing-episode-dataset": (_delete_dataset("episodes/turns"), True),
+    "episode-table": (_episode_table_consistent_checksum, True),
     "bad-schema": (_bad_schema, True),
     "bad-offsets": (_bad_offsets_consistent_checksum, True),
     "wrong-dtype": (_wrong_dtype, False),
@@ -333,6 +397,8 @@ def test_corruption_detected(tmp_path, kind, compression):
         assert p.name in msg and "\n" not in msg and ei.value.path == p
     if kind == "bad-offsets":
         assert "offsets" in str(ei.value)
+    if kind == "episode-table":
+        assert "are not the trajectories' 4" in str(ei.value)
 
 
 def test_missing_file_is_corrupt_error(tmp_path):

@@ -42,6 +42,13 @@ def test_math_rows_train_on_the_boxed_final_answer_the_built_in_reward_credits(t
     assert warm_start_targets(ds.train[:1], cfg) == [f"{ds.train[0].row['question']} is {{{ds.train[0].answer}}}"]
 
 
+class _Chars:
+    """A tokenizer of one id per character."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
 def test_the_arithmetic_demo_and_the_tool_demo_keep_their_warm_start():
     cfg = load_config(DEMO, ["model.path=/unused"])
     ds = read_dataset(cfg.data)
@@ -49,7 +56,8 @@ def test_the_arithmetic_demo_and_the_tool_demo_keep_their_warm_start():
     tool = load_config(ROOT / "jobs" / "demo_tool.yaml", ["model.path=/unused"])
     p = read_dataset(tool.data).train[0]
     rng = random.Random(0)
-    shapes = {tuple(t for _, t in warm_start_segments(p, "\\boxed{" + p.answer + "}", tool, rng)) for _ in range(50)}
+    segments = [warm_start_segments(p, "\\boxed{" + p.answer + "}", tool, rng, _Chars()) for _ in range(50)]
+    shapes = {tuple(s.trained for s in segs) for segs in segments}
     assert shapes == {(True,), (True, False, True)}  # a direct answer, or a tool call whose output is not trained
 
 

@@ -18,7 +18,7 @@ from areal_hpc.launch.local import launch
 from areal_hpc.model import load_tokenizer
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.timeline import load_timeline
-from areal_hpc.store import list_shards, read_shard
+from areal_hpc.store import list_shards, load_trajectories, read_shard
 from areal_hpc.workflow.builtin import tool_observation
 from areal_hpc.workflow.tools import calculator
 
@@ -114,7 +114,7 @@ def test_multi_turn_episodes_straddle_weight_loads_past_hung_rewards_and_tools(t
             f"rollout.workflow={user}:looping_tool_then_multi_turn",
             f"reward.fn={user}:reward",
             "reward.timeout_s=0.5",
-            "reward.sandbox=auto",
+            "workflow.tool_sandbox=auto",
             "workflow.tool_timeout_s=0.5",
             "workflow.max_turns=3",
             "rollout.eta=2",
@@ -154,6 +154,10 @@ def test_multi_turn_episodes_straddle_weight_loads_past_hung_rewards_and_tools(t
     assert m["tool_calls"].sum() > 0 and m["tool_errors"].sum() == m["tool_calls"].sum()
     assert (m["turns_mean"].dropna() > 1).all() and (m["trained_share"].dropna() < 1).all()
     assert (m["unsampled_tokens"].dropna() > 0).all()
+    # what the versions counted is the consumed episodes' rows of the shards' episode tables, each once
+    used = load_trajectories(tmp_path / "run").query("consumed_version >= 0")
+    assert (m["tool_calls"].sum(), m["tool_errors"].sum()) == (used["tool_calls"].sum(), used["tool_errors"].sum())
+    assert (m["turns_mean"] * m["samples"]).sum() == pytest.approx(used["turns"].sum())
     # the engine kept stepping while tools looped
     tl = load_timeline(tmp_path / "run")
     tools, gen = tl[tl.event == "tool"], tl[tl.event == "generate"]

@@ -172,7 +172,8 @@ class GenerationEngine(ABC):
 
 
 def generate(engine: GenerationEngine, requests: list[GenRequest]) -> list[GenOutput]:
-    """The batch call (evaluation, the single-process loop): add every request, step until all are back.
+    """The raw batch call on an engine: add every request, step until all are back (engine tests, benchmarks,
+    vLLM's warm-up). Episodes (evaluation, the single-process loop) run through workflow.batch.run_episodes.
 
     For an engine with nothing else in flight; outputs come back in request order.
     """

@@ -304,21 +304,21 @@ def _problem(how: str) -> str | None:
     return f"{first[:200]}" + (" (timed out)" if r.timed_out else "")
 
 
-def isolation(mode: str = "auto") -> Isolation:
-    """The isolation reward.sandbox=mode gets on this machine; SandboxUnavailable (one line) if it cannot run."""
+def isolation(mode: str = "auto", key: str = "reward.sandbox") -> Isolation:
+    """The isolation `key`=mode gets on this machine; SandboxUnavailable (one line, naming `key`) if it cannot run."""
     if mode not in MODES:
-        raise SandboxUnavailable(f"config reward.sandbox={mode!r} is not allowed; choose one of {', '.join(MODES)}")
+        raise SandboxUnavailable(f"config {key}={mode!r} is not allowed; choose one of {', '.join(MODES)}")
     if mode in ("bwrap", "auto"):
         why = _problem(BWRAP)
         if why is None:
             return Isolation(BWRAP, _DESCRIPTIONS[BWRAP])
         if mode == "bwrap":
             raise SandboxUnavailable(
-                f"config reward.sandbox=bwrap but bubblewrap cannot run here ({why}); install it "
-                "(apt-get install bubblewrap) with user namespaces allowed, or set reward.sandbox=none to score "
+                f"config {key}=bwrap but bubblewrap cannot run here ({why}); install it "
+                f"(apt-get install bubblewrap) with user namespaces allowed, or set {key}=none to score "
                 "code under rlimits only"
             )
     why = _problem(RLIMITS_ONLY)
     if why is not None:
-        raise SandboxUnavailable(f"config reward.sandbox={mode}: cannot start the sandbox's python3 ({why})")
+        raise SandboxUnavailable(f"config {key}={mode}: cannot start the sandbox's python3 ({why})")
     return Isolation(RLIMITS_ONLY, _DESCRIPTIONS[RLIMITS_ONLY])

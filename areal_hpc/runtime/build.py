@@ -21,7 +21,7 @@ from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.weight_sync import cast_floating, weights_checksum
 from areal_hpc.teacher import check_teacher, distill_spec
 from areal_hpc.utils import atomic_write_text
-from areal_hpc.warm_start import warm_start_segments, warm_start_targets
+from areal_hpc.warm_start import warm_start_example, warm_start_targets
 
 
 def _emulation_kwargs(cfg: Config) -> dict:
@@ -189,18 +189,13 @@ def warm_start(trainer: TrainEngine, tokenizer, dataset: MathDataset, cfg: Confi
     examples = dataset.train[: tc.warm_start_examples]
     targets = dict(zip((p.prompt_id for p in examples), warm_start_targets(examples, cfg)))
     rng = random.Random(cfg.trainer.seed)
-    eos = tokenizer.eos_token_id
     loss = float("nan")
     for _ in tqdm(range(tc.warm_start_steps), desc="warm start", disable=not progress, leave=False):
         batch = rng.sample(examples, min(tc.warm_start_batch, len(examples)))
         seqs, masks = [], []
         for p in batch:
-            seq, mask = list(p.prompt_ids), [0] * len(p.prompt_ids)  # built as every rollout's prompt is
-            for text, trained in warm_start_segments(p, targets[p.prompt_id], cfg, rng, tokenizer):
-                ids = tokenizer.encode(text, add_special_tokens=False)
-                seq += ids
-                mask += [int(trained)] * len(ids)
-            seqs.append(np.asarray(seq + [eos]))
-            masks.append(np.asarray(mask + [1]))
+            seq, mask = warm_start_example(p, targets[p.prompt_id], cfg, rng, tokenizer)
+            seqs.append(np.asarray(seq))
+            masks.append(np.asarray(mask))
         loss = trainer.supervised_step(seqs, masks, tc.warm_start_lr)
     return loss

@@ -263,7 +263,7 @@ class Generator(RoleLoop):
         """One shard of the scored groups when GeneratorCore.flush says one is due."""
         if (shard := self.core.flush(time.time())) is None:
             return
-        trajs, summaries, seq = shard
+        trajs, episodes, summaries, seq = shard
         self.spans.end_generate()
         with self.timeline.span("write"):
             path = write_shard(
@@ -273,6 +273,7 @@ class Generator(RoleLoop):
                 seq=seq,
                 run_id=self.cfg.run_name,
                 compression=self.cfg.store.compression,
+                episodes=episodes,
             )
         self.mail.send(0, Tag.GROUPS_DONE, {"shard": path.name, "groups": summaries})
 

@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 
 from areal_hpc.data import Problem
 from areal_hpc.rollout import group_counts, group_summary
-from areal_hpc.types import GenRequest, RequestId, SampleId, Trajectory
+from areal_hpc.types import EpisodeCounts, GenRequest, RequestId, SampleId, Trajectory
 from areal_hpc.workflow import FinishedEpisode
 from areal_hpc.workflow.batch import MAX_REJECTED, rejected_too_often
-from areal_hpc.workflow.samples import to_trajectories
+from areal_hpc.workflow.samples import episode_counts, to_trajectories
 
 Span = tuple[str, float, float]  # a timeline span: (name, start, end)
-Records = tuple[list[Trajectory], dict]  # a scored group: its trajectories and its GROUPS_DONE entry
+# a scored group: its trajectories, its episodes' counts (the shard's episode table) and its GROUPS_DONE entry
+Records = tuple[list[Trajectory], list[EpisodeCounts], dict]
+Shard = tuple[list[Trajectory], list[EpisodeCounts], list[dict], int]  # ShardBuffer.take
 
 
 @dataclass
@@ -47,7 +49,8 @@ def group_records(g: Group, group_id: int, episodes: list[FinishedEpisode], gen_
         for t in to_trajectories(e, SampleId(group_id, s), p.prompt_id, gen_rank, p.row_index)
     ]
     counts = group_counts([e.stats for e in episodes], g.rejected_stats)
-    return trajs, group_summary(trajs, p.prompt_id, group_id) | counts
+    table = [episode_counts(e, SampleId(group_id, s)) for s, e in enumerate(episodes)]
+    return trajs, table, group_summary(trajs, p.prompt_id, group_id) | counts
 
 
 def _group_of(request_id: Hashable) -> int | None:
@@ -135,17 +138,18 @@ class ShardBuffer:
         n = len(self.scored)
         return n > 0 and (n >= self.max_groups or now - self.since >= self.max_wait_s or not more_coming)
 
-    def take(self) -> tuple[list[Trajectory], list[dict], int]:
-        """The waiting groups as one shard: its trajectories, each group's entry with its indices in the shard,
-        and the shard's sequence number."""
-        trajs, summaries = [], []
-        for group, summary in self.scored:
+    def take(self) -> Shard:
+        """The waiting groups as one shard: its trajectories, its episode table, each group's entry with its
+        indices in the shard, and the shard's sequence number."""
+        trajs, table, summaries = [], [], []
+        for group, counts, summary in self.scored:
             summary["indices"] = list(range(len(trajs), len(trajs) + len(group)))
             trajs += group
+            table += counts
             summaries.append(summary)
         self.scored, seq = [], self.seq
         self.seq += 1
-        return trajs, summaries, seq
+        return trajs, table, summaries, seq
 
 
 @dataclass
@@ -220,7 +224,7 @@ class GeneratorCore:
         self.stopping = True
         self.book.drop_all()
 
-    def flush(self, now: float) -> tuple[list[Trajectory], list[dict], int] | None:
+    def flush(self, now: float) -> Shard | None:
         """A shard of the scored groups if one is due, else None."""
         # a stop drops every running group: nothing more is coming, so what is scored goes at once
         return self.shards.take() if self.shards.due(now, more_coming=bool(self.book.running)) else None

@@ -36,14 +36,15 @@ from areal_hpc.runtime.build import (
 )
 from areal_hpc.runtime.generated import GeneratedEpisodes
 from areal_hpc.runtime.train_step import train_version
-from areal_hpc.store import Ledger, read_shard, write_shard
+from areal_hpc.store import Ledger, write_shard
+from areal_hpc.store.shards import read_columns
 from areal_hpc.trackers import require_trackers
 from areal_hpc.types import SampleId
 from areal_hpc.utils import seed_everything
 from areal_hpc.warm_start import check_warm_start
 from areal_hpc.workflow import load_workflow, runner_settings
 from areal_hpc.workflow.batch import EpisodeStart, run_episodes
-from areal_hpc.workflow.samples import to_trajectories
+from areal_hpc.workflow.samples import episode_counts, to_trajectories
 
 
 @dataclass
@@ -143,14 +144,15 @@ def run_sync(cfg: Config) -> RunSummary:
             # rewards are scored while other episodes generate: t_reward is the tail after the last answer
             t_rew = max([t_gen] + [e.stats.reward_span[0] for e in eps if e.stats.reward_span])
             trajs = [t for e, (k, p) in zip(eps, samples) for t in to_trajectories(e, k, p.prompt_id, 0, p.row_index)]
+            table = [episode_counts(e, k) for e, (k, _) in zip(eps, samples)]
             shard = write_shard(
-                rollout_dir, trajs, gen_rank=0, seq=step, run_id=cfg.run_name, compression=cfg.store.compression
+                rollout_dir, trajs, 0, step, cfg.run_name, compression=cfg.store.compression, episodes=table
             )
 
             # train on what the store returns, the same path the asynchronous runtime takes
-            batch = read_shard(shard)
+            batch = read_columns(shard)
             t_train = time.time()  # t_store covers the shard write and its read-back
-            r = np.array([t.reward for t in batch])
+            r = batch.seqs["reward"].astype(np.float64)
             # the ledger names the version whose training step consumed the batch (the policy
             # version being improved), so on-policy data has staleness 0
             consumed_by = trainer.version
@@ -164,7 +166,7 @@ def run_sync(cfg: Config) -> RunSummary:
                 "reward_mean": float(r.mean()),
                 **heldout_figures([], lc.eval_threshold),  # NaN where not evaluated
                 "groups_kept": int(keep.sum()) // rc.n_samples,
-                "gen_tokens": int(sum(t.gen_len for t in batch)),
+                "gen_tokens": int(batch.seqs["gen_len"].sum()),
                 "t_generate": t_rew - t_gen,
                 "t_reward": t_write - t_rew,
                 "t_store": t_train - t_write,

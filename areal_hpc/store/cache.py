@@ -64,4 +64,5 @@ class ShardCache:
 
 
 def _nbytes(c: TrajectoryColumns) -> int:
-    return c.offsets.nbytes + sum(a.nbytes for a in c.tokens.values()) + sum(a.nbytes for a in c.seqs.values())
+    tables = (c.tokens, c.seqs, c.episodes)
+    return c.offsets.nbytes + sum(a.nbytes for t in tables for a in t.values())

@@ -9,12 +9,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from areal_hpc.columns import EPISODE_COUNTS, EPISODE_DTYPES, episode_owners
 from areal_hpc.rundir import RunDir
 from areal_hpc.store.ledger import Ledger
-from areal_hpc.store.shards import TRAJ_FIELDS, CorruptShardError, list_shards, read_shard_summary
+from areal_hpc.store.shards import TRAJ_FIELDS, CorruptShardError, ShardSummary, list_shards, read_shard_summary
 
 COLUMNS = (
     *TRAJ_FIELDS,
+    *EPISODE_COUNTS,
     "n_tokens",
     "shard",
     "index",
@@ -24,7 +26,7 @@ COLUMNS = (
 
 
 def _empty_frame() -> pd.DataFrame:
-    dtypes = {name: dt.newbyteorder("=") for name, dt in TRAJ_FIELDS.items()}
+    dtypes = {name: dt.newbyteorder("=") for name, dt in (TRAJ_FIELDS | EPISODE_DTYPES).items()}
     dtypes["finish_reason"] = np.dtype(object)
     dtypes.update(
         n_tokens=np.dtype(np.int64),
@@ -45,7 +47,9 @@ def load_trajectories(
     """One row per trajectory in RUN_DIR/rollouts/, joined with the ledger.
 
     consumed_version is the version that consumed the trajectory (-1 if none); staleness is
-    consumed_version - version_start (NaN if not consumed). Corrupt shards are skipped with a warning and
+    consumed_version - version_start (NaN if not consumed). The episode counts (turns, tool_calls, tool_errors,
+    tool_s, reward_timeouts, reward_errors: the shard's episode table) are joined onto each episode's first
+    trajectory, 0 on its others, so sums count each episode once. Corrupt shards are skipped with a warning and
     named in df.attrs["corrupt_shards"]. verify_tokens=False checks only the summary checksum (no token
     data read), which is much faster on big runs but cannot notice damaged token arrays.
 
@@ -64,7 +68,7 @@ def load_trajectories(
             corrupt.append(path.name)
             continue
         n = s.n_trajectories
-        cols = {name: getattr(s, name) for name in TRAJ_FIELDS}
+        cols = {name: getattr(s, name) for name in TRAJ_FIELDS} | _episode_counts(s)
         cols["n_tokens"] = s.n_tokens
         cols["shard"] = np.full(n, path.name, dtype=object)
         cols["index"] = np.arange(n, dtype=np.int64)
@@ -86,3 +90,14 @@ def load_trajectories(
 
         df = join_rows(df, dataset_rows(run_dir, None if rows is True else rows))
     return df
+
+
+def _episode_counts(s: ShardSummary) -> dict[str, np.ndarray]:
+    """The episode table's counts as per-trajectory columns: on each episode's first trajectory, 0 elsewhere."""
+    owners = episode_owners(s.columns, s.episodes)
+    out = {}
+    for k in EPISODE_COUNTS:
+        col = np.zeros(s.n_trajectories, dtype=EPISODE_DTYPES[k].newbyteorder("="))
+        col[owners] = s.episodes[k]
+        out[k] = col
+    return out

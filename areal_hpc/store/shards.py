@@ -12,17 +12,29 @@ import h5py
 import numpy as np
 from h5py import h5d, h5s
 
-from areal_hpc.columns import DTYPES, SEQ_DTYPES, TOKEN_COLUMNS, TOKEN_DTYPES, TrajectoryColumns, from_trajectories
+from areal_hpc.columns import (
+    DTYPES,
+    EPISODE_COUNTS,
+    EPISODE_DTYPES,
+    SEQ_DTYPES,
+    TOKEN_COLUMNS,
+    TOKEN_DTYPES,
+    TrajectoryColumns,
+    episode_keys,
+    episode_problem,
+    from_trajectories,
+)
 from areal_hpc.rundir import parse_shard_name, shard_name
-from areal_hpc.types import Trajectory
+from areal_hpc.types import EpisodeCounts, Trajectory
 from areal_hpc.utils import fsync_dir as _fsync_dir
 from areal_hpc.utils import temporary_beside
 
-SCHEMA_VERSION = 3  # 2: episode counts (turns, tool calls, reward failures); 3: the dataset row index
-FINISH_REASON_DTYPE = SEQ_DTYPES["finish_reason"]
+# 2: episode counts (turns, tool calls, reward failures) per trajectory; 3: the dataset row index; 4: the episode
+# counts in an episode table, one row per episode (they had ridden on each episode's first trajectory)
+SCHEMA_VERSION = 4
 
 # Explicit little-endian dtypes (columns.py) so the checksummed bytes are the same on every platform; TRAJ_FIELDS
-# in checksum order, each schema version adding to the end.
+# in checksum order (SCHEMA_FIELDS: each schema version's).
 TOKEN_FIELDS = TOKEN_DTYPES
 OFFSETS_DTYPE = np.dtype("<i8")
 TRAJ_FIELDS = SEQ_DTYPES
@@ -32,16 +44,28 @@ STORED_AS_GIVEN = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name
 DERIVED_FIELDS = ("gen_len", "version_start", "version_end")
 if set(TRAJ_FIELDS) != {*STORED_AS_GIVEN, *DERIVED_FIELDS} or tuple(TOKEN_FIELDS) != TOKEN_COLUMNS:
     raise ImportError("areal_hpc.store.shards: TRAJ_FIELDS/TOKEN_FIELDS disagree with the Trajectory dataclass")
-# The per-trajectory datasets each schema version stores (each adds to the end): shards of every version still
-# read (a resumed run, an old run's analysis), with a field its schema lacks at the Trajectory's default.
-SCHEMA_FIELDS: dict[int, tuple[str, ...]] = {n: tuple(TRAJ_FIELDS)[:k] for n, k in ((1, 12), (2, 18), (3, 19))}
+# The episode table's datasets, in the HDF5 group "episodes" (EpisodeCounts, keyed by group_id and sample_idx)
+EPISODE_FIELDS = {f"episodes/{k}": dt for k, dt in EPISODE_DTYPES.items()}
+# Schemas 2 and 3 kept the counts per trajectory instead, on each episode's first (0 on its others).
+LEGACY_COUNTS = {k: EPISODE_DTYPES[k] for k in EPISODE_COUNTS}
+# The datasets each schema version stores after offsets, in checksum order: shards of every version still read (a
+# resumed run, an old run's analysis), with a field its schema lacks at the Trajectory's default, and an episode
+# table made from the per-trajectory counts (schema 1: EpisodeCounts' defaults).
+_FIRST = tuple(TRAJ_FIELDS)[:12]  # prompt_id .. t_end
+SCHEMA_FIELDS: dict[int, tuple[str, ...]] = {
+    1: _FIRST,
+    2: (*_FIRST, *LEGACY_COUNTS),
+    3: (*_FIRST, *LEGACY_COUNTS, "row_index"),
+    4: (*TRAJ_FIELDS, *EPISODE_FIELDS),
+}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Trajectory) if f.name in TRAJ_FIELDS}
+_EPISODE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EpisodeCounts) if f.name in EPISODE_COUNTS}
 # Published shards are immutable and temporaries private, so HDF5 file locks buy nothing and fail with
 # errno 38 on some shared filesystems: files are opened with locking=False.
 # Fixed order for the checksums; the summary checksum lets the scheduler verify without token data.
-SUMMARY_ORDER = ("offsets", *TRAJ_FIELDS)
+SUMMARY_ORDER = ("offsets", *SCHEMA_FIELDS[SCHEMA_VERSION])
 CHECKSUM_ORDER = (*TOKEN_FIELDS, *SUMMARY_ORDER)
-_DTYPES = {**TOKEN_FIELDS, "offsets": OFFSETS_DTYPE, **TRAJ_FIELDS}
+_DTYPES = {**TOKEN_FIELDS, "offsets": OFFSETS_DTYPE, **TRAJ_FIELDS, **LEGACY_COUNTS, **EPISODE_FIELDS}
 REQUIRED_ATTRS = ("schema_version", "run_id", "checksum", "summary_checksum", "n_trajectories")
 
 
@@ -92,13 +116,14 @@ class ShardSummary:
     """The per-trajectory arrays of one shard (no token data), as the scheduler and loader need them.
 
     `columns` holds one array per name in TRAJ_FIELDS (finish_reason as str), also readable as attributes
-    (`summary.group_id`).
+    (`summary.group_id`); `episodes` the episode table (EPISODE_DTYPES, one row per episode).
     """
 
     path: Path
     run_id: str
     offsets: np.ndarray  # int64 [N+1]
     columns: dict[str, np.ndarray]
+    episodes: dict[str, np.ndarray]
 
     def __getattr__(self, name: str) -> np.ndarray:
         columns = self.__dict__.get("columns", {})
@@ -153,14 +178,15 @@ def _header(schema_version: int, run_id: str, n: int) -> str:
     return f"areal-hpc-shard|{schema_version}|{run_id}|{n}"
 
 
-def to_columns(trajectories: list[Trajectory]) -> TrajectoryColumns:
-    """Trajectories as a shard stores them (its dtypes, the derived fields computed); ValueError on bad lengths."""
-    return from_trajectories(trajectories, DTYPES)
+def to_columns(trajectories: list[Trajectory], episodes: list[EpisodeCounts] | None = None) -> TrajectoryColumns:
+    """Trajectories and their episodes' counts as a shard stores them (its dtypes, the derived fields computed);
+    ValueError on bad lengths or an episode table that is not one row per episode."""
+    return from_trajectories(trajectories, DTYPES, episodes)
 
 
-def _pack(trajectories: list[Trajectory]) -> dict[str, np.ndarray]:
-    c = to_columns(trajectories)
-    return {"offsets": c.offsets, **c.tokens, **c.seqs}
+def _pack(trajectories: list[Trajectory], episodes: list[EpisodeCounts] | None) -> dict[str, np.ndarray]:
+    c = to_columns(trajectories, episodes)
+    return {"offsets": c.offsets, **c.tokens, **c.seqs, **{f"episodes/{k}": a for k, a in c.episodes.items()}}
 
 
 def write_shard(
@@ -170,6 +196,7 @@ def write_shard(
     seq: int,
     run_id: str = "",
     compression: str | Compression = "none",
+    episodes: list[EpisodeCounts] | None = None,
 ) -> Path:
     """Write trajectories as shard g{gen_rank:03d}-{seq:08d}.h5 atomically; returns its path.
 
@@ -177,7 +204,8 @@ def write_shard(
     overwritten (FileExistsError): shards are immutable once published and may already be consumed.
     gen_rank and seq name the file (and are kept as file attributes); each trajectory's own gen_rank field
     is stored as it is. `compression`: a name in COMPRESSIONS (store.compression) or a Compression; the
-    checksums are over the data, so they are the same whichever filter wrote it.
+    checksums are over the data, so they are the same whichever filter wrote it. `episodes`: one EpisodeCounts
+    per (group_id, sample_idx) among the trajectories (None: defaults, as for plain generate calls).
     """
     if not trajectories:
         raise ValueError("write_shard: empty trajectories list")
@@ -186,7 +214,7 @@ def write_shard(
     final = d / shard_name(gen_rank, seq)
     if final.exists():
         raise FileExistsError(f"shard {final} already exists; shards are immutable")
-    arrays = _pack(trajectories)
+    arrays = _pack(trajectories, episodes)
     n = len(trajectories)
     comp = COMPRESSIONS[compression] if isinstance(compression, str) else compression
     tmp = temporary_beside(final)
@@ -222,7 +250,8 @@ def write_shard(
 
 def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
     """Read and verify a shard's datasets (all of them if full, else the summary ones); a field its schema
-    version predates comes back filled with the Trajectory's default."""
+    version predates comes back filled with the Trajectory's default, and an older schema's episode table made
+    from its per-trajectory counts."""
     try:
         f = h5py.File(path, "r", locking=False)
     except FileNotFoundError:
@@ -287,7 +316,30 @@ def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
     actual = _checksum(arrays, order, _header(schema, run_id, n))
     if actual != stored:
         raise CorruptShardError(path, f"checksum mismatch (stored {stored}, computed {actual})")
+    if schema < 4:
+        arrays |= _legacy_episodes(arrays)
+    if (problem := episode_problem(arrays, _episodes(arrays))) is not None:
+        raise CorruptShardError(path, problem)
     return arrays, run_id
+
+
+def _legacy_episodes(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The episode table of a schema 1-3 shard: per (group_id, sample_idx), the sum of its trajectories' counts
+    (they sat on its first, 0 on the others), or EpisodeCounts' defaults where the schema kept none."""
+    (keys,) = episode_keys(arrays)
+    _, rows, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    order = np.argsort(rows)  # the episodes in the order they first appear
+    first = rows[order]
+    out = {"episodes/group_id": arrays["group_id"][first], "episodes/sample_idx": arrays["sample_idx"][first]}
+    for k in EPISODE_COUNTS:
+        dt = EPISODE_DTYPES[k]
+        if k in arrays:
+            sums = np.zeros(len(rows), dtype=np.float64 if dt.kind == "f" else np.int64)
+            np.add.at(sums, inverse.ravel(), arrays.pop(k))
+            out[f"episodes/{k}"] = sums[order].astype(dt)
+        else:
+            out[f"episodes/{k}"] = np.full(len(rows), _EPISODE_DEFAULTS[k], dtype=dt)
+    return out
 
 
 def _check_structure(path: Path, arrays: dict[str, np.ndarray], n: int, full: bool) -> None:
@@ -298,7 +350,7 @@ def _check_structure(path: Path, arrays: dict[str, np.ndarray], n: int, full: bo
         raise CorruptShardError(path, f"offsets has length {len(offsets)}, expected {n + 1}")
     if offsets[0] != 0 or np.any(np.diff(offsets) < 0):
         raise CorruptShardError(path, "offsets do not start at 0 and increase")
-    for name in TRAJ_FIELDS:
+    for name in [*TRAJ_FIELDS, *(k for k in LEGACY_COUNTS if k in arrays)]:
         if len(arrays[name]) != n:
             raise CorruptShardError(path, f"dataset {name!r} has length {len(arrays[name])}, expected {n}")
     lens = np.diff(offsets)
@@ -316,7 +368,12 @@ def _check_structure(path: Path, arrays: dict[str, np.ndarray], n: int, full: bo
 def read_columns(path: os.PathLike | str) -> TrajectoryColumns:
     """A shard's trajectories as columns, after checking schema, structure and checksum (else CorruptShardError)."""
     a, _ = _read_verified(Path(path), full=True)
-    return TrajectoryColumns(a["offsets"], {k: a[k] for k in TOKEN_FIELDS}, {k: a[k] for k in TRAJ_FIELDS})
+    seqs = {k: a[k] for k in TRAJ_FIELDS}
+    return TrajectoryColumns(a["offsets"], {k: a[k] for k in TOKEN_FIELDS}, seqs, _episodes(a))
+
+
+def _episodes(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: arrays[f"episodes/{k}"] for k in EPISODE_DTYPES}
 
 
 def read_shard(path: os.PathLike | str) -> list[Trajectory]:
@@ -333,4 +390,4 @@ def read_shard_summary(path: os.PathLike | str, verify_tokens: bool = False) -> 
     a, run_id = _read_verified(path, full=verify_tokens)
     columns = {k: a[k] for k in TRAJ_FIELDS}
     columns["finish_reason"] = np.char.decode(a["finish_reason"], "ascii", errors="replace").astype(str)
-    return ShardSummary(path=path, run_id=run_id, offsets=a["offsets"], columns=columns)
+    return ShardSummary(path=path, run_id=run_id, offsets=a["offsets"], columns=columns, episodes=_episodes(a))

@@ -113,8 +113,8 @@ class Episode:
         return value
 
     async def run_python(self, code: str, timeout_s: float | None = None) -> ToolResult:
-        """Run `code` with python3 in the sandbox (the code reward's limits; wall limit workflow.tool_timeout_s)
-        in a worker thread: other episodes keep the engine busy meanwhile."""
+        """Run `code` with python3 in the sandbox (workflow.tool_sandbox, tool_memory_mb; wall limit
+        workflow.tool_timeout_s) in a worker thread: other episodes keep the engine busy meanwhile."""
         t0 = time.time()
         result = await self._runner.run_python(code, timeout_s or self.config.tool_timeout_s)
         self.stats.add_tool_call(result, t0, time.time())

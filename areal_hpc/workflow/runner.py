@@ -33,7 +33,7 @@ class RunnerSettings:
     max_context: int | None = None  # the model's context: no generate call runs past it
     chat: bool = False  # data.chat_template resolved: appended messages go through the template
     tool_memory_mb: int = 1024
-    sandbox: str = "bwrap"  # reward.sandbox: the isolation tool calls run under
+    sandbox: str = "bwrap"  # workflow.tool_sandbox: the isolation tool calls run under
     tool_threads: int = 4  # tool calls waiting at once (each a sandboxed python3 process)
     temperature: float = 1.0  # rollout.temperature and top_p: what the agent endpoint serves, never another
     top_p: float = 1.0

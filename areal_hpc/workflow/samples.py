@@ -4,37 +4,35 @@ from __future__ import annotations
 
 import numpy as np
 
-from areal_hpc.types import SampleId, Trajectory
-from areal_hpc.workflow.records import FinishedEpisode, Segment
+from areal_hpc.columns import EPISODE_COUNTS
+from areal_hpc.types import EpisodeCounts, GenOutput, SampleId, Trajectory
+from areal_hpc.workflow.records import EpisodeStats, FinishedEpisode, Segment
 
 
 def to_trajectories(
     ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_rank: int, row_index: int = -1
 ) -> list[Trajectory]:
     """One Trajectory per transcript (more than one when the workflow rewrote its history with branch()), all
-    with the episode's reward, sample index and dataset row, so they share its advantage. The episode's counts
-    (turns, tools, reward failures) go on the first, so that sums over trajectories count each episode once."""
+    with the episode's reward, sample index and dataset row, so they share its advantage. Its counts go in the
+    shard's episode table once (episode_counts)."""
     out = [_one(t, ep, sample, prompt_id, gen_rank) for t in ep.transcripts]
     for t in out:
         t.row_index = row_index
-    st = ep.stats
-    first = out[0]
-    first.turns, first.tool_calls, first.tool_errors, first.tool_s = st.turns, st.tool_calls, st.tool_errors, st.tool_s
-    first.reward_timeouts, first.reward_errors = st.reward_timeouts, st.reward_errors
     return out
+
+
+def episode_counts(ep: FinishedEpisode, sample: SampleId) -> EpisodeCounts:
+    """The episode's row of a shard's episode table: its turns, tool calls and reward failures."""
+    return EpisodeCounts(sample.group_id, sample.sample, **{k: getattr(ep.stats, k) for k in EPISODE_COUNTS})
 
 
 def _one(segments: list[Segment], ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_rank: int) -> Trajectory:
     """The transcript token for token: sampled segments carry their logprobs and versions (loss mask 1, or 0 when
     generated with train=False); the prompt (or a branch's context) and what the workflow added carry logprob 0,
     version -1, loss mask 0."""
-    ids, lps, vers, mask = [], [], [], []
-    for seg in segments:
-        n = len(seg.ids)
-        ids += seg.ids
-        lps += seg.logprobs if seg.sampled else [0.0] * n
-        vers += seg.versions if seg.sampled else [-1] * n
-        mask += [int(seg.trained)] * n
+    ids, mask = ids_and_mask(segments)
+    lps = [x for s in segments for x in (s.logprobs if s.sampled else [0.0] * len(s.ids))]
+    vers = [v for s in segments for v in (s.versions if s.sampled else [-1] * len(s.ids))]
     return Trajectory(
         prompt_id=prompt_id,
         group_id=sample.group_id,
@@ -49,6 +47,23 @@ def _one(segments: list[Segment], ep: FinishedEpisode, sample: SampleId, prompt_
         gen_rank=gen_rank,
         t_start=ep.t_start,
         t_end=ep.t_end,
-        turns=0,
-        tool_calls=0,
     )
+
+
+def ids_and_mask(segments: list[Segment]) -> tuple[list[int], list[int]]:
+    """A transcript's token ids and loss mask (1 on trained segments): what trajectories and the warm start's
+    supervised examples are built from."""
+    ids = [i for s in segments for i in s.ids]
+    return ids, [int(s.trained) for s in segments for _ in s.ids]
+
+
+def output_trajectory(out: GenOutput, prompt_id: int, reward: float, gen_rank: int = 0) -> Trajectory:
+    """One engine output of a request made outside a runner (tests, benchmarks: its id from
+    rollout.sample_request) as the trajectory of a one-turn episode: the prompt untrained, the answer trained."""
+    sample = getattr(out.request_id, "episode", None)
+    if not isinstance(sample, SampleId):
+        raise ValueError(f"request {out.request_id} is not a training sample's: make its id with sample_request")
+    answer = Segment(list(out.output_ids), True, list(out.output_logprobs), list(out.output_versions))
+    segments = [Segment(list(out.prompt_ids), False), answer]
+    ep = FinishedEpisode(out.request_id, reward, segments, EpisodeStats(), out.finish_reason, 0.0, 0.0)
+    return to_trajectories(ep, sample, prompt_id, gen_rank)[0]

@@ -16,11 +16,13 @@ MAX_OUTPUT_CHARS = 1000  # what goes back to the model: a tool cannot flood the 
 
 @functools.lru_cache(maxsize=4)
 def _how(sandbox: str) -> str:
-    return isolation(sandbox).name  # checked once per process; SandboxUnavailable (one line) if it cannot run
+    # checked once per process; SandboxUnavailable (one line) if it cannot run
+    return isolation(sandbox, "workflow.tool_sandbox").name
 
 
 def sandboxed_python(code: str, wall_s: float, memory_mb: int, sandbox: str) -> ToolResult:
-    """Run `code` with python3 under reward.sandbox's isolation: its output's tail, or what went wrong, as text."""
+    """Run `code` with python3 under `sandbox`'s isolation (workflow.tool_sandbox): its output's tail, or what went
+    wrong, as text."""
     r = run_python(code, Limits(wall_s=wall_s, memory_mb=memory_mb), _how(sandbox))
     text = r.output_tail.decode(errors="replace")[-MAX_OUTPUT_CHARS:]
     if r.timed_out:
