@@ -195,8 +195,9 @@ def test_qwen2p5_1p5b_shape_and_the_recipe_estimate():
     est = estimate_disk(cfg, shape)
     # DeepSpeed ZeRO-2 with bf16: module bf16 (2) + fp32 master copy (4) + Adam moments (8) bytes per parameter
     assert est.checkpoint_bytes == 14 * shape.params
-    # 512 groups x 16 answers x (1024 + 16384) tokens x 13 bytes + 112 bytes per answer
-    assert est.rollout_bytes_per_version == 512 * 16 * ((1024 + 16384) * 13 + 112)
+    # 512 groups x 16 answers x (1024 + 16384) tokens x 13 bytes + 128 bytes per answer (88 of its own, 40 for its
+    # episode's row in the shard's episode table)
+    assert est.rollout_bytes_per_version == 512 * 16 * ((1024 + 16384) * 13 + 128)
     # the LoRA recipe: rank 32 x 28 layers x (q 1536+1536, k and v 1536+256, o 1536+1536, gate and up 1536+8960,
     # down 8960+1536); its checkpoint is the adapter's bf16 module, fp32 copy, moments and adapter.safetensors
     lora = load_config(ROOT / "jobs" / "math_1p5b_gpu_lora.yaml", ["model.path=/absent", "data.path=/absent.jsonl"])

@@ -21,10 +21,12 @@ def main(model_dir: str, out: str) -> None:
     with open(f"{out}/batch.pkl", "rb") as f:
         trajs, adv = pickle.load(f)
     lengths = [len(t.input_ids) for t in trajs]
-    # as the scheduler does: minibatches over the whole batch, then each one split across trainers
+    groups = [t.group_id for t in trajs]
+    # as the scheduler does: whole groups into minibatches over the whole batch, then each one across trainers
     mine, minibatches = [], []
-    for mb in balance_across_ranks(lengths, 2):
-        part = [mb[j] for j in balance_across_ranks([lengths[i] for i in mb], comm.Get_size())[comm.Get_rank()]]
+    for mb in balance_across_ranks(lengths, 2, groups):
+        sizes, gids = [lengths[i] for i in mb], [groups[i] for i in mb]
+        part = [mb[j] for j in balance_across_ranks(sizes, comm.Get_size(), gids)[comm.Get_rank()]]
         minibatches.append(list(range(len(mine), len(mine) + len(part))))
         mine += part
     for agg in AGGS:  # each aggregation over several micro-batches per trainer (a 40-token budget)
