@@ -21,8 +21,8 @@ def test_sync_loop_learns_addition(tmp_path):
         [
             f"store.run_dir={tmp_path / 'run'}",
             f"model.path={tmp_path / 'model'}",
-            "trainer.versions=250",
-            "trainer.max_wall_s=240",
+            "trainer.versions=200",  # held-out 16% -> 55% on a quiet machine (60% at 250)
+            "trainer.max_wall_s=0",  # versions, not seconds: a busy machine must not cut the run short
             "logging.eval_every=50",
             "logging.progress=false",
         ],

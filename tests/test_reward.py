@@ -140,9 +140,7 @@ def test_main_thread_timeout_and_caller_alarm_preserved():
     old = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
     signal.setitimer(signal.ITIMER_REAL, 30.0)
     try:
-        t0 = time.monotonic()
-        assert bounded_call(_slow, "a", "b", 0.2)[0] == 0.0
-        assert time.monotonic() - t0 < 5
+        assert bounded_call(_slow, "a", "b", 0.2)[0] == 0.0  # _slow's own answer is 1.0: the limit ended it
         left, _ = signal.getitimer(signal.ITIMER_REAL)
         assert 20 < left <= 30  # the caller's own alarm is still armed
         assert signal.getsignal(signal.SIGALRM) is not None and not fired
@@ -193,18 +191,14 @@ def test_pool_works_from_thread(math_pool):
 
 
 def test_submit_is_non_blocking(test_pool):
-    t0 = time.monotonic()
     fut = test_pool.submit(["sleep:0.3", "sleep:0.3"], ["", ""])
-    assert time.monotonic() - t0 < 0.2
-    assert not fut.done()
+    assert not fut.done()  # back before the scores (a blocking submit would return a done future)
     assert fut.result(timeout=30) == [1.0, 1.0]
 
 
 def test_soft_timeout_scores_zero(test_pool):
-    t0 = time.monotonic()
     out = test_pool.score(["a", "sleep:30", "b"], ["a", "x", "b"])
-    assert out == [1.0, 0.0, 1.0]
-    assert time.monotonic() - t0 < 10
+    assert out == [1.0, 0.0, 1.0]  # "sleep:30" scores 1.0 once it wakes: 0.0 is the 0.5 s limit's
 
 
 def test_hang_and_crash_score_zero_and_pool_recovers(test_pool):

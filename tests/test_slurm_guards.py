@@ -56,7 +56,7 @@ def test_batch_script_ends_an_srun_that_outlives_a_finished_run(tmp_path):
     t0 = time.time()
     slow = {**env, "AREAL_EXIT_GRACE_S": "4"}
     job = subprocess.Popen(["bash", str(script)], env=slow, stdout=subprocess.PIPE, text=True)
-    while not summary.exists() and time.time() - t0 < 60:
+    while not summary.exists() and time.time() - t0 < 300:  # a hang guard
         time.sleep(0.2)
     time.sleep(1.5)  # the script has seen the new summary; the time limit's signal comes now
     job.send_signal(signal.SIGUSR1)
@@ -64,7 +64,7 @@ def test_batch_script_ends_an_srun_that_outlives_a_finished_run(tmp_path):
     assert job.returncode == 0, stdout
     assert "srun still running 4 s after the run finished; ending it" in stdout
     assert "after the run finished: nothing to requeue" in stdout and "requeueing job" not in stdout
-    assert "srun ended with code 0" in stdout and time.time() - t0 < 60
+    assert "srun ended with code 0" in stdout  # not srun's own sleep 600: communicate's limit is 120 s
 
     summary.unlink()
     (fake / "srun").write_text("#!/bin/bash\nsleep 1\nexit 3\n")
@@ -247,7 +247,7 @@ def test_a_resume_that_fails_at_start_up_ends_failed_with_its_error_in_status(tm
     job_id, t0 = r.stdout.split()[2].rstrip(":"), time.time()
     try:
         while len([p for p in rd.logs.glob("rank*.pid") if p.stat().st_mtime >= t0]) < 4:
-            assert job_state(job_id) not in DONE and time.time() - t0 < 120, job_state(job_id)
+            assert job_state(job_id) not in DONE and time.time() - t0 < 600, job_state(job_id)  # a hang guard
             time.sleep(0.1)
         for pid in _srun_of(job_id):
             os.kill(pid, signal.SIGSTOP)

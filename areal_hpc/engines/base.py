@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,21 +171,43 @@ class GenerationEngine(ABC):
         return self._tokenizer
 
 
-def generate(engine: GenerationEngine, requests: list[GenRequest]) -> list[GenOutput]:
-    """The raw batch call on an engine: add every request, step until all are back (engine tests, benchmarks,
-    vLLM's warm-up). Episodes (evaluation, the single-process loop) run through workflow.batch.run_episodes.
+def run_to_end(
+    engine: GenerationEngine,
+    deliver: Callable[[GenOutput], None],
+    more: Callable[[], bool],
+    idle: Callable[[], None],
+) -> None:
+    """The one blocking loop over an engine with nothing else in flight: step it and `deliver` each output while
+    `more()` says work is left; when the engine holds nothing, `idle()` (wait for what lives outside it, or raise).
 
-    For an engine with nothing else in flight; outputs come back in request order.
+    `generate` (raw requests: engine tests, benchmarks, vLLM's warm-up) and workflow.batch.run_episodes (episodes:
+    evaluation, the single-process loop) are both this loop; the generator rank steps its engine in its own loop.
     """
+    while more():
+        if engine.num_running or engine.num_waiting:
+            for o in engine.step():
+                deliver(o)
+        else:
+            idle()
+
+
+def generate(engine: GenerationEngine, requests: list[GenRequest]) -> list[GenOutput]:
+    """Add every request and step until all are back; outputs come back in request order."""
     want = {r.request_id for r in requests}
     if len(want) != len(requests):
         raise ValueError("generate: request ids must be unique")
-    engine.add(requests)
     done: dict[Hashable, GenOutput] = {}
-    while len(done) < len(want):
-        for o in engine.step():
-            if o.request_id in want:
-                done[o.request_id] = o
+
+    def keep(o: GenOutput) -> None:
+        if o.request_id in want:
+            done[o.request_id] = o
+
+    def lost() -> None:
+        missing = sorted(map(str, want - done.keys()))[:3]
+        raise RuntimeError(f"generate: the engine is empty but never returned {missing}")
+
+    engine.add(requests)
+    run_to_end(engine, keep, lambda: len(done) < len(want), lost)
     return [done[r.request_id] for r in requests]
 
 

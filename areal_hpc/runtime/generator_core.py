@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from areal_hpc.data import Problem
 from areal_hpc.rollout import group_counts, group_summary
+from areal_hpc.runtime.admission import Admission
 from areal_hpc.types import EpisodeCounts, GenRequest, RequestId, SampleId, Trajectory
 from areal_hpc.workflow import FinishedEpisode
 from areal_hpc.workflow.batch import MAX_REJECTED, rejected_too_often
@@ -150,31 +151,6 @@ class ShardBuffer:
         self.scored, seq = [], self.seq
         self.seq += 1
         return trajs, table, summaries, seq
-
-
-@dataclass
-class Admission:
-    """How many prompts to ask rank 0 for: as many groups as keep the engine full with one group queued beyond
-    its slots, counting sequences (a group holds no slot for its finished samples); at most `max_groups` groups
-    with a request in the engine or asked for."""
-
-    n_samples: int
-    capacity: int  # the engine's slots
-    max_groups: int  # rollout.max_concurrent_groups resolved
-    asked: int = 0  # prompts asked for and not granted yet
-
-    def ask(self, sequences: int, groups_on_engine: int) -> int:
-        """Prompts to ask for now (0: none), counted as asked; `sequences` are in the engine or held for it."""
-        n = self.n_samples
-        want = -(-(self.capacity + n - sequences - self.asked * n) // n)
-        k = min(want, self.max_groups - groups_on_engine - self.asked)
-        if k <= 0:
-            return 0
-        self.asked += k
-        return k
-
-    def granted(self, k: int) -> None:
-        self.asked -= k
 
 
 class GeneratorCore:

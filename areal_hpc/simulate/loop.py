@@ -17,6 +17,7 @@ import numpy as np
 import simpy
 
 from areal_hpc.costmodel import CostModel, train_tokens
+from areal_hpc.runtime.admission import Admission
 from areal_hpc.runtime.scheduler_core import ReadyGroup, SchedulerCore, fair_shares
 from areal_hpc.simulate.result import SimResult
 
@@ -100,6 +101,8 @@ class _Generator:
         self.running: list[_Seq] = []
         self.waiting: deque[_Seq] = deque()
         self.groups: dict[int, _Group] = {}
+        c = sim.cfg
+        self.admission = Admission(c.n_samples, c.capacity, c.max_groups)  # the runtime generator's own rule
         self.busy_s = 0.0
         self.wake = sim.env.event()
         self.reward_pool = simpy.Resource(sim.env, capacity=sim.cfg.reward_workers)
@@ -116,14 +119,9 @@ class _Generator:
     def _ask(self) -> None:
         """Ask rank 0 for groups as the runtime's generator does: enough to fill the slots with one group
         queued beyond them, up to max_groups in flight; what is not granted now stays asked for."""
-        c = self.sim.cfg
         if not self.admitting():
             return
-        load = len(self.running) + len(self.waiting) + self.sim.want[self.index] * c.n_samples
-        want = -(-(c.capacity + c.n_samples - load) // c.n_samples)
-        k = min(want, c.max_groups - len(self.groups) - self.sim.want[self.index])
-        if k > 0:
-            self.sim.want[self.index] += k
+        if self.admission.ask(len(self.running) + len(self.waiting), len(self.groups)) > 0:
             self.sim.grant()
 
     def take(self, n: int) -> None:
@@ -236,7 +234,6 @@ class Simulation:
             seed=cfg.seed,
         )
         self.gens = [_Generator(self, i) for i in range(cfg.n_generators)]
-        self.want = [0] * cfg.n_generators  # groups each generator asked for and was not granted yet
         self._grant_due = False
         self.next_group = 0
         self.gen_tokens = 0
@@ -276,11 +273,11 @@ class Simulation:
         room = self.core.gate.capacity()
         if room <= 0:
             return
-        wants = {i: w for i, w in enumerate(self.want) if w > 0 and self.gens[i].admitting()}
+        wants = {i: g.admission.asked for i, g in enumerate(self.gens) if g.admission.asked > 0 and g.admitting()}
         for i, k in fair_shares(wants, room).items():
             granted = len(self.core.grant(k))
             if granted:
-                self.want[i] -= granted
+                self.gens[i].admission.granted(granted)
                 self.gens[i].take(granted)
 
     def _notify_all(self) -> None:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from areal_hpc.engines.base import run_to_end
 from areal_hpc.workflow.records import FinishedEpisode
 from areal_hpc.workflow.runner import EpisodeRunner, RunnerSettings, Workflow
 
@@ -39,30 +40,31 @@ def run_episodes(
     done: dict[Hashable, FinishedEpisode] = {}
     rejected: dict[Hashable, int] = {}
     carried: dict[Hashable, list] = {}  # the stats of each key's rejected tries
+
+    def more() -> bool:
+        """Start again what was rejected, keep what finished; False once every key has its episode."""
+        finished = runner.poll(engine_idle=not (engine.num_running or engine.num_waiting))
+        if runner.abandoned:  # an agent's call cancelled mid-flight holds no slot
+            engine.interrupt(runner.take_abandoned())
+        for ep in finished:
+            if ep.reward is None and retry:
+                rejected[ep.key] = rejected.get(ep.key, 0) + 1
+                carried.setdefault(ep.key, []).append(ep.stats)
+                if rejected[ep.key] >= MAX_REJECTED:
+                    raise rejected_too_often(ep.key, MAX_REJECTED)
+                s = by_key[ep.key]
+                runner.start(s.key, s.row, s.prompt_ids, s.greedy)
+            else:
+                done[ep.key] = ep
+                for st in carried.pop(ep.key, []):  # a rejected try's failures count on the episode that ran
+                    ep.stats.add_failures(st)
+        return len(done) < len(starts)
+
     try:
         for s in starts:
             runner.start(s.key, s.row, s.prompt_ids, s.greedy)
-        while len(done) < len(starts):
-            finished = runner.poll(engine_idle=not (engine.num_running or engine.num_waiting))
-            if runner.abandoned:  # an agent's call cancelled mid-flight holds no slot
-                engine.interrupt(runner.take_abandoned())
-            for ep in finished:
-                if ep.reward is None and retry:
-                    rejected[ep.key] = rejected.get(ep.key, 0) + 1
-                    carried.setdefault(ep.key, []).append(ep.stats)
-                    if rejected[ep.key] >= MAX_REJECTED:
-                        raise rejected_too_often(ep.key, MAX_REJECTED)
-                    s = by_key[ep.key]
-                    runner.start(s.key, s.row, s.prompt_ids, s.greedy)
-                else:
-                    done[ep.key] = ep
-                    for st in carried.pop(ep.key, []):  # a rejected try's failures count on the episode that ran
-                        ep.stats.add_failures(st)
-            if engine.num_running or engine.num_waiting:
-                for out in engine.step():
-                    runner.deliver(out)
-            elif len(done) < len(starts):
-                time.sleep(0.001)  # every episode waits for a reward or a tool
+        # the engine empty: every episode waits for a reward or a tool
+        run_to_end(engine, runner.deliver, more, lambda: time.sleep(0.001))
     finally:
         # what episodes still have in the engine (on an error), and calls cancelled alone at the end, leave it
         left = runner.cancel() + runner.take_abandoned()
