@@ -12,6 +12,7 @@ log = logging.getLogger("areal_hpc.config")
 _warned: set[str] = set()  # each warning once per process
 # every rank loads the config: the launcher (no rank) and rank 0 say it, so a run's log has it once
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+DISTILL_ESTIMATORS = ("sample", "full")  # algo/distill.py ESTIMATORS (not imported: it loads torch)
 
 
 def check_objective(cfg: Any) -> None:
@@ -27,6 +28,7 @@ def check_objective(cfg: Any) -> None:
         raise ConfigError(f"config ppo.dual_clip={pc.dual_clip!r} must be 0 (off) or above 1 (e.g. 3)")
     _check_corrections(pc)
     tc = cfg.trainer
+    _check_distill_estimator(cfg.distill, tc)
     if pc.kl_coef and tc.engine == "deepspeed" and tc.zero_stage == 3 and not tc.lora_rank:
         # the reference would be a full, unsharded copy on every trainer: what ZeRO-3 is chosen to avoid
         # (with LoRA the reference is the base with the adapter off: no copy)
@@ -72,6 +74,19 @@ def _check_corrections(pc: Any) -> None:
         raise ConfigError(
             "config ppo.seq_reject_low/high need ppo.decoupled=true: they bound pi_prox / pi_behav, and plain PPO "
             "has no proximal policy"
+        )
+
+
+def _check_distill_estimator(dc: Any, tc: Any) -> None:
+    """distill.estimator: a known one; full computes its KL in the fused head, which ZeRO-3 (without LoRA) has not."""
+    if dc.estimator not in DISTILL_ESTIMATORS:
+        raise ConfigError(
+            f"config distill.estimator={dc.estimator!r} is not allowed; choose one of {', '.join(DISTILL_ESTIMATORS)}"
+        )
+    if dc.estimator == "full" and dc.teacher and tc.engine == "deepspeed" and tc.zero_stage == 3 and not tc.lora_rank:
+        raise ConfigError(
+            "config distill.estimator=full needs trainer.zero_stage 1 or 2 under DeepSpeed (ZeRO-3's head runs in "
+            "checkpointed calls, without the fused loss the exact KL lives in), or LoRA (trainer.lora_rank)"
         )
 
 

@@ -78,11 +78,11 @@ def check_teacher(teacher: str, student: str | Path) -> None:
         )
 
 
-def distill_spec(teacher: str, coef: float = 1.0) -> DistillSpec:
+def distill_spec(teacher: str, coef: float = 1.0, estimator: str = "sample") -> DistillSpec:
     """What a trainer distils from: the teacher's folder, and for a checkpoint a reader of its weights (called on the
     trainer when the teacher loads, so nothing is read before the first version)."""
     from areal_hpc.export import checkpoint_model
 
     folder, is_ckpt = teacher_folder(teacher)
     read = (lambda: checkpoint_model(teacher)[1]) if is_ckpt else None  # a checkpoint's fp32 weights, cast on load
-    return DistillSpec(teacher, coef, str(folder), read)
+    return DistillSpec(teacher, coef, str(folder), read, estimator)

@@ -48,7 +48,7 @@ def no_forward(engine) -> None:
     micro-batch's inputs (the ids tensors the forward would take) and returns zero."""
     engine.compute_logprobs = lambda seqs: [np.zeros(len(s), np.float32) for s in seqs]
 
-    def loss(seqs, loss_fn, with_entropy=False, prepass=None):
+    def loss(seqs, loss_fn, with_entropy=False, prepass=None, dense=None):
         mb = engine.batching.build(seqs)
         return torch.zeros(()), [], [torch.zeros(sum(mb.lengths))]
 

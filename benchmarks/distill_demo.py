@@ -10,8 +10,9 @@ teacher is a Hugging Face folder given with --teacher, e.g. the demo trained 400
     .venv/bin/python benchmarks/distill_demo.py --teacher /tmp/teacher_hf --seeds 0,1,2
 
 Arms: `rl` (the demo as it is), `rl_lr` (RL alone at the distillation arms' learning rate), `distill` (the
-teacher's reverse KL alone, no task reward) and `distill_reward` (both). The JSON is written after every run
-and runs already in it are kept.
+teacher's reverse KL alone, no task reward) and `distill_reward` (both). `--estimator full` runs the distillation
+arms with distill.estimator=full (the exact KL in the loss), named distill_full and distill_reward_full. The JSON
+is written after every run and runs already in it are kept.
 """
 
 from __future__ import annotations
@@ -29,17 +30,24 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def arms(teacher: str, coef: float, lr: float) -> dict[str, list[str]]:
+def arms(teacher: str, coef: float, lr: float, estimator: str = "sample") -> dict[str, list[str]]:
     """Arm name -> its overrides of the demo config. RL alone runs at the demo's learning rate and at the
-    distillation arms' (`lr`), so each method is measured at a rate that suits it."""
+    distillation arms' (`lr`), so each method is measured at a rate that suits it. With an `estimator` other than
+    sample the distillation arms are named with it (distill_full, ...), apart from the sampled estimator's."""
     distill = [f"distill.teacher={teacher}", f"distill.coef={coef}", f"trainer.lr={lr}"]
+    distill.append(f"distill.estimator={estimator}")
+    tag = _tag(estimator)
     return {
         "rl": [],
         "rl_lr": [f"trainer.lr={lr}"],
         # no task reward: every group carries the teacher's signal, so none is dropped as uniform
-        "distill": [*distill, "distill.task_reward=false", "ppo.drop_uniform_groups=false"],
-        "distill_reward": distill,
+        f"distill{tag}": [*distill, "distill.task_reward=false", "ppo.drop_uniform_groups=false"],
+        f"distill_reward{tag}": distill,
     }
+
+
+def _tag(estimator: str) -> str:
+    return "" if estimator == "sample" else f"_{estimator}"
 
 
 def _first_reaching(curve: dict, target: float) -> tuple[float, float]:
@@ -93,6 +101,7 @@ def main() -> None:
     ap.add_argument("--coef", type=float, default=1.0, help="distill.coef")
     ap.add_argument("--lr", type=float, default=1e-4, help="trainer.lr of the distillation arms and of rl_lr")
     ap.add_argument("--arms", default="rl,distill,distill_reward", help="of rl, rl_lr, distill, distill_reward")
+    ap.add_argument("--estimator", default="sample", choices=("sample", "full"), help="distill.estimator")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--versions", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=10)
@@ -103,9 +112,9 @@ def main() -> None:
     path = RESULTS / "distill_demo.json"
     result = json.loads(path.read_text()) if path.is_file() else {"benchmark": "distill_demo", "runs": {}}
     result.update(versions=args.versions, eval_every=args.eval_every, teacher=args.teacher, coef=args.coef, lr=args.lr)
-    grid = arms(args.teacher, args.coef, args.lr)
+    grid = arms(args.teacher, args.coef, args.lr, args.estimator)
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for arm in args.arms.split(","):
+        for arm in [a if a.startswith("rl") else a + _tag(args.estimator) for a in args.arms.split(",")]:
             if str(seed) in result["runs"].get(arm, {}):
                 continue  # measured before
             t0 = time.time()

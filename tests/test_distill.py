@@ -163,6 +163,11 @@ def test_the_distillation_settings_refuse_contradictions_in_one_line():
         (["distill.task_reward=false"], "needs distill.teacher"),
         (["distill.teacher=/t", "distill.task_reward=false"], "ppo.drop_uniform_groups=false"),
         (["distill.teacher=/t", "distill.coef=0"], "coefficient > 0"),
+        (["distill.teacher=/t", "distill.estimator=exact"], "choose one of sample, full"),
+        (
+            ["distill.teacher=/t", "distill.estimator=full", "trainer.engine=deepspeed", "trainer.zero_stage=3"],
+            "ZeRO-3",
+        ),
     ):
         with pytest.raises(ConfigError, match=words):
             load_config(DEMO.parent / "demo.yaml", overrides)
@@ -236,3 +241,69 @@ def test_an_async_run_distilling_alone_logs_distill_kl_every_version(teacher_dir
         torch.testing.assert_close(held[k], v)
     with pytest.raises(RunFailed, match="another model"):
         prepare_run_dir(load_config(DEMO, [*overrides, f"distill.teacher={ckpt}", "trainer.versions=6"]), True)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["packed", "shared_prefixes"])
+def test_the_full_estimator_loss_and_gradients_match_a_direct_computation(
+    tiny_model_dir, teacher_dir, ppo_batch, share
+):
+    """distill.estimator=full on the fused head: the loss is the policy term plus coef x w_t x KL(student || teacher)
+    over the whole vocabulary at each loss token (w_t: the token's aggregation weight), both under softmax(logits /
+    T); its value and every gradient of the student equal those of full logits, one sequence at a time, unpacked."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_hpc.algo.ppo import Objective, policy_loss, sequence_weights
+    from areal_hpc.columns import as_columns
+    from areal_hpc.engines.torch_train import TorchTrainEngine
+
+    trajs, adv = ppo_batch
+    coef, n = 0.5, len(trajs)
+    kw = dict(optimizer="sgd", lr=0.1, weight_decay=0.0, grad_clip=0.0, n_minibatches=1, seed=0, temperature=T)
+    # chunks of 7 head rows; several micro-batches; a group's prompt laid down once with share_prefixes
+    kw |= dict(max_tokens_per_mb=64, logprob_chunk_tokens=7, share_prefixes=share, share_min_tokens=1)
+    eng = TorchTrainEngine(str(tiny_model_dir), distill=DistillSpec(str(teacher_dir), coef, estimator="full"), **kw)
+    eng.loss_agg = "seq_mean_token_mean"  # a weight that differs between sequences
+    batch, seqs, none = as_columns(trajs), [t.input_ids for t in trajs], [None] * n
+    totals: dict = {}
+    eng._distill_version(batch, seqs, none, totals)
+    assert eng._teacher_all is None and "teacher_t_start" not in totals  # no advantage term, no teacher pass
+    loss_tokens = [int(t.loss_mask.sum()) for t in trajs]
+    seq_weight = dict(enumerate(sequence_weights(loss_tokens, eng.loss_agg, sum(loss_tokens), n, 1)))
+    eng.batching.reset()
+    loss = 0.0
+    for micro in eng.batching.plan(seqs):
+        part = eng._ppo_micro(batch, adv, none, none, micro, seq_weight)[0]
+        part.backward()
+        loss += float(part.detach())
+    counts = eng.batching.counts()
+    if share:  # the prefix tree's shared head rows were exercised
+        assert counts["train_tokens_computed"] < counts["train_tokens_unshared"]
+    got = {k: p.grad.clone() for k, p in eng.model.named_parameters()}
+
+    student = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
+    student.load_state_dict(eng.model.state_dict())
+    direct, kls = torch.zeros(()), []
+    for i, t in enumerate(trajs):
+        ids = torch.as_tensor(t.input_ids)[None]
+        ls = torch.log_softmax(student(ids).logits[0, :-1].float() / T, -1)
+        with torch.no_grad():
+            lt = torch.log_softmax(teacher(ids).logits[0, :-1].float() / T, -1)
+        kl = (ls.exp() * (ls - lt)).sum(-1)
+        logp = ls.gather(1, ids[0, 1:, None])[:, 0]
+        behav, mask = torch.as_tensor(t.behav_logprobs[1:]), torch.as_tensor(t.loss_mask[1:]).float()
+        w = torch.full_like(logp, seq_weight[i])
+        pg, _ = policy_loss(Objective(), logp, behav, behav, torch.full_like(logp, float(adv[i])), mask, w)
+        direct = direct + pg + coef * (w * mask * kl).sum()
+        kls.append(kl.detach()[mask > 0])
+    direct.backward()
+    assert loss == pytest.approx(float(direct.detach()), rel=1e-5)
+    for k, p in student.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, rtol=1e-5, atol=1e-6, msg=k)
+    assert eng._distill_stats()["distill_kl"] == pytest.approx(float(torch.cat(kls).mean()), rel=1e-5)
+
+    # a whole version on the term alone (every task advantage zero): the weights move, distill_kl is logged
+    before = {k: v.clone() for k, v in eng.weights().items()}
+    stats = eng.ppo_update(trajs, np.zeros(n, np.float32))
+    assert any(not torch.equal(before[k], v) for k, v in eng.weights().items())
+    assert np.isfinite(stats["distill_kl"]) and stats["distill_kl"] > 0

@@ -1,8 +1,10 @@
-"""On-policy distillation's per-token term: the reverse KL's sample on the student's own tokens, pure (no I/O)."""
+"""On-policy distillation's reverse KL: its sample on the student's own tokens, or exact over the vocabulary; pure."""
 
 from __future__ import annotations
 
 import torch
+
+ESTIMATORS = ("sample", "full")  # distill.estimator: the sampled token's gap as an advantage | the exact KL as a loss
 
 
 def distill_term(
@@ -29,3 +31,18 @@ def baseline_sums(teacher_all: list, student_all: list, masks: list) -> tuple[fl
         total += float((torch.as_tensor(lp).float().cpu() - torch.as_tensor(student).float().cpu())[m].sum())
         n += float(m.sum())
     return total, n
+
+
+def full_kl_grad_(student_logsm: torch.Tensor, teacher_logsm: torch.Tensor, weight: torch.Tensor, rows: int = 64):
+    """Per row KL(p_s || p_t) = sum_v p_s (log p_s - log p_t) from the two log-softmaxes of a chunk, and, written over
+    `teacher_logsm` (no other chunk-sized buffer), weight x its gradient wrt the student's logits z (logsm = z - lse):
+    d KL / dz = p_s * (log p_s - log p_t - KL). Returns (kl, that gradient); a few rows of p_s at a time."""
+    kls = []
+    for a in range(0, len(student_logsm), rows):
+        s, t = student_logsm[a : a + rows], teacher_logsm[a : a + rows]
+        p = s.exp()
+        t.neg_().add_(s)  # log p_s - log p_t
+        kl = (p * t).sum(-1)
+        t.sub_(kl[:, None]).mul_(p).mul_(weight[a : a + rows, None].to(t.dtype))
+        kls.append(kl)
+    return (torch.cat(kls) if kls else student_logsm.new_zeros(0)), teacher_logsm

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +164,16 @@ LossFn = Callable[..., torch.Tensor]
 Prepass = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+class Dense(Protocol):
+    """A loss term over the whole vocabulary of each head row (distillation's exact KL, engines/distill_full.py):
+    `begin` once the micro-batch's head rows are known; then per chunk of head rows from `a`, given the chunk's
+    log-softmax (under T, not to be changed), its summed loss and d loss / d (logits / T), or None for no gradient."""
+
+    def begin(self, mb: MicroBatch, rows: Rows) -> None: ...
+
+    def chunk(self, a: int, logsm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
 def _grad_logits(logsm: torch.Tensor, t, g: torch.Tensor, g_ent: torch.Tensor | None, entropy: torch.Tensor):
     """d loss / d logits of a chunk, written over `logsm` (its log-softmax), 64 rows at a time.
 
@@ -186,7 +197,7 @@ class _HeadLoss(torch.autograd.Function):
     """loss(log_softmax(hidden @ W.T / T)[targets]) whose backward hands over gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, rows, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass):
+    def forward(ctx, hidden, weight, rows, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass, dense):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         w = weight.detach().to(dtype)
@@ -232,9 +243,16 @@ class _HeadLoss(torch.autograd.Function):
             total += loss.detach().float()
             record(row_lp, row_ent)
             del logits
+            dense_grad = None
+            if dense is not None:  # read logsm before _grad_logits overwrites it; its gradient joins below
+                part, dense_grad = dense.chunk(a, logsm)
+                total += part.detach().float()
             # through the log-softmax (and the entropy), then through the division by T
             grad_z = _grad_logits(logsm, t, g, g_ent, entropy)
             del logsm
+            if dense_grad is not None:
+                grad_z.add_(dense_grad)
+                del dense_grad
             if temperature != 1.0:
                 grad_z.div_(temperature)
             gz = grad_z.to(dtype)
@@ -264,7 +282,7 @@ class _HeadLoss(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         grad_weight = None if grad_w is None else grad_w * grad_out
-        return (grad_h * grad_out, grad_weight) + (None,) * 7
+        return (grad_h * grad_out, grad_weight) + (None,) * 8
 
 
 def chunked_loss(
@@ -278,12 +296,16 @@ def chunked_loss(
     with_entropy: bool = False,
     prepass: Prepass | None = None,
     head_weight: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    dense: Dense | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The summed loss of a micro-batch (differentiable), and per sequence the log-probabilities and entropies
     (detached). `n_chunks` (ZeRO-3) takes the checkpointed path, where every head call is a module call.
     `with_entropy`: loss_fn also takes the entropies and may train them; `prepass`: see Prepass.
-    `head_weight`: a context in which head.weight is whole, entered after the body's forward (ZeRO-3, frozen head)."""
+    `head_weight`: a context in which head.weight is whole, entered after the body's forward (ZeRO-3, frozen head).
+    `dense`: a full-vocabulary term added to the loss, fused path only (see Dense)."""
     if n_chunks is not None:
+        if dense is not None:  # the config check refuses this first (objective_checks.py)
+            raise ValueError("a full-vocabulary loss term (distill.estimator=full) needs the fused head, not n_chunks")
         logps, ents = token_logprobs(model, head, mb, temperature, chunk_tokens, n_chunks, with_entropy)
         _, _, index = mb.predicting_rows()
         flat = torch.cat([lp[1:] for lp in logps])
@@ -295,6 +317,8 @@ def chunked_loss(
             loss = loss_fn(flat, index)
         return loss, [lp.detach() for lp in logps], [e.detach() for e in ents]
     hidden, rows = _hidden_rows(model, mb)
+    if dense is not None:
+        dense.begin(mb, rows)
     lps, ents = [], []
 
     def record(lp, ent):
@@ -303,7 +327,7 @@ def chunked_loss(
 
     with head_weight():
         loss = _HeadLoss.apply(
-            hidden, head.weight, rows, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass
+            hidden, head.weight, rows, temperature, chunk_tokens, loss_fn, record, with_entropy, prepass, dense
         )
     flat_lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
     flat_ent = torch.cat(ents) if ents else flat_lp

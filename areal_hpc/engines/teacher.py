@@ -11,13 +11,14 @@ from areal_hpc.engines.reference import FrozenPolicy
 @dataclass(frozen=True)
 class DistillSpec:
     """What a trainer distils from (the distill section, resolved by areal_hpc.teacher.distill_spec): the teacher,
-    the term's weight, the folder with its config and tokenizer (default: `teacher` itself, a Hugging Face folder)
-    and, for a checkpoint of this project, a reader of its weights."""
+    the term's weight, the folder with its config and tokenizer (default: `teacher` itself, a Hugging Face folder),
+    for a checkpoint of this project a reader of its weights, and the estimator (algo/distill.py ESTIMATORS)."""
 
     teacher: str
     coef: float = 1.0
     folder: str = ""
     read_weights: Callable[[], dict] | None = None
+    estimator: str = "sample"
 
 
 def load_teacher(spec: DistillSpec, dtype: str, device, packing: bool, trees: bool = False) -> FrozenPolicy:

@@ -8,7 +8,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areal_hpc.algo.distill import baseline_sums
 from areal_hpc.algo.mismatch import version_sums
 from areal_hpc.algo.packing import balance_across_ranks
 from areal_hpc.algo.ppo import Objective, sequence_weights
@@ -17,14 +16,15 @@ from areal_hpc.engines import forward
 from areal_hpc.engines import lora as lora_lib
 from areal_hpc.engines.base import TrainEngine
 from areal_hpc.engines.batching import Batching
+from areal_hpc.engines.distill_full import Distilling
 from areal_hpc.engines.policy_step import PPO_STATS, PolicyStep, merge_stats
 from areal_hpc.engines.reference import FrozenPolicy, ReferencePolicy
-from areal_hpc.engines.teacher import DistillSpec, load_teacher
+from areal_hpc.engines.teacher import DistillSpec
 from areal_hpc.engines.torch_files import TorchEngineFiles
 from areal_hpc.model import load_causal_lm
 
 
-class TorchTrainEngine(TorchEngineFiles, TrainEngine):
+class TorchTrainEngine(Distilling, TorchEngineFiles, TrainEngine):
     """Data-parallel PPO trainer on plain torch.
 
     With a process group of T > 1 ranks, every optimizer step all-reduces the summed gradients in one
@@ -144,9 +144,9 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
         """How chunked_loss reaches the output layer (n_chunks, head_weight): fused, or ZeRO-3's checkpointed calls."""
         return {"n_chunks": self.fixed_chunks}
 
-    def _loss(self, seqs: list[np.ndarray], loss_fn: forward.LossFn, with_entropy: bool = False, prepass=None):
+    def _loss(self, seqs: list[np.ndarray], loss_fn: forward.LossFn, with_entropy=False, prepass=None, dense=None):
         """A summed per-token loss over these sequences; also their logprobs and entropies (detached).
-        `with_entropy` and `prepass`: as forward.chunked_loss takes them."""
+        `with_entropy`, `prepass` and `dense`: as forward.chunked_loss takes them."""
         with self._autocast():
             head = self.model.get_output_embeddings()
             mb = self.batching.build(seqs)
@@ -159,6 +159,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
                 self.logprob_chunk_tokens,
                 with_entropy=with_entropy,
                 prepass=prepass,
+                dense=dense,
                 **self._head_path(),
             )
 
@@ -271,15 +272,8 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             totals["ref_t_start"] = time.time()  # the reference forward: a span of its own on the timeline
             ref_all = self._reference_logprobs(seqs)
             totals["ref_t_end"] = time.time()
-        if self.distill is not None:
-            self._teacher_all = self._teacher_logprobs(seqs, totals)
-            # the student's logprobs: the recomputed ones where there are, else the sampler's (as in PolicyStep's term)
-            student = [p if p is not None else b for p, b in zip(prox_all, batch.split("behav_logprobs"), strict=True)]
-            mine = baseline_sums(self._teacher_all, student, batch.split("loss_mask"))
-            gap, n = self._allreduce_sum(list(mine))
-            self._distill_baseline = gap / max(n, 1.0)  # the whole batch's, on every trainer
-            if mine[1]:  # this share's mean reverse KL; rank 0 weighs the shares by their loss tokens
-                totals["distill_kl"] = -mine[0] / mine[1]
+        if self.distill is not None:  # the teacher's logprobs and baseline, or (full) a fresh distill_kl sum
+            self._distill_version(batch, seqs, prox_all, totals)
 
         if minibatches is None:
             if seqs:  # whole groups, as the scheduler splits a batch: a group's prompt is shared in every step
@@ -316,6 +310,7 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             if gaps is None:
                 gaps = self._first_forward_gaps(batch, first)
         totals.update(gaps if gaps is not None else version_sums([], [], self.version))
+        totals.update(self._distill_stats())  # estimator full: the KL its steps trained
         self.version += 1
         if "loss" in totals:
             totals["loss"] /= len(minibatches)  # mean minibatch loss
@@ -341,7 +336,8 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
             distill_coef=self.distill.coef if self.distill is not None else 0.0,
             distill_baseline=self._distill_baseline,
         )
-        loss, logprobs, entropies = self._loss(step.seqs, step.loss_fn, step.with_entropy, step.prepass)
+        dense = self._dense(step)  # distill.estimator=full: the teacher's exact KL, in the loss
+        loss, logprobs, entropies = self._loss(step.seqs, step.loss_fn, step.with_entropy, step.prepass, dense)
         return loss, step.stats(entropies), logprobs
 
     def _first_forward_gaps(self, batch: TrajectoryColumns, first: dict[int, torch.Tensor]) -> dict:
@@ -363,17 +359,6 @@ class TorchTrainEngine(TorchEngineFiles, TrainEngine):
                 self.model_path, self.weights(), dtype, self.device, self.packing, self.batching.trees
             )
         return self._frozen_logprobs(self.reference, seqs)
-
-    def _teacher_logprobs(self, seqs: list[np.ndarray], totals: dict) -> list:
-        """Each sequence's logprobs under the distillation teacher (loaded the first time, before its span starts:
-        the timeline's "teacher" span is the forward alone). No collective: a plain module on every trainer."""
-        if self.teacher is None:
-            dtype = "bfloat16" if self.bf16 else "float32"
-            self.teacher = load_teacher(self.distill, dtype, self.device, self.packing, self.batching.trees)
-        totals["teacher_t_start"] = time.time()
-        out = self._frozen_logprobs(self.teacher, seqs)
-        totals["teacher_t_end"] = time.time()
-        return out
 
     def _frozen_logprobs(self, policy: FrozenPolicy, seqs: list[np.ndarray]) -> list:
         """Each sequence's logprobs under a frozen model (the reference, the teacher): chunked, no grad."""

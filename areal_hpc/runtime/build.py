@@ -141,7 +141,7 @@ def write_lora_contract(cfg: Config, run_dir: RunDir, engine: TrainEngine, base_
 
 def build_train_engine(cfg: Config, model_dir: Path, process_group=None, full: bool = False) -> TrainEngine:
     """The trainer of `cfg`; `full`: a plain torch trainer of every weight (LoRA's warm start, before the adapter)."""
-    rc, pc, tc = cfg.rollout, cfg.ppo, cfg.trainer
+    rc, pc, tc, dc = cfg.rollout, cfg.ppo, cfg.trainer, cfg.distill
     if tc.engine == "emulated":
         share = dict(share_prefixes=tc.share_prefixes, share_min_tokens=tc.share_min_tokens)
         kw = _emulation_kwargs(cfg) | share | dict(model_path=str(model_dir), max_tokens_per_mb=tc.max_tokens_per_mb)
@@ -173,7 +173,7 @@ def build_train_engine(cfg: Config, model_dir: Path, process_group=None, full: b
         logprob_chunk_tokens=tc.logprob_chunk_tokens,
         gradient_checkpointing=tc.gradient_checkpointing,
         lora=None if full else lora_spec(cfg),
-        distill=None if full or not cfg.distill.teacher else distill_spec(cfg.distill.teacher, cfg.distill.coef),
+        distill=None if full or not dc.teacher else distill_spec(dc.teacher, dc.coef, dc.estimator),
         **extra,
     )
 
