@@ -126,8 +126,9 @@ class DistillConfig:
     # false: the task advantage is zeroed and the teacher's term alone trains (needs ppo.drop_uniform_groups=false)
     task_reward: bool = True
     # sample: the term above, the sampled token's gap as an advantage | full: no advantage term; the loss gains
-    # coef x KL(student || teacher) over the whole vocabulary at each loss token, weighted as its policy term (no
-    # sampling noise; one teacher body forward per micro-batch; not under DeepSpeed ZeRO-3 without LoRA)
+    # coef x KL(student || teacher) over the whole vocabulary at each loss token, weighted by the loss's
+    # aggregation (no clip, behaviour weight or rejection; exact: no sampling noise; one teacher body forward per
+    # micro-batch; not under DeepSpeed ZeRO-3 without LoRA)
     estimator: str = "sample"
 
 

@@ -81,13 +81,16 @@ def test_emulated_engine_keeps_the_step_contract(tiny_model_dir):
 
 def test_emulated_steps_take_the_cost_models_time(tiny_model_dir):
     eng = _engine(tiny_model_dir, cost_overrides={"step_overhead_s": 5.0}, len_sigma=0.0)
-    eng.time_scale = 2e-3  # 10 ms per step
-    eng.add([GenRequest("0:0", [1], max_new_tokens=30)])
-    t0 = time.monotonic()
-    (o,) = [x for _ in range(6) for x in eng.step()]
-    took = time.monotonic() - t0
-    assert len(o.output_ids) == 6 and o.finish_reason == "stop"
-    assert 0.055 < took < 0.5
+    took = {}
+    for scale in (2e-3, 6e-3):  # 10 ms, then 30 ms per step
+        eng.time_scale = scale
+        eng.add([GenRequest(f"0:{scale}", [1], max_new_tokens=30)])
+        t0 = time.monotonic()
+        (o,) = [x for _ in range(6) for x in eng.step()]
+        took[scale] = time.monotonic() - t0
+        assert len(o.output_ids) == 6 and o.finish_reason == "stop"
+    # a sleep never ends early; side by side, three times the cost takes clearly longer, whatever the load
+    assert took[2e-3] > 0.055 and took[6e-3] > 0.175 and took[6e-3] > 1.5 * took[2e-3], took
 
 
 def test_emulated_engines_go_together_and_bad_cost_fields_are_one_line():

@@ -121,6 +121,9 @@ def test_requests_join_mid_flight_and_leave_in_the_step_they_finish(tiny_model_d
     # a greedy request that joined a running batch answers exactly as it does alone
     (solo,) = generate(eng, [GenRequest("solo", joined.prompt_ids, 20, greedy=True)])
     assert got["joined"][0].output_ids == solo.output_ids
+    # no budget left: it finishes without sampling, handed back by the next step, and the blocking call returns it
+    (empty,) = generate(eng, [GenRequest("empty", joined.prompt_ids, 0)])
+    assert len(empty.output_ids) == 0 and empty.finish_reason == "length"
 
 
 def test_slot_cache_keeps_every_row_exact_as_rows_come_and_go(tiny_model_dir):

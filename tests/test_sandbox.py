@@ -135,13 +135,15 @@ def test_a_fork_bomb_is_stopped_by_the_process_limit(mode):
     import os, time
     for _ in range(2000):
         if os.fork() == 0:
-            time.sleep(20)
+            time.sleep(900)
             os._exit(0)
     """
     before = _sandbox_leftovers()
-    r, took = score(hostile(bomb), mode, timeout_s=5)
-    assert r == 0.0 and took < 5
-    end = time.monotonic() + 3  # a killed process is gone once the kernel has torn it down
+    # children that sleep past a wall timeout far beyond any load: back before it, the bomb was stopped and its
+    # children were not waited for
+    r, took = score(hostile(bomb), mode, timeout_s=600)
+    assert r == 0.0 and took < 600
+    end = time.monotonic() + 30  # (a hang guard) a killed process is gone once the kernel has torn it down
     while _new_sandbox_processes(before) and time.monotonic() < end:
         time.sleep(0.1)
     assert not _new_sandbox_processes(before)  # every child died with the sandbox
@@ -169,7 +171,7 @@ def test_the_sandbox_dies_with_its_scorer(mode):
     finally:
         scorer.kill()
         scorer.wait()
-    end = time.monotonic() + 5
+    end = time.monotonic() + 30  # a hang guard
     while _new_sandbox_processes(before) and time.monotonic() < end:
         time.sleep(0.1)
     assert not _new_sandbox_processes(before)
@@ -271,9 +273,9 @@ def test_printing_a_gigabyte_is_cut_short_with_bounded_memory(mode):
     sys.stdout.flush()
     """
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    r, took = score(hostile(code), mode, timeout_s=10)
+    r, took = score(hostile(code), mode, timeout_s=600)
     grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    assert r == 0.0 and took < 5, took  # stopped at the file-size limit, not at the timeout
+    assert r == 0.0 and took < 600, took  # stopped at the file-size limit, not at the (far) timeout
     assert grew_mb < 50, grew_mb
     still_scores_one(mode)
 

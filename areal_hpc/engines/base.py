@@ -93,6 +93,12 @@ class GenerationEngine(ABC):
     def num_waiting(self) -> int:
         """Requests added that wait for a slot."""
 
+    @property
+    def has_work(self) -> bool:
+        """A step would return or advance something: requests running or waiting, or outputs that finished without
+        a step (no budget left: a max_new_tokens of 0, a resumed answer already at its length)."""
+        return bool(self.num_running or self.num_waiting or self._ready)
+
     @abstractmethod
     def add(self, requests: list[GenRequest]) -> None:
         """The requests join the running batch at the next step (queued if it is full)."""
@@ -184,7 +190,7 @@ def run_to_end(
     evaluation, the single-process loop) are both this loop; the generator rank steps its engine in its own loop.
     """
     while more():
-        if engine.num_running or engine.num_waiting:
+        if engine.has_work:
             for o in engine.step():
                 deliver(o)
         else:

@@ -26,7 +26,7 @@ class FullKL:
 
     def begin(self, mb: forward.MicroBatch, rows: forward.Rows) -> None:
         with torch.no_grad():
-            self.hidden, _ = forward._hidden_rows(self.teacher, mb)  # the same layout: the same head rows
+            self.hidden, _ = forward._hidden_rows(self.teacher, mb, body_only=True)  # the same layout and head rows
         w, m = self.weight[rows.index].float(), self.mask[rows.index].float()
         if rows.inverse is not None:
             n = len(self.hidden)

@@ -83,16 +83,22 @@ def use_packed_attention(model: torch.nn.Module, device: torch.device, half: boo
 
 
 # -- log-probabilities without a loss: checkpointed chunks -------------------------------------------------
-def _hidden_rows(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, Rows]:
-    """The last hidden state of each row the head computes, and those rows."""
-    out = model(
-        input_ids=mb.input_ids,
-        output_hidden_states=True,
-        logits_to_keep=1,  # the head is applied here, in chunks
-        use_cache=False,
-        **mb.model_kwargs(),
-    )
-    last = out.hidden_states[-1]
+def _hidden_rows(model: torch.nn.Module, mb: MicroBatch, body_only: bool = False) -> tuple[torch.Tensor, Rows]:
+    """The last hidden state of each row the head computes, and those rows. `body_only`: call the model's body
+    (a plain transformers model, no wrapper), which keeps no other layer's hidden states: a frozen teacher's
+    forward beside a training one holds only its last layer's."""
+    if body_only:
+        out = model.get_decoder()(input_ids=mb.input_ids, use_cache=False, **mb.model_kwargs())
+        last = out.last_hidden_state
+    else:
+        out = model(
+            input_ids=mb.input_ids,
+            output_hidden_states=True,
+            logits_to_keep=1,  # the head is applied here, in chunks
+            use_cache=False,
+            **mb.model_kwargs(),
+        )
+        last = out.hidden_states[-1]
     rows = mb.head_rows()
     return last.reshape(-1, last.shape[-1])[rows.src], rows
 
