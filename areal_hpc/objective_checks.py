@@ -12,7 +12,7 @@ log = logging.getLogger("areal_hpc.config")
 _warned: set[str] = set()  # each warning once per process
 # every rank loads the config: the launcher (no rank) and rank 0 say it, so a run's log has it once
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
-DISTILL_ESTIMATORS = ("sample", "full")  # algo/distill.py ESTIMATORS (not imported: it loads torch)
+DISTILL_ESTIMATORS = ("sample", "full")  # distill.estimator: the sampled gap as an advantage | the exact KL in the loss
 
 
 def check_objective(cfg: Any) -> None:

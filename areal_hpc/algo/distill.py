@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-ESTIMATORS = ("sample", "full")  # distill.estimator: the sampled token's gap as an advantage | the exact KL as a loss
-
 
 def distill_term(
     teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor, coef: float, baseline: float = 0.0
