@@ -2,7 +2,8 @@
 held-out accuracy, at equal versions and at equal wall time, over several seeds.
 
 The student is the demo model after its warm start (every run builds it from the same initial weights); the
-teacher is a Hugging Face folder given with --teacher, e.g. the demo trained 400 versions and exported:
+teacher is a Hugging Face folder given with --teacher, e.g. the demo trained 400 versions and exported (a teacher
+further ahead taught more slowly: docs/algorithm.md):
 
     .venv/bin/areal-hpc run jobs/demo.yaml store.run_dir=/tmp/teacher trainer.versions=400 trainer.max_wall_s=0 \
         trainer.checkpoint_every=100 trainer.seed=100 data.seed=100 model.path=benchmarks/results/distill_demo/model
@@ -11,8 +12,9 @@ teacher is a Hugging Face folder given with --teacher, e.g. the demo trained 400
 
 Arms: `rl` (the demo as it is), `rl_lr` (RL alone at the distillation arms' learning rate), `distill` (the
 teacher's reverse KL alone, no task reward) and `distill_reward` (both). `--estimator full` runs the distillation
-arms with distill.estimator=full (the exact KL in the loss), named distill_full and distill_reward_full. The JSON
-is written after every run and runs already in it are kept.
+arms with distill.estimator=full (the exact KL in the loss), named distill_full and distill_reward_full. Both
+distillation arms keep groups that score alike (ppo.drop_uniform_groups=false): the teacher still teaches on them.
+The JSON is written after every run and runs already in it are kept.
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ def arms(teacher: str, coef: float, lr: float, estimator: str = "sample") -> dic
     """Arm name -> its overrides of the demo config. RL alone runs at the demo's learning rate and at the
     distillation arms' (`lr`), so each method is measured at a rate that suits it. With an `estimator` other than
     sample the distillation arms are named with it (distill_full, ...), apart from the sampled estimator's."""
-    distill = [f"distill.teacher={teacher}", f"distill.coef={coef}", f"trainer.lr={lr}"]
-    distill.append(f"distill.estimator={estimator}")
+    # every group carries the teacher's signal, whatever its rewards: none is dropped as uniform
+    distill = [f"distill.teacher={teacher}", f"distill.coef={coef}", f"distill.estimator={estimator}"]
+    distill += [f"trainer.lr={lr}", "ppo.drop_uniform_groups=false"]
     tag = _tag(estimator)
     return {
         "rl": [],
         "rl_lr": [f"trainer.lr={lr}"],
-        # no task reward: every group carries the teacher's signal, so none is dropped as uniform
-        f"distill{tag}": [*distill, "distill.task_reward=false", "ppo.drop_uniform_groups=false"],
+        f"distill{tag}": [*distill, "distill.task_reward=false"],
         f"distill_reward{tag}": distill,
     }
 

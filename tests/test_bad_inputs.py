@@ -105,6 +105,19 @@ def test_gspo_with_the_token_mean_is_warned_once_in_one_line_naming_the_per_sequ
     assert "importance=sequence" in said[0] and "loss_agg=seq_mean_token_mean" in said[0]
 
 
+def test_distilling_while_dropping_uniform_groups_is_warned_in_one_line(caplog):
+    from areal_hpc import objective_checks
+
+    objective_checks._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="areal_hpc"):
+        load_config(DEMO, ["distill.teacher=/t", "model.path=/nonexistent"])  # the demo drops uniform groups
+        load_config(DEMO, ["distill.teacher=/t", "ppo.drop_uniform_groups=false", "model.path=/nonexistent"])
+        load_config(DEMO, ["model.path=/nonexistent"])  # no teacher: a uniform group teaches nothing
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "distill.teacher" in said[0] and "ppo.drop_uniform_groups=false" in said[0]
+
+
 def test_lora_settings_that_cannot_work_are_one_line_before_any_rank_starts(tiny_model_dir, tmp_path):
     # rank and alpha are in the sweeps above; layers that the model lacks need the model folder
     base = [f"model.path={tiny_model_dir}", "model.build_tiny=false", f"store.run_dir={tmp_path / 'r'}"]

@@ -200,7 +200,8 @@ def test_a_resume_keeps_the_same_teacher(teacher_dir, tiny_model_dir, tmp_path):
 def test_an_async_run_distilling_alone_logs_distill_kl_every_version(teacher_dir, tmp_path):
     """The demo's student, distilling alone from a wider teacher, asynchronously (eta 2, two generators, keep_kv):
     distill_kl in every version's row, the teacher's forward on the trainer's timeline, a checkpoint as a teacher,
-    and a resume naming another teacher refused before anything starts."""
+    a resume naming another teacher refused before anything starts, and one naming the same teacher going on with
+    the exact KL (distill.estimator=full)."""
     from safetensors.torch import load_file
 
     from areal_hpc.config import load_config
@@ -241,6 +242,13 @@ def test_an_async_run_distilling_alone_logs_distill_kl_every_version(teacher_dir
         torch.testing.assert_close(held[k], v)
     with pytest.raises(RunFailed, match="another model"):
         prepare_run_dir(load_config(DEMO, [*overrides, f"distill.teacher={ckpt}", "trainer.versions=6"]), True)
+
+    # the same teacher resumes, here with the exact KL (estimator full) asynchronously: its distill_kl is a KL, >= 0
+    full = load_config(DEMO, [*overrides, "trainer.versions=6", "distill.estimator=full"])
+    s = launch(full, resume=True, progress=False)
+    resumed = pd.read_csv(run / "metrics.csv").drop_duplicates("version", keep="last").set_index("version")
+    assert s["versions"] == 6 and {5, 6} <= set(resumed.index)
+    assert (resumed.loc[[5, 6], "distill_kl"] >= 0).all() and np.isfinite(resumed.loc[[5, 6], "distill_kl"]).all()
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["packed", "shared_prefixes"])
