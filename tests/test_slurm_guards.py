@@ -123,8 +123,9 @@ def test_one_job_per_run_dir_and_a_resume_keeps_the_run_s_model(tmp_path):
     for path, words in ((other, "is another model: its weights' sha256"), (missing, "does not exist")):
         out = _cli("resume", str(run), "trainer.versions=70", f"model.path={path}", "model.build_tiny=true")
         assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1 and words in out.stderr, out.stderr
-    # a teacher where the run distilled from none: refused before the job is queued (its script would refuse it)
-    out = _cli("resume", str(run), "trainer.versions=70", f"distill.teacher={other}")
+    # a teacher where the run distilled from none: refused before the job is queued (its script would refuse it);
+    # uniform groups kept, as a distilling run should (else a config warning comes before the refusal)
+    out = _cli("resume", str(run), "trainer.versions=70", f"distill.teacher={other}", "ppo.drop_uniform_groups=false")
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "started without distillation" in out.stderr, out.stderr
     assert not missing.parent.exists() and _files(run) == before
