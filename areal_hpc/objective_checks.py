@@ -105,8 +105,9 @@ def objective_warnings(cfg: Any) -> list[str]:
             "config ppo.seq_reject_low/high with ppo.prox=loglinear: fresh tokens' weights are exactly 1 there, so "
             "the band cannot see a training-inference mismatch; use ppo.prox=recompute"
         )
-    if cfg.distill.teacher and pc.drop_uniform_groups:
+    if cfg.distill.teacher and cfg.distill.task_reward and pc.drop_uniform_groups:
         # a group whose answers all scored alike has no task advantage, but the teacher still scores every token
+        # (without the task reward this is refused: config_checks)
         out.append(
             "config distill.teacher with ppo.drop_uniform_groups=true drops groups whose answers all scored alike, "
             "though the teacher's term still teaches on them; ppo.drop_uniform_groups=false keeps them"

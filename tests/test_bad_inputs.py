@@ -113,6 +113,8 @@ def test_distilling_while_dropping_uniform_groups_is_warned_in_one_line(caplog):
         load_config(DEMO, ["distill.teacher=/t", "model.path=/nonexistent"])  # the demo drops uniform groups
         load_config(DEMO, ["distill.teacher=/t", "ppo.drop_uniform_groups=false", "model.path=/nonexistent"])
         load_config(DEMO, ["model.path=/nonexistent"])  # no teacher: a uniform group teaches nothing
+        with pytest.raises(ConfigError, match="drop_uniform_groups=false"):  # refused, so not warned as well
+            load_config(DEMO, ["distill.teacher=/u", "distill.task_reward=false", "model.path=/nonexistent"])
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(said) == 1 and "\n" not in said[0], said
     assert "distill.teacher" in said[0] and "ppo.drop_uniform_groups=false" in said[0]

@@ -246,6 +246,7 @@ def test_an_async_run_distilling_alone_logs_distill_kl_every_version(teacher_dir
     # the same teacher resumes, here with the exact KL (estimator full) asynchronously: its distill_kl is a KL, >= 0
     full = load_config(DEMO, [*overrides, "trainer.versions=6", "distill.estimator=full"])
     s = launch(full, resume=True, progress=False)
+    assert load_config(run / "config.yaml").distill.estimator == "full"  # what the ranks ran with
     resumed = pd.read_csv(run / "metrics.csv").drop_duplicates("version", keep="last").set_index("version")
     assert s["versions"] == 6 and {5, 6} <= set(resumed.index)
     assert (resumed.loc[[5, 6], "distill_kl"] >= 0).all() and np.isfinite(resumed.loc[[5, 6], "distill_kl"]).all()
