@@ -112,4 +112,12 @@ def objective_warnings(cfg: Any) -> list[str]:
             "config distill.teacher with ppo.drop_uniform_groups=true drops groups whose answers all scored alike, "
             "though the teacher's term still teaches on them; ppo.drop_uniform_groups=false keeps them"
         )
+    task_trains = cfg.distill.task_reward or not cfg.distill.teacher
+    if task_trains and cfg.rollout.n_samples == 1 and pc.adv_scope == "group" and pc.adv_norm != "none":
+        # a one-answer group's advantage is its reward minus itself: the task reward trains nothing, unsaid
+        out.append(
+            "config rollout.n_samples=1 with ppo.adv_scope=group: a one-answer group has no task advantage, so the "
+            "task reward does not train; rollout.n_samples >= 2, ppo.adv_scope=batch, or (distilling alone) "
+            "distill.task_reward=false"
+        )
     return out

@@ -10,11 +10,14 @@ further ahead taught more slowly: docs/algorithm.md):
     .venv/bin/areal-hpc export /tmp/teacher/checkpoints/v00000400 /tmp/teacher_hf
     .venv/bin/python benchmarks/distill_demo.py --teacher /tmp/teacher_hf --seeds 0,1,2
 
-Arms: `rl` (the demo as it is), `rl_lr` (RL alone at the distillation arms' learning rate), `distill` (the
-teacher's reverse KL alone, no task reward) and `distill_reward` (both). `--estimator full` runs the distillation
-arms with distill.estimator=full (the exact KL in the loss), named distill_full and distill_reward_full. Both
-distillation arms keep groups that score alike (ppo.drop_uniform_groups=false): the teacher still teaches on them.
-The JSON is written after every run and runs already in it are kept.
+Arms: `rl` (the demo as it is), `rl_lr` (RL alone at the distillation arms' learning rate, --lr), `rl_wide` (RL
+alone sampling as the distillation-with-reward arm does: 2 answers to each of 128 prompts), `distill` (the teacher's
+reverse KL alone, no task reward: one answer to each of 256 prompts, since no group of answers is compared) and
+`distill_reward` (both: 2 answers to each of 128 prompts). Every arm samples 256 answers a version. The distillation
+arms run with distill.estimator=full (the exact KL in the loss; --estimator sample for the sampled one, arms then
+named without the _full suffix), keep groups that score alike (ppo.drop_uniform_groups=false: the teacher still
+teaches on them), and with --demo-shape sample as the demo does (8 answers to each of 32 prompts). The JSON is
+written after every run and runs already in it are kept: move it aside to measure again.
 """
 
 from __future__ import annotations
@@ -32,20 +35,38 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def arms(teacher: str, coef: float, lr: float, estimator: str = "sample") -> dict[str, list[str]]:
+def arms(
+    teacher: str, coef: float, lr: float, estimator: str = "sample", demo_shape: bool = False
+) -> dict[str, list[str]]:
     """Arm name -> its overrides of the demo config. RL alone runs at the demo's learning rate and at the
-    distillation arms' (`lr`), so each method is measured at a rate that suits it. With an `estimator` other than
-    sample the distillation arms are named with it (distill_full, ...), apart from the sampled estimator's."""
+    distillation arms' (`lr`), so each method is measured at a rate that suits it, and at the distillation with
+    reward arm's shape (rl_wide). With an `estimator` other than sample the distillation arms are named with it
+    (distill_full, ...), apart from the sampled estimator's. Every arm samples 256 answers per version."""
     # every group carries the teacher's signal, whatever its rewards: none is dropped as uniform
     distill = [f"distill.teacher={teacher}", f"distill.coef={coef}", f"distill.estimator={estimator}"]
     distill += [f"trainer.lr={lr}", "ppo.drop_uniform_groups=false"]
+    # The teacher scores every token of every answer, so distilling alone needs no group of answers to compare:
+    # one answer to each of 256 prompts, where 8 answers to each of 32 prompts mostly repeat one another's prefixes.
+    # The task reward needs a group to compare within: 2 answers to each of 128 prompts.
+    alone, pairs = SHAPES["one"], SHAPES["pairs"]
+    if demo_shape:
+        alone = pairs = []
     tag = _tag(estimator)
     return {
         "rl": [],
         "rl_lr": [f"trainer.lr={lr}"],
-        f"distill{tag}": [*distill, "distill.task_reward=false"],
-        f"distill_reward{tag}": distill,
+        "rl_wide": SHAPES["pairs"],
+        f"distill{tag}": [*distill, "distill.task_reward=false", *alone],
+        f"distill_reward{tag}": [*distill, *pairs],
     }
+
+
+# answers per prompt x prompts per version (256 answers, as the demo's 8 x 32), with as many groups per generator in
+# flight as fill the demo's 128 sequences per engine
+SHAPES = {
+    "one": ["rollout.n_samples=1", "rollout.batch_prompts=256", "rollout.max_concurrent_groups=128"],
+    "pairs": ["rollout.n_samples=2", "rollout.batch_prompts=128", "rollout.max_concurrent_groups=64"],
+}
 
 
 def _tag(estimator: str) -> str:
@@ -101,9 +122,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--teacher", required=True, help="the teacher's Hugging Face folder")
     ap.add_argument("--coef", type=float, default=1.0, help="distill.coef")
-    ap.add_argument("--lr", type=float, default=1e-4, help="trainer.lr of the distillation arms and of rl_lr")
-    ap.add_argument("--arms", default="rl,distill,distill_reward", help="of rl, rl_lr, distill, distill_reward")
-    ap.add_argument("--estimator", default="sample", choices=("sample", "full"), help="distill.estimator")
+    ap.add_argument("--lr", type=float, default=3e-4, help="trainer.lr of the distillation arms and of rl_lr")
+    ap.add_argument(
+        "--arms",
+        default="rl,rl_lr,rl_wide,distill,distill_reward",
+        help="of rl, rl_lr, rl_wide, distill, distill_reward",
+    )
+    ap.add_argument("--estimator", default="full", choices=("sample", "full"), help="distill.estimator")
+    ap.add_argument(
+        "--demo-shape", action="store_true", help="distillation arms sample as the demo does: 8 answers x 32 prompts"
+    )
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--versions", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=10)
@@ -114,7 +142,8 @@ def main() -> None:
     path = RESULTS / "distill_demo.json"
     result = json.loads(path.read_text()) if path.is_file() else {"benchmark": "distill_demo", "runs": {}}
     result.update(versions=args.versions, eval_every=args.eval_every, teacher=args.teacher, coef=args.coef, lr=args.lr)
-    grid = arms(args.teacher, args.coef, args.lr, args.estimator)
+    result.update(demo_shape=args.demo_shape)
+    grid = arms(args.teacher, args.coef, args.lr, args.estimator, args.demo_shape)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for arm in [a if a.startswith("rl") else a + _tag(args.estimator) for a in args.arms.split(",")]:
             if str(seed) in result["runs"].get(arm, {}):
@@ -127,9 +156,9 @@ def main() -> None:
                 f"{r['rl_wall_s']:.0f} s of RL ({time.time() - t0:.0f} s)",
                 flush=True,
             )
-            result["table"] = {ref: table(result["runs"], ref) for ref in ("rl", "rl_lr")}
+            result["table"] = {ref: table(result["runs"], ref) for ref in result["runs"] if ref.startswith("rl")}
             atomic_write_text(path, json.dumps(result, indent=1))
-    result["table"] = {ref: table(result["runs"], ref) for ref in ("rl", "rl_lr")}
+    result["table"] = {ref: table(result["runs"], ref) for ref in result["runs"] if ref.startswith("rl")}
     atomic_write_text(path, json.dumps(result, indent=1))
     for ref, rows in result["table"].items():
         print(f"against {ref}'s final accuracy:")

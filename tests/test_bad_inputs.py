@@ -120,6 +120,23 @@ def test_distilling_while_dropping_uniform_groups_is_warned_in_one_line(caplog):
     assert "distill.teacher" in said[0] and "ppo.drop_uniform_groups=false" in said[0]
 
 
+def test_one_answer_per_prompt_with_a_task_reward_that_cannot_train_is_warned_in_one_line(caplog):
+    from areal_hpc import objective_checks
+
+    objective_checks._warned.clear()
+    one = ["rollout.n_samples=1", "model.path=/nonexistent", "ppo.drop_uniform_groups=false"]
+    with caplog.at_level(logging.WARNING, logger="areal_hpc"):
+        load_config(DEMO, one)  # RL: a one-answer group's advantage is 0
+        load_config(DEMO, [*one, "distill.teacher=/t"])  # distilling with the task reward: the same line, once
+        load_config(DEMO, [*one, "distill.teacher=/t", "distill.task_reward=false"])  # the teacher alone trains
+        load_config(DEMO, [*one, "ppo.adv_scope=batch"])  # the batch's mean is the baseline
+        load_config(DEMO, [*one, "ppo.adv_norm=none"])  # the reward itself is the advantage
+        load_config(DEMO, ["rollout.n_samples=2", "model.path=/nonexistent"])
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "rollout.n_samples=1" in said[0] and "distill.task_reward=false" in said[0]
+
+
 def test_lora_settings_that_cannot_work_are_one_line_before_any_rank_starts(tiny_model_dir, tmp_path):
     # rank and alpha are in the sweeps above; layers that the model lacks need the model folder
     base = [f"model.path={tiny_model_dir}", "model.build_tiny=false", f"store.run_dir={tmp_path / 'r'}"]
