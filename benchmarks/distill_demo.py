@@ -48,9 +48,7 @@ def arms(
     # The teacher scores every token of every answer, so distilling alone needs no group of answers to compare:
     # one answer to each of 256 prompts, where 8 answers to each of 32 prompts mostly repeat one another's prefixes.
     # The task reward needs a group to compare within: 2 answers to each of 128 prompts.
-    alone, pairs = SHAPES["one"], SHAPES["pairs"]
-    if demo_shape:
-        alone = pairs = []
+    alone, pairs = ([], []) if demo_shape else (SHAPES["one"], SHAPES["pairs"])
     tag = _tag(estimator)
     return {
         "rl": [],
@@ -116,9 +114,15 @@ def table(runs: dict, ref: str = "rl") -> list[dict]:
     return rows
 
 
-def main() -> None:
+def _save(result: dict, path: Path) -> None:
+    """The runs and, against each RL arm's final accuracy, the table, written atomically."""
     from areal_hpc.utils import atomic_write_text
 
+    result["table"] = {ref: table(result["runs"], ref) for ref in result["runs"] if ref.startswith("rl")}
+    atomic_write_text(path, json.dumps(result, indent=1))
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--teacher", required=True, help="the teacher's Hugging Face folder")
     ap.add_argument("--coef", type=float, default=1.0, help="distill.coef")
@@ -156,10 +160,8 @@ def main() -> None:
                 f"{r['rl_wall_s']:.0f} s of RL ({time.time() - t0:.0f} s)",
                 flush=True,
             )
-            result["table"] = {ref: table(result["runs"], ref) for ref in result["runs"] if ref.startswith("rl")}
-            atomic_write_text(path, json.dumps(result, indent=1))
-    result["table"] = {ref: table(result["runs"], ref) for ref in result["runs"] if ref.startswith("rl")}
-    atomic_write_text(path, json.dumps(result, indent=1))
+            _save(result, path)
+    _save(result, path)  # the tables, also when every run was measured before
     for ref, rows in result["table"].items():
         print(f"against {ref}'s final accuracy:")
         for row in rows:

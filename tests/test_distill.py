@@ -212,7 +212,7 @@ def test_an_async_run_distilling_alone_logs_distill_kl_every_version(teacher_dir
         f"store.run_dir={tmp_path / 'run'}",
         f"model.path={tmp_path / 'model'}",
         f"distill.teacher={teacher_dir}",
-        "distill.estimator=sample",  # the recipe's is full: the resume below
+        "distill.estimator=sample",  # the recipe's is full, which the resume below switches to
         "logging.progress=false",
         "logging.trackers=[]",
         "trainer.versions=4",
