@@ -88,11 +88,15 @@ class WorkflowConfig:
     tool_parser: str = "hermes"  # agent: the vLLM tool parser reading the model's tool calls; none: never parsed
     endpoint_host: str = "127.0.0.1"  # agent: the address the endpoint binds (loopback: only this node's agents)
     max_request_kb: int = 1024  # agent: a request body larger than this is refused (413)
+    # tries whose workflow or agent failed (raised, timed out, a bad result) run again; the run stops once more
+    # than this share of the last failure_window tries failed (docs/agents.md); in (0, 1], 1: never
+    max_failure_share: float = 0.75
+    failure_window: int = 200  # the tries max_failure_share is judged over, in the order they started; >= 1
 
 
 def check_tool_limits(wc: WorkflowConfig) -> None:
     """workflow.tool_sandbox and workflow.tool_memory_mb, checked as reward.sandbox and reward.code_memory_mb are
-    (config_checks.py, at its size limit): one line naming the key and what is allowed."""
+    (config_checks.py, at its size limit), and the failure budget: one line naming the key and what is allowed."""
     from areal_hpc.config_checks import ConfigError
 
     modes = ("bwrap", "auto", "none")
@@ -102,3 +106,7 @@ def check_tool_limits(wc: WorkflowConfig) -> None:
         )
     if wc.tool_memory_mb < 64:
         raise ConfigError(f"config workflow.tool_memory_mb={wc.tool_memory_mb!r} is out of range; it must be >= 64")
+    if not 0 < wc.max_failure_share <= 1:
+        raise ConfigError(f"config workflow.max_failure_share={wc.max_failure_share!r} must be in (0, 1]")
+    if wc.failure_window < 1:
+        raise ConfigError(f"config workflow.failure_window={wc.failure_window!r} is out of range; it must be >= 1")

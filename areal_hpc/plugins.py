@@ -7,6 +7,8 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -108,3 +110,26 @@ def check_signature(
     if inspect.iscoroutinefunction(target) != is_async:
         want = "an 'async def' function" if is_async else "a plain function, not 'async def'"
         raise PluginError(f"{key}={spec!r}: must be {want}")
+
+
+_NOT_USERS = tuple(
+    str(Path(p).resolve()) + "/"
+    for p in {*filter(None, (sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")))}
+) + (str(Path(__file__).resolve().parent) + "/",)
+
+
+def user_frame(err: BaseException) -> str:
+    """Where user code raised `err`: "path/to/file.py:LINE" of the innermost frame outside this package, the
+    standard library and installed packages (the user's file, not the library call that failed inside it); the
+    innermost frame of all when none is the user's; "" without a traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return ""
+    mine = [f for f in frames if not str(Path(f.filename).resolve()).startswith(_NOT_USERS)]
+    f = (mine or frames)[-1]
+    path = Path(f.filename)
+    try:  # relative to where the run started, when it is below it: what the user typed in the config
+        path = path.resolve().relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return f"{path}:{f.lineno}"

@@ -39,9 +39,14 @@ GROUP_COUNTS = ("episodes", "turns", "tool_calls", "reward_timeouts", "reward_er
 def group_counts(stats: list, rejected: list = ()) -> dict:
     """The counts of a group's episodes (their EpisodeStats) and, per number they logged (reward/<key>,
     episode/<name>), its sum and how many episodes logged it. `rejected`: the stats of episodes the workflow
-    rejected and ran again, whose reward failures, branches and agent failures count too."""
+    rejected (or that failed) and ran again, whose reward failures, branches and failures count too; the failures
+    by kind."""
     logged: dict[str, tuple[float, int]] = {}
     every = [*stats, *rejected]
+    kinds: dict[str, int] = {}
+    for st in every:
+        for kind, n in st.failure_kinds.items():
+            kinds[kind] = kinds.get(kind, 0) + n
     for st in stats:
         for k, v in st.logged.items():
             total, n = logged.get(k, (0.0, 0))
@@ -54,6 +59,7 @@ def group_counts(stats: list, rejected: list = ()) -> dict:
         "reward_errors": sum(st.reward_errors for st in every),
         "branches": sum(st.branches for st in every),
         "agent_failures": sum(st.agent_failures for st in every),
+        "failure_kinds": kinds,
         "logged": logged,
     }
 

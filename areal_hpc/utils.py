@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file and directory writes, seeding."""
+"""Small shared helpers: atomic file and directory writes, seeding, the pace of progress output."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import errno
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -46,6 +47,24 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
+
+
+# seconds between progress lines where the output is a file or a pipe (a Slurm job's log, `> file`), not a
+# terminal: a few lines a minute there, where a bar would add a line at every redraw
+PIPED_PROGRESS_S = 20.0
+
+
+def on_terminal(stream=None) -> bool:
+    """Whether `stream` (default stderr, where progress goes) is a terminal."""
+    try:
+        return (sys.stderr if stream is None else stream).isatty()
+    except (AttributeError, ValueError):  # a stand-in without isatty, or closed
+        return False
+
+
+def bar_interval() -> float:
+    """tqdm's mininterval for a bar on stderr: its own 0.1 s on a terminal, PIPED_PROGRESS_S in a file."""
+    return 0.1 if on_terminal() else PIPED_PROGRESS_S
 
 
 def seed_everything(seed: int) -> None:

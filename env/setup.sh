@@ -20,10 +20,19 @@ if ((${#need_apt[@]})); then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
+# The installed versions, the package's own editable line left out: `pip install -c .venv/constraints.txt X`
+# adds a framework (docs/agents.md) without moving torch, vLLM or anything else the tests ran with.
+constraints="$VENV/constraints.txt"
+write_constraints() {
+  "$VENV/bin/python" -m pip freeze --exclude-editable > "$constraints.tmp"
+  mv "$constraints.tmp" "$constraints"
+}
+
 # Python venv; the stamp holds a hash of the requirements + pyproject so edits trigger a reinstall.
 stamp="$VENV/.areal-hpc-stamp"
 want="$(cat "$REQ" "$ENGINES" "$VLLM" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  [[ -f "$constraints" ]] || write_constraints  # a venv set up before the file was written
   echo "[env] $VENV is up to date"
   exit 0
 fi
@@ -39,5 +48,6 @@ fi
 # production generation engine, CPU build; then drop the CUDA vision/audio packages it drags in
 "$VENV/bin/python" -m pip install -q -r "$VLLM"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+write_constraints
 echo "$want" > "$stamp"
 echo "[env] ready: source $VENV/bin/activate"

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from test_runtime import _audit
+from test_runtime import _audit, _no_leaks
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 
@@ -150,6 +150,7 @@ def test_the_agents_sdk_calculator_agent_trains_on_exactly_the_tokens_it_sampled
     assert trained["agent_failures"].sum() == 0 and trained["branches"].sum() == 0
     assert trained["tool_calls"].sum() > 0 and (trained["turns_mean"] > 1).all()
     assert s["tool_share_start"] is not None and s["acc_final"] is not None
+    _no_leaks(run)  # the endpoint's process and the reward pool ended cleanly with the generator
 
 
 def test_an_agent_command_per_episode_trains_through_the_endpoint(tmp_path):
@@ -188,3 +189,4 @@ def test_an_agent_command_per_episode_trains_through_the_endpoint(tmp_path):
     assert calls > 0, "the warm-started policy never called the calculator"
     m = pd.read_csv(run / "metrics.csv")
     assert m["agent_failures"].sum() == 0 and m["tool_calls"].sum() > 0
+    _no_leaks(run)

@@ -41,6 +41,9 @@ def test_demo_config_loads_with_overrides():
         ("data.kind=jsonl", "data.path"),
         ("rollout.top_p=0.9", "rollout.top_p=0.9 is not supported"),  # both engines: logprobs of the full softmax
         ("rollout.weight_update=pause", "choose one of keep_kv, recompute, drain"),
+        ("workflow.max_failure_share=0", "workflow.max_failure_share=0.0 must be in (0, 1]"),
+        ("workflow.max_failure_share=1.5", "workflow.max_failure_share=1.5 must be in (0, 1]"),
+        ("workflow.failure_window=0", "workflow.failure_window=0 is out of range; it must be >= 1"),
     ],
 )
 def test_bad_values_give_one_clear_line(override, needle):

@@ -12,7 +12,7 @@ from areal_hpc.reward import RewardPool
 from areal_hpc.reward.functions import MathAnswer, UserReward
 from areal_hpc.rollout import group_counts
 from areal_hpc.types import SampleId
-from areal_hpc.workflow import Episode, WorkflowError
+from areal_hpc.workflow import Episode, TooManyFailures
 from areal_hpc.workflow.batch import run_episodes
 from areal_hpc.workflow.samples import to_trajectories
 
@@ -84,7 +84,8 @@ def test_logging_a_non_number_fails_the_workflow_in_one_line(tiny_model_dir, flo
     tok = load_tokenizer(tiny_model_dir)
     eng = RecordingEngine(str(tiny_model_dir), seed=5, max_num_seqs=2)
     pool = RewardPool(num_workers=1, scorer=MathAnswer())
-    with pool, pytest.raises(WorkflowError, match="must be a finite number") as err:
-        run_episodes(eng, flow, tok, pool, _settings(tok), _starts(tok, 2))
+    settings = _settings(tok, failure_window=4)
+    with pool, pytest.raises(TooManyFailures, match="must be a finite number") as err:
+        run_episodes(eng, flow, tok, pool, settings, _starts(tok, 2))
     assert "ep.log(" in str(err.value) and words in str(err.value) and "\n" not in str(err.value)
     eng.close()

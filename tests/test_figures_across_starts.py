@@ -17,6 +17,7 @@ from areal_hpc.metrics import MetricsLogger
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.throughput import Throughput
 from areal_hpc.simulate.calibrate import trained_span_tokens_per_s
+from areal_hpc.utils import PIPED_PROGRESS_S
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "jobs" / "demo.yaml"
@@ -64,17 +65,29 @@ def test_status_progress_line_never_raises_on_a_progress_it_cannot_format(tmp_pa
     assert "reward 0.281" in progress_line(run, odd[0], 0.0, "RUNNING")
 
 
-def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    r = subprocess.run([*CLI, "run", *args, "--no-progress"], capture_output=True, text=True, timeout=timeout)
+def _run(*args: str, timeout: float = 300, progress: bool = False) -> subprocess.CompletedProcess:
+    quiet = [] if progress else ["--no-progress"]
+    r = subprocess.run([*CLI, "run", *args, *quiet], capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-2000:]
     return r
+
+
+def _piped_progress(stderr: str, wall_s: float, versions: int) -> None:
+    """Output piped (a Slurm job's log, `> file`): plain progress lines a few times a minute, and no bar."""
+    assert "\r" not in stderr and "versions:" not in stderr, stderr[-2000:]
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("progress: ")]
+    assert 1 <= len(lines) <= wall_s / PIPED_PROGRESS_S + 2, (wall_s, lines)
+    for line in lines:
+        assert all(w in line for w in ("version ", "reward ", "held-out ", "tokens/s", "s since start")), line
+    assert f"version {versions}/{versions} (finished)" in lines[-1], lines  # the end's figures, once
 
 
 def test_a_resumed_run_reports_its_throughput_over_its_own_span_and_typed_figures(tmp_path):
     """One run, three starts: 8 versions, a resume to 10, a resume with nothing left to train. Before the fix
     the second start divided all 10 versions' tokens by its own 2 versions' time (5x, 9x in its first row)."""
     run = tmp_path / "run"
-    _run(
+    t0 = time.monotonic()
+    r = _run(
         str(DEMO),
         f"store.run_dir={run}",
         f"model.path={tmp_path / 'model'}",
@@ -84,7 +97,9 @@ def test_a_resumed_run_reports_its_throughput_over_its_own_span_and_typed_figure
         "logging.eval_every=0",
         "logging.eval_prompts=20",
         "logging.trackers=[]",
+        progress=True,
     )
+    _piped_progress(r.stderr, time.monotonic() - t0, versions=8)
     rd = RunDir(run)
     first = json.loads(rd.summary.read_text())
     base = first["consumed_tokens_per_s"]

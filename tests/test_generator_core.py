@@ -7,7 +7,7 @@ from areal_hpc.runtime.generator_core import Admission, GeneratorCore, GroupBook
 from areal_hpc.types import EvalId, GenRequest, RequestId, SampleId
 from areal_hpc.workflow import FinishedEpisode
 from areal_hpc.workflow.batch import MAX_REJECTED
-from areal_hpc.workflow.records import EpisodeStats, Segment
+from areal_hpc.workflow.records import EpisodeFailure, EpisodeStats, Segment
 
 N = 4  # samples per group
 
@@ -94,6 +94,21 @@ def test_a_rejected_episode_runs_again_until_it_is_rejected_too_often():
         assert book.rejected(key, _episode(key, None)) is p
     with pytest.raises(RuntimeError, match="rejected 8 episodes in a row of prompt 3"):
         book.rejected(key, _episode(key, None))
+
+
+def test_a_failed_episode_runs_again_however_often_and_its_failures_count_by_kind():
+    """Failures are not rejections: the in-a-row limit is for a workflow returning None, the budget for failures."""
+    book = GroupBook(1, gen_rank=0)
+    p = _problem(3)
+    book.grant(0, p, now=0.0)
+    key = SampleId(0, 0)
+    for _ in range(3 * MAX_REJECTED):
+        failed = _episode(key, None)
+        failed.failure = EpisodeFailure("raised", "RuntimeError: x", "agent.py:3", "agent")
+        failed.stats.add_failure(failed.failure)
+        assert book.rejected(key, failed) is p
+    _, (_, _, summary) = book.ended(key, _episode(key, 1.0))
+    assert summary["agent_failures"] == 3 * MAX_REJECTED and summary["failure_kinds"] == {"raised": 24}
 
 
 def test_a_rejected_episodes_failures_count_on_its_group():

@@ -67,6 +67,12 @@ def _audit(run: Path, eta: int) -> pd.DataFrame:
     return eaten
 
 
+def _no_leaks(run: Path) -> None:
+    """No rank left named semaphores to multiprocessing's resource tracker (it warns at the end of the log)."""
+    for log in (run / "logs").glob("rank*.log"):
+        assert "leaked semaphore" not in log.read_text(), f"{log.name}: {log.read_text()[-2000:]}"
+
+
 def test_a_host_splits_its_cores_between_generation_and_the_rest():
     two = CoreSplit.of({0, 1})
     assert (two.generation, two.other) == ({1}, {0})
@@ -165,6 +171,7 @@ def test_async_run_learns_and_keeps_weights_in_sync(tmp_path):
     assert set(tl["role"]) == {"scheduler", "generator", "trainer"}
     assert {"generate", "reward", "write", "train", "prox", "sync", "wait"} <= set(tl["event"])
     assert len(list((run / "logs").glob("rank*-*.log"))) == 4
+    _no_leaks(run)  # the generators' reward pools let go of their queues before the ranks left
 
 
 def _overlapping_groups(tl: pd.DataFrame) -> int:

@@ -17,7 +17,7 @@ from areal_hpc.plugins import PluginError
 from areal_hpc.reward import RewardPool, reward_pool_for
 from areal_hpc.reward.functions import MathAnswer
 from areal_hpc.types import GenRequest, SampleId
-from areal_hpc.workflow import Episode, RunnerSettings, WorkflowError, load_workflow, multi_turn
+from areal_hpc.workflow import Episode, RunnerSettings, TooManyFailures, load_workflow, multi_turn
 from areal_hpc.workflow.batch import EpisodeStart, run_episodes
 from areal_hpc.workflow.runner import render_turn
 from areal_hpc.workflow.samples import episode_counts, to_trajectories
@@ -104,6 +104,18 @@ async def _raises(ep: Episode) -> float:
     raise KeyError("no_such_field")
 
 
+_TRIES: dict = {}
+
+
+async def _raises_every_other_try(ep: Episode) -> float:
+    """A flaky tool: the first try of each episode raises, the second scores."""
+    answer = await ep.generate()
+    _TRIES[ep.key] = _TRIES.get(ep.key, 0) + 1
+    if _TRIES[ep.key] % 2:
+        raise ConnectionError("the tool's server went away")
+    return float(len(answer.ids))
+
+
 def test_a_rejected_episode_runs_again_and_a_raising_workflow_stops_in_one_line(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     eng = RecordingEngine(str(tiny_model_dir), seed=4, max_num_seqs=4)
@@ -113,9 +125,20 @@ def test_a_rejected_episode_runs_again_and_a_raising_workflow_stops_in_one_line(
         assert len(eng.outputs) == 12  # every sample generated twice, its slots refilled
         napped = run_episodes(eng, _naps, tok, pool, _settings(tok), _starts(tok, 3))
         assert all(e.reward >= 1 and e.t_end - e.t_start >= 0.1 for e in napped)
-        with pytest.raises(WorkflowError, match="KeyError: 'no_such_field'") as err:
-            run_episodes(eng, _raises, tok, pool, _settings(tok), _starts(tok, 3))
-        assert "\n" not in str(err.value)
+        # half the tries fail: each runs again, counted on the episode that ran, within the budget
+        flaky = run_episodes(eng, _raises_every_other_try, tok, pool, _settings(tok), _starts(tok, 4))
+        assert all(e.reward is not None and e.failure is None for e in flaky)
+        assert [e.stats.agent_failures for e in flaky] == [1] * 4
+        assert [e.stats.failure_kinds for e in flaky] == [{"raised": 1}] * 4
+        # every try fails: once the window is full the run stops, naming the exception and the user's line
+        settings = _settings(tok, failure_window=6)
+        with pytest.raises(TooManyFailures, match="KeyError: 'no_such_field'") as err:
+            run_episodes(eng, _raises, tok, pool, settings, _starts(tok, 3))
+        line = str(err.value)
+        assert "\n" not in line and "workflow.max_failure_share=0.75" in line and "workflow.failure_window=6" in line
+        where = f"test_workflow.py:{_raises.__code__.co_firstlineno + 2}"  # its raise
+        assert f"the workflow raised: KeyError: 'no_such_field' at tests/{where}" in line or where in line, line
+        assert "6 of the last 6 episodes failed" in line
     assert eng.num_running == 0 and eng.num_waiting == 0  # nothing left holding a slot
     eng.close()
 

@@ -8,6 +8,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import secrets
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 
 from areal_hpc.agents import host
 from areal_hpc.agents.protocol import OpenAIError, RunSampling
-from areal_hpc.agents.running import AgentOutcome
+from areal_hpc.agents.running import ENDED, STOPPED, AgentOutcome
 from areal_hpc.agents.session import AgentSession
 from areal_hpc.agents.transcript import ChatRenderer, ToolCallReader
+
+STOP_EXITS = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP}  # how a job's stop ends a process
 
 log = logging.getLogger("areal_hpc.agents")
 
@@ -86,8 +89,8 @@ class Endpoint:
         """The episode's agent starts in the endpoint's process; the future gets its AgentOutcome."""
         done = self.agents[session.key] = concurrent.futures.Future()
         self._send(("start", session.key, dict(row)))
-        if not self.process.is_alive():
-            done.set_result(AgentOutcome(failure="it could not run: the agent endpoint's process has ended"))
+        if not self.process.is_alive():  # ended (a signal to it alone, a crash): no agent runs any more
+            _settle(done, AgentOutcome(failure=self._how_it_ended(), kind=ENDED))
         return done
 
     def close(self, session: AgentSession) -> None:
@@ -115,11 +118,23 @@ class Endpoint:
                 self.call_in_loop(self._start_call, *msg[1:])
             elif msg[0] == "done":
                 fut = self.agents.get(msg[1])
-                if fut is not None and not fut.done():
-                    fut.set_result(msg[2])
-        for fut in list(self.agents.values()):  # the process ended: no agent will report
-            if not fut.done():
-                fut.set_result(AgentOutcome(failure="it could not run: the agent endpoint's process has ended"))
+                if fut is not None:
+                    _settle(fut, msg[2])
+        # the process ended: no agent will report. Ended by a stop signal, the job is stopping (the signal reached
+        # this rank's process group): a by-product, not a cause, and the episodes in flight go quietly
+        how = self._how_it_ended()
+        stopping = self.process.exitcode in STOP_EXITS
+        for fut in list(self.agents.values()):
+            _settle(fut, AgentOutcome(failure=how, kind=STOPPED if stopping else ENDED))
+
+    def _how_it_ended(self) -> str:
+        """The endpoint's process's end, in words (waited for briefly: the pipe closes just before it exits)."""
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        if code is None:
+            return "the agent endpoint's process closed its pipe"
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        return f"the agent endpoint's process {how} (its log is this rank's)"
 
     def _start_call(self, call: int, key: str, req, t_received: float) -> None:
         """On the runner's loop: the call as a task on its session, which sends the outcome back itself (a done
@@ -155,3 +170,11 @@ class Endpoint:
         # first step never runs its body, and its done callbacks wait for another pass of the runner's loop)
         session.tasks[task] = lambda: tell("error", ended)
         task.add_done_callback(lambda t: session.tasks.pop(t, None))
+
+
+def _settle(fut: concurrent.futures.Future, outcome: AgentOutcome) -> None:
+    """Its outcome, unless another thread gave it one first (the pipe's reader, as the process ended)."""
+    try:
+        fut.set_result(outcome)
+    except concurrent.futures.InvalidStateError:
+        pass

@@ -10,17 +10,27 @@ import shlex
 import signal
 from dataclasses import dataclass
 
-from areal_hpc.plugins import check_signature, resolve
+from areal_hpc.plugins import check_signature, resolve, user_frame
+
+ENDED, STOPPED = "ended", "stopped"  # AgentOutcome.kind when the endpoint's process ended: a crash, or a stop
 
 
 class AgentFailed(Exception):
-    """A command agent that exited non-zero or printed no result: its message starts "it <kind> ..."."""
+    """A command agent that exited non-zero or printed no result: its message says what it did."""
+
+    def __init__(self, what: str, kind: str):
+        super().__init__(what)
+        self.kind = kind
 
 
 @dataclass
 class AgentOutcome:
     value: object = None  # a float (the reward), a str (the final answer) or None (rejected)
-    failure: str = ""  # why the agent failed: its episode is lost, not scored
+    failure: str = ""  # why the agent failed ("RuntimeError: x", "it exited with status 1: ..."): its episode is lost
+    # of the failure: raised | timed out | bad result (workflow.records.FAILURE_KINDS); ENDED or STOPPED when the
+    # endpoint's process ended under it (not the agent's failure)
+    kind: str = ""
+    where: str = ""  # the agent's file:line that raised, when it was a function
 
 
 def load_agent(wc):
@@ -47,13 +57,14 @@ class AgentRunner:
             else:
                 value = await self._command(key, row)
         except TimeoutError:
-            return AgentOutcome(failure=f"it ran past workflow.agent_timeout_s={self.wc.agent_timeout_s:g} s")
+            what = f"it ran past workflow.agent_timeout_s={self.wc.agent_timeout_s:g} s"
+            return AgentOutcome(failure=what, kind="timed out")
         except AgentFailed as e:
-            return AgentOutcome(failure=str(e))
+            return AgentOutcome(failure=str(e), kind=e.kind)
         except BaseException as e:  # SystemExit and an agent's own CancelledError too: the endpoint's loop goes on
             if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
                 raise  # the episode was cancelled (a stop, an evaluation cut)
-            return AgentOutcome(failure=f"it raised {type(e).__name__}: {e}")
+            return AgentOutcome(failure=f"{type(e).__name__}: {e}", kind="raised", where=user_frame(e))
         return _checked(value)
 
     async def _in_process(self, key: str, row: dict):
@@ -85,7 +96,7 @@ class AgentRunner:
                 await proc.wait()
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output on stderr"]
-            raise AgentFailed(f"it exited with status {proc.returncode}: {tail[0][:300]}")
+            raise AgentFailed(f"it exited with status {proc.returncode}: {tail[0][:300]}", "raised")
         lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.strip()]
         last = lines[-1] if lines else ""
         try:
@@ -93,11 +104,13 @@ class AgentRunner:
         except ValueError:
             result = None
         if not isinstance(result, dict) or not ({"reward", "answer"} & set(result)):
-            raise AgentFailed(f'it printed {last[:200]!r} last, not {{"reward": x}} or {{"answer": "..."}}')
+            what = f'it printed {last[:200]!r} last, not {{"reward": x}} or {{"answer": "..."}}'
+            raise AgentFailed(what, "bad result")
         if "reward" in result:
             reward = result["reward"]
             if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
-                raise AgentFailed(f'it printed a "reward" that is a {type(reward).__name__}, not a number or null')
+                what = f'it printed a "reward" that is a {type(reward).__name__}, not a number or null'
+                raise AgentFailed(what, "bad result")
             return reward
         return _answer(result["answer"])
 
@@ -108,7 +121,7 @@ class AgentRunner:
 
 def _answer(value):
     if not isinstance(value, str):
-        raise AgentFailed(f'it printed an "answer" that is a {type(value).__name__}, not a string')
+        raise AgentFailed(f'it printed an "answer" that is a {type(value).__name__}, not a string', "bad result")
     return value
 
 
@@ -118,7 +131,8 @@ def _checked(value) -> AgentOutcome:
         return AgentOutcome(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return AgentOutcome(float(value))
-    return AgentOutcome(failure=f"it returned {value!r} ({type(value).__name__}); return a float, a str or None")
+    what = f"it returned {value!r} ({type(value).__name__}); return a float, a str or None"
+    return AgentOutcome(failure=what, kind="bad result")
 
 
 def _kill_group(pid: int) -> None:

@@ -48,13 +48,23 @@ def train_sync_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
         click.echo(line)
 
 
-def episode_lines(s: dict) -> list[str]:
-    """The summary's lines on what the episodes did: turns and tool calls, and reward calls that failed."""
+def episode_lines(s: dict, workflow: str = "") -> list[str]:
+    """The summary's lines on what the episodes did: turns and tool calls, agents' (and workflows') failures and
+    branches, and reward calls that failed."""
     lines = []
     if s.get("episodes_generated"):
         lines.append(
             f"episodes:    {s['episodes_generated']} generated for training, {s['turns_per_episode']:.2f} turns and "
             f"{s['tool_calls_per_episode']:.2f} tool calls per episode"
+        )
+    failed, heldout = s.get("agent_failures", 0), s.get("heldout_agent_failures", 0)
+    if workflow == "agent" or failed or heldout:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted((s.get("agent_failures_by_kind") or {}).items()))
+        who = "agents:     " if workflow == "agent" else "workflow:   "
+        lines.append(
+            f"{who} {failed} failed in training episodes{f' ({kinds})' if kinds else ''}, {heldout} in held-out "
+            f"ones (each ran again, or scored 0 held out; the first of each kind is in the generator's log); "
+            f"{s.get('branches', 0)} branches (histories rewritten)"
         )
     if "reward_errors" in s:
         lines.append(
@@ -138,7 +148,7 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
         f"{s.get('aborted_requests', 0)} requests interrupted for new weights and resumed; "
         f"{s.get('prefill_tokens', 0)} tokens prefilled"
     )
-    for line in episode_lines(s):
+    for line in episode_lines(s, cfg.rollout.workflow):
         click.echo(line)
     if s.get("sync_s_mean") is not None:
         # per version: on a small model GB/s only measures how fast the generators reach the collective

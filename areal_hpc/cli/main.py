@@ -1,10 +1,10 @@
-"""The `areal-hpc` command group: every command, from the module of its part (local, slurm, analysis, evaluate)."""
+"""The `areal-hpc` command group: every command, from its part's module (local, slurm, analysis, evaluate, episodes)."""
 
 from __future__ import annotations
 
 import click
 
-from areal_hpc.cli import analysis, evaluate, local, slurm
+from areal_hpc.cli import analysis, episodes, evaluate, local, slurm
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -26,6 +26,7 @@ for _cmd in (
     slurm.prepare_cmd,
     analysis.report_cmd,
     analysis.simulate_cmd,
+    episodes.episodes_cmd,
     evaluate.eval_cmd,
     evaluate.export_cmd,
 ):

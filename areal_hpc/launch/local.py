@@ -18,12 +18,14 @@ from areal_hpc import rundir_actions
 from areal_hpc.config import Config
 from areal_hpc.engines import require_installed
 from areal_hpc.launch.environment import rank_env
+from areal_hpc.launch.progress_view import ProgressLines, reward_failures
 from areal_hpc.lifetime import MARKER, sweep, tied_to_me
 from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.runtime.failures import PEER, read_failures
 from areal_hpc.runtime.layout import Layout
 from areal_hpc.runtime.liveness import silence_verdict
 from areal_hpc.trackers import require_trackers
+from areal_hpc.utils import on_terminal
 
 
 class RunFailed(RuntimeError):
@@ -128,7 +130,15 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
         proc = subprocess.Popen(
             cmd, stdout=mpilog, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=tied_to_me()
         )
-    bar = tqdm(total=cfg.trainer.versions, desc="versions", disable=not progress, unit="v", dynamic_ncols=True)
+    # a bar on a terminal; where stderr is a file or a pipe (a Slurm log, `> file`) a plain line a few times a minute
+    lines = ProgressLines() if progress and not on_terminal() else None
+    bar = tqdm(
+        total=cfg.trainer.versions,
+        desc="versions",
+        disable=not progress or lines is not None,
+        unit="v",
+        dynamic_ncols=True,
+    )
     stop_asked_at = None
     shown_warning = None  # progress.json's warning, printed once each time it changes
 
@@ -145,7 +155,10 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
                 if p and p.get("warning") and p["warning"] != shown_warning:
                     shown_warning = p["warning"]
                     tqdm.write(f"warning: {shown_warning}", file=sys.stderr)
-                if p and progress:
+                if lines is not None:
+                    if line := lines.line(time.time(), p):
+                        print(line, file=sys.stderr, flush=True)
+                elif p and progress:
                     bar.n = p["version"]
                     post = {"tok/s": f"{p['consumed_tokens_per_s']:.0f}"}
                     if p.get("reward_mean") is not None:
@@ -176,20 +189,12 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         bar.close()
+        if lines is not None and (line := lines.final(run_dir.read_progress())):
+            print(line, file=sys.stderr, flush=True)
         _sweep(run_dir)
     if proc.returncode != 0:
         raise RunFailed(failure_line(run_dir.root, proc.returncode))
     return json.loads(run_dir.summary.read_text())
-
-
-def reward_failures(progress: dict) -> dict[str, str]:
-    """The progress bar's reward errors and time-outs (training and held-out episodes), once there are any."""
-    out = {}
-    for what, key in (("reward errors", "reward_errors"), ("reward time-outs", "reward_timeouts")):
-        n = (progress.get(key) or 0) + (progress.get(f"heldout_{key}") or 0)
-        if n:
-            out[what] = str(n)
-    return out
 
 
 def _sweep(run_dir: RunDir) -> None:

@@ -1,4 +1,5 @@
-"""`areal-hpc status`'s progress line: this start's figures only, and one line whatever progress.json holds."""
+"""Progress as one line: `areal-hpc status`'s (this start's figures only, whatever progress.json holds), and the
+launcher's every few seconds when its output is not a terminal."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from areal_hpc.launch.jobs import ACTIVE, NOT_STARTED, start_began
 from areal_hpc.launch.restarts import load_restarts
 from areal_hpc.rundir import RunDir
+from areal_hpc.utils import PIPED_PROGRESS_S
 
 
 def this_start_began(run_dir: Path, job_id: str, state: str) -> float:
@@ -87,3 +89,47 @@ def progress_lines(run_dir: Path, state: str, began: float) -> list[str]:
         return [*warning, progress_line(run, p, began, state)]
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:  # never a traceback: one line
         return [f"progress: {run.progress} could not be shown ({type(err).__name__}: {err})"]
+
+
+class ProgressLines:
+    """The launcher's progress where a bar would spam (a Slurm job's log, `> file`): a plain line at the first
+    progress, then at most one per `interval_s`, and none while progress.json is unchanged."""
+
+    def __init__(self, interval_s: float = PIPED_PROGRESS_S):
+        self.interval_s = interval_s
+        self.shown: dict | None = None  # the progress the latest line showed
+        self.shown_at: float | None = None
+
+    def line(self, now: float, p: dict | None) -> str | None:
+        """The line to print at `now` for the latest progress `p`, or None."""
+        if not isinstance(p, dict) or p == self.shown:
+            return None
+        if self.shown_at is not None and now - self.shown_at < self.interval_s:
+            return None
+        self.shown, self.shown_at = p, now
+        return piped_line(p)
+
+    def final(self, p: dict | None) -> str | None:
+        """The run ended: its last progress, unless the latest line showed it already."""
+        if not isinstance(p, dict) or p == self.shown:
+            return None
+        self.shown = p
+        return piped_line(p)
+
+
+def piped_line(p: dict) -> str:
+    """status's line, plus what the bar shows beside it: reward failures and a held-out evaluation under way."""
+    extra = [f"{n} {what}" for what, n in reward_failures(p).items()]
+    if isinstance(ev := p.get("eval"), dict):
+        extra.append(f"evaluating {ev.get('tag')}: {ev.get('done')}/{ev.get('total')} episodes")
+    return "; ".join([_current(p), *extra])
+
+
+def reward_failures(progress: dict) -> dict[str, str]:
+    """The progress bar's reward errors and time-outs (training and held-out episodes), once there are any."""
+    out = {}
+    for what, key in (("reward errors", "reward_errors"), ("reward time-outs", "reward_timeouts")):
+        n = (progress.get(key) or 0) + (progress.get(f"heldout_{key}") or 0)
+        if n:
+            out[what] = str(n)
+    return out

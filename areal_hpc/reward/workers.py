@@ -88,6 +88,9 @@ class _WorkerGeneration:
             except Exception:
                 pass
         try:
-            self.executor.shutdown(wait=False, cancel_futures=True)
+            # waits for the executor's thread to see the workers dead (at once) and let go of its queues: their
+            # named semaphores are unlinked only when freed, and a rank that leaves by os._exit while the thread
+            # still holds them leaves them to the resource tracker ("5 leaked semaphore objects" in its log)
+            self.executor.shutdown(wait=True, cancel_futures=True)
         except Exception:
             pass

@@ -20,7 +20,7 @@ from areal_hpc.model import DTYPES
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.weight_sync import cast_floating, weights_checksum
 from areal_hpc.teacher import check_teacher, distill_spec
-from areal_hpc.utils import atomic_write_text
+from areal_hpc.utils import atomic_write_text, bar_interval
 from areal_hpc.warm_start import warm_start_example, warm_start_targets
 
 
@@ -190,7 +190,8 @@ def warm_start(trainer: TrainEngine, tokenizer, dataset: MathDataset, cfg: Confi
     targets = dict(zip((p.prompt_id for p in examples), warm_start_targets(examples, cfg)))
     rng = random.Random(cfg.trainer.seed)
     loss = float("nan")
-    for _ in tqdm(range(tc.warm_start_steps), desc="warm start", disable=not progress, leave=False):
+    pace = bar_interval()  # in a file, a redraw every 20 s: each one stays in the log
+    for _ in tqdm(range(tc.warm_start_steps), desc="warm start", disable=not progress, leave=False, mininterval=pace):
         batch = rng.sample(examples, min(tc.warm_start_batch, len(examples)))
         seqs, masks = [], []
         for p in batch:

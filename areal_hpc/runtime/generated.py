@@ -10,7 +10,7 @@ class GeneratedEpisodes:
     progress.json) and since the last metrics row, with the mean of each logged number per row."""
 
     def __init__(self, total: dict | None = None):
-        self.total = dict.fromkeys(GROUP_COUNTS, 0) | (total or {})
+        self.total = dict.fromkeys(GROUP_COUNTS, 0) | {"failure_kinds": {}} | (total or {})
         self.since = dict.fromkeys(GROUP_COUNTS, 0)
         self.logged: dict[str, list[float]] = {}  # name -> [sum, episodes] since the last row
 
@@ -20,6 +20,9 @@ class GeneratedEpisodes:
             n = group.pop(k)
             self.total[k] += n
             self.since[k] += n
+        kinds = self.total["failure_kinds"]
+        for kind, n in group.pop("failure_kinds").items():
+            kinds[kind] = kinds.get(kind, 0) + n
         for name, (total, n) in group.pop("logged").items():
             acc = self.logged.setdefault(name, [0.0, 0])
             acc[0] += total
@@ -40,14 +43,19 @@ class GeneratedEpisodes:
         return row
 
     def summary(self) -> dict:
-        """summary.json's (and progress.json's) keys for the training episodes of the whole run."""
+        """summary.json's (and progress.json's) keys for the training episodes of the whole run. `after_last_row`:
+        the counts of groups that arrived after the last metrics row (a run's last groups, never trained on), so
+        that each count is the sum of its metrics.csv column plus its entry there."""
         t, n = self.total, max(self.total["episodes"], 1)
         return {
+            "after_last_row": {"episodes_generated": self.since["episodes"]}
+            | {k: self.since[k] for k in ("reward_timeouts", "reward_errors", "branches", "agent_failures")},
             "episodes_generated": t["episodes"],
             "reward_timeouts": t["reward_timeouts"],
             "reward_errors": t["reward_errors"],
             "branches": t["branches"],
             "agent_failures": t["agent_failures"],
+            "agent_failures_by_kind": dict(t["failure_kinds"]),  # raised, timed out, bad result
             "turns_per_episode": t["turns"] / n if t["episodes"] else None,
             "tool_calls_per_episode": t["tool_calls"] / n if t["episodes"] else None,
         }

@@ -250,7 +250,7 @@ class Generator(RoleLoop):
 
     def _episode_done(self, key: SampleId, ep: FinishedEpisode) -> None:
         book = self.core.book
-        if ep.reward is None:  # rejected: the same sample runs again
+        if ep.reward is None:  # rejected, or failed: the same sample runs again
             if (p := book.rejected(key, ep)) is not None:
                 self.runner.start(key, p.row, p.prompt_ids)
         elif (ended := book.ended(key, ep)) is not None:

@@ -26,7 +26,7 @@ class Group:
     problem: Problem
     t_start: float  # granted (its episodes start at the next poll)
     episodes: dict[int, FinishedEpisode] = field(default_factory=dict)  # sample -> its finished episode
-    rejected: dict[int, int] = field(default_factory=dict)  # sample -> episodes the workflow rejected in a row
+    rejected: dict[int, int] = field(default_factory=dict)  # sample -> episodes the workflow rejected (None)
     rejected_stats: list = field(default_factory=list)  # their EpisodeStats: their failures count too
 
 
@@ -90,13 +90,16 @@ class GroupBook:
                     del self.on_engine[g]
 
     def rejected(self, key: SampleId, ep: FinishedEpisode) -> Problem | None:
-        """The workflow rejected this episode: the problem to run it again on (None: its group was dropped).
-        Raises once one sample is rejected MAX_REJECTED times in a row."""
+        """The workflow rejected this episode, or it failed: the problem to run it again on (None: its group was
+        dropped). Raises once one sample is rejected (not failed: FailureBudget counts those) MAX_REJECTED times
+        in a row."""
         g = self.running.get(key.group_id)
         if g is None:
             return None
-        g.rejected[key.sample] = g.rejected.get(key.sample, 0) + 1
         g.rejected_stats.append(ep.stats)
+        if ep.failure is not None:
+            return g.problem
+        g.rejected[key.sample] = g.rejected.get(key.sample, 0) + 1
         if g.rejected[key.sample] >= MAX_REJECTED:
             raise rejected_too_often(f"prompt {g.problem.prompt_id}", MAX_REJECTED)
         return g.problem

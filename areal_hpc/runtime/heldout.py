@@ -25,11 +25,12 @@ class _Eval:
     newest: int = -1  # the newest version that sampled any of its tokens
     tool_users: int = 0  # episodes that called a tool
     reward_failures: list[int] = field(default_factory=lambda: [0, 0])  # reward calls timed out, raised
+    failed: int = 0  # episodes whose agent or workflow failed (scored 0, never run again)
     deadline: float | None = None  # past it the unfinished episodes are cut
     bound_by: str = "logging.eval_timeout_s"  # the setting that set the deadline
 
 
-_NO_FAILURES = {"reward_timeouts": 0, "reward_errors": 0}
+_NO_FAILURES = {"reward_timeouts": 0, "reward_errors": 0, "agent_failures": 0}
 
 
 class HeldoutEvals:
@@ -94,7 +95,8 @@ class HeldoutEvals:
         self.report({"tag": tag, "version": None, "version_end": None} | none | _NO_FAILURES)
 
     def episode_done(self, index: int, ep: FinishedEpisode) -> None:
-        """A held-out episode's reward (a rejected one scores 0); the result goes to rank 0 once all are in."""
+        """A held-out episode's reward (a rejected or failed one scores 0); the result goes to rank 0 once all are
+        in."""
         ev = self.current
         if ev is None or ep.t_start < ev.t_start:
             return  # an episode of an evaluation that was cut, finished as it was cancelled
@@ -102,6 +104,7 @@ class HeldoutEvals:
         ev.tool_users += ep.stats.tool_calls > 0
         ev.reward_failures[0] += ep.stats.reward_timeouts
         ev.reward_failures[1] += ep.stats.reward_errors
+        ev.failed += ep.failure is not None
         # a segment's versions only grow: its last token carries the newest weights it saw
         ev.newest = max([ev.newest] + [seg.versions[-1] for seg in ep.sampled if seg.versions])
         if len(ev.rewards) == len(self.problems) * self.k:
@@ -115,6 +118,7 @@ class HeldoutEvals:
         self.span(ev.t_start, time.time())
         body = {"tag": ev.tag, "version": ev.version, "version_end": max(ev.newest, ev.version)}
         failures = {"reward_timeouts": ev.reward_failures[0], "reward_errors": ev.reward_failures[1]}
+        failures["agent_failures"] = ev.failed
         figures = heldout_figures(list(ev.rewards.values()), self.threshold)
         scores = {"acc": figures["heldout_acc"], "reward_mean": figures["heldout_reward_mean"]}
         done = len(ev.rewards)

@@ -8,18 +8,20 @@ generator -> scheduler
   GROUPS_DONE {"shard": name, "groups": [{"indices": [...], "prompt_id", "group_id", "n_tokens",
                "gen_tokens", "version_start", "uniform": r|None, "episodes", "turns", "tool_calls",
                "reward_timeouts", "reward_errors", "branches", "agent_failures",
-               "logged": {name: (sum, n)}}, ...]}
+               "failure_kinds": {kind: n}, "logged": {name: (sum, n)}}, ...]}
                                                finished, rewarded groups now in a shard file; "uniform":
                                                the reward all n samples got when equal, else None (rank 0
                                                may reject the group, and counts such groups); the
                                                counts of its episodes and the numbers they logged (sum
                                                over n episodes), added up by rank 0 whatever becomes of it
   EVAL_RESULT {"tag": str, "version": v|None, "version_end": w, "acc": float|None, "reward_mean": float|None,
-               "tool_share": float|None, "reward_timeouts": n, "reward_errors": n, "cut": c}
+               "tool_share": float|None, "reward_timeouts": n, "reward_errors": n, "agent_failures": f,
+               "cut": c}
                                                held-out accuracy (the share of episodes whose reward is
                                                >= logging.eval_threshold), mean reward, the share of its
                                                episodes that called a tool, its reward calls that timed out
-                                               or raised; started on weights v, its last tokens from w >= v;
+                                               or raised, its episodes whose agent or workflow failed
+                                               (scored 0); started on weights v, its last tokens from w >= v;
                                                acc None: superseded by a later evaluation, never run;
                                                c episodes cut unfinished (logging.eval_timeout_s, a stop),
                                                left out of the figures
@@ -101,6 +103,7 @@ FIELDS: dict[Tag, tuple[str, ...]] = {
         "tool_share",
         "reward_timeouts",
         "reward_errors",
+        "agent_failures",
         "cut",
     ),
     Tag.EVAL_PROGRESS: ("tag", "done", "total", "reward_timeouts"),
@@ -122,7 +125,7 @@ FIELDS: dict[Tag, tuple[str, ...]] = {
 GROUP_FIELDS = (
     ("indices", "prompt_id", "group_id", "n_tokens", "gen_tokens", "version_start", "uniform")
     + ("episodes", "turns", "tool_calls", "reward_timeouts", "reward_errors", "branches", "agent_failures")
-    + ("logged",)  # rollout.group_counts
+    + ("failure_kinds", "logged")  # rollout.group_counts
 )
 
 

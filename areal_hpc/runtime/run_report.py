@@ -65,7 +65,8 @@ class RunReport:
         self.evals: dict[str, float] = {}  # evaluation tag -> held-out accuracy (reward >= logging.eval_threshold)
         self.eval_rewards: dict[str, float] = {}  # evaluation tag -> held-out mean reward
         self.eval_versions: dict[str, int] = {}  # evaluation tag -> the weights version it measured
-        self.heldout_reward_failures = [0, 0]  # reward calls of held-out evaluations that timed out, raised
+        # reward calls of held-out evaluations that timed out, raised; their episodes whose agent or workflow failed
+        self.heldout_reward_failures = [0, 0, 0]
         self.generated = GeneratedEpisodes()  # every training episode's counts, from GROUPS_DONE
         self.eval_tool_share: dict[str, float] = {}  # evaluation tag -> share of its episodes that called a tool
         self.eval_cut: dict[str, int] = {}  # evaluation tag -> episodes cut unfinished (eval_timeout_s, a stop)
@@ -201,6 +202,7 @@ class RunReport:
             # a held-out score of 0 from a hung or failing reward function must not pass for a wrong answer
             self.heldout_reward_failures[0] += body["reward_timeouts"]
             self.heldout_reward_failures[1] += body["reward_errors"]
+            self.heldout_reward_failures[2] += body["agent_failures"]
             log.info(
                 "held-out %s (weights v%s): accuracy %.3f, mean reward %.3f",
                 *(tag, body["version"], acc, body["reward_mean"]),
@@ -315,6 +317,8 @@ class RunReport:
             "reward_errors": self.generated.total["reward_errors"],
             "heldout_reward_timeouts": self.heldout_reward_failures[0],
             "heldout_reward_errors": self.heldout_reward_failures[1],
+            "agent_failures": self.generated.total["agent_failures"],
+            "heldout_agent_failures": self.heldout_reward_failures[2],
             "warning": self.warning,
             "eval": self.eval_running,  # {"tag", "done", "total", "reward_timeouts"} while an evaluation runs
             "time": now,
@@ -358,6 +362,7 @@ class RunReport:
             "tool_share_final": self.eval_tool_share.get("final"),
             "heldout_reward_timeouts": self.heldout_reward_failures[0],
             "heldout_reward_errors": self.heldout_reward_failures[1],
+            "heldout_agent_failures": self.heldout_reward_failures[2],
             **self.generated.summary(),  # training episodes: reward time-outs and errors, turns, tool calls
             "wall_s": now - self.t0,
             "t0": self.t0,  # epoch seconds of metrics.csv's wall_s = 0 (the timeline's times are epoch seconds)

@@ -40,7 +40,7 @@ from areal_hpc.store import Ledger, write_shard
 from areal_hpc.store.shards import read_columns
 from areal_hpc.trackers import require_trackers
 from areal_hpc.types import SampleId
-from areal_hpc.utils import seed_everything
+from areal_hpc.utils import bar_interval, seed_everything
 from areal_hpc.warm_start import check_warm_start
 from areal_hpc.workflow import load_workflow, runner_settings
 from areal_hpc.workflow.batch import EpisodeStart, run_episodes
@@ -123,7 +123,7 @@ def run_sync(cfg: Config) -> RunSummary:
         cursor = 0
         t_rl = time.time()
         last_eval = warm
-        bar = tqdm(range(1, tc.versions + 1), desc="RL", disable=not progress)
+        bar = tqdm(range(1, tc.versions + 1), desc="RL", disable=not progress, mininterval=bar_interval())
         generated = GeneratedEpisodes()  # reward failures and logged numbers, per version
         for step in bar:
             # dataset cursor: B prompts, wrapping around the shuffled training set
@@ -185,7 +185,7 @@ def run_sync(cfg: Config) -> RunSummary:
             metrics.log(trainer.version, row)
             if tc.checkpoint_every and trainer.version % tc.checkpoint_every == 0 and not last:
                 trainer.save_checkpoint(run_dir.trainer_checkpoint(trainer.version))
-            bar.set_postfix(reward=f"{r.mean():.3f}", acc=f"{last_eval['heldout_acc']:.3f}")
+            bar.set_postfix(reward=f"{r.mean():.3f}", acc=f"{last_eval['heldout_acc']:.3f}", refresh=False)
             if last:
                 break
         bar.close()

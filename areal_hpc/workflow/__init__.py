@@ -7,8 +7,9 @@ from pathlib import Path
 from areal_hpc.plugins import PluginError, check_signature, resolve
 from areal_hpc.workflow.builtin import BUILTIN, multi_turn, single_turn, tool
 from areal_hpc.workflow.episode import Episode
-from areal_hpc.workflow.records import Completion, Segment, ToolResult
-from areal_hpc.workflow.runner import EpisodeRunner, FinishedEpisode, RunnerSettings, Workflow, WorkflowError
+from areal_hpc.workflow.failures import EpisodeFailed, FailureBudget, TooManyFailures
+from areal_hpc.workflow.records import Completion, EpisodeFailure, Segment, ToolResult
+from areal_hpc.workflow.runner import EpisodeRunner, FinishedEpisode, RunnerSettings, Workflow
 
 __all__ = [
     "Episode",
@@ -19,7 +20,10 @@ __all__ = [
     "FinishedEpisode",
     "RunnerSettings",
     "Workflow",
-    "WorkflowError",
+    "EpisodeFailure",
+    "EpisodeFailed",
+    "FailureBudget",
+    "TooManyFailures",
     "load_workflow",
     "check_user_code",
     "runner_settings",

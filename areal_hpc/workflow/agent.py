@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shlex
 import shutil
 
 from areal_hpc.agents.endpoint import Endpoint, EndpointSettings
 from areal_hpc.agents.protocol import RunSampling
-from areal_hpc.agents.running import AgentOutcome, load_agent
+from areal_hpc.agents.running import ENDED, STOPPED, AgentOutcome, load_agent
 from areal_hpc.agents.transcript import tool_parser_class
+from areal_hpc.workflow.failures import EndpointLost, EpisodeFailed
+from areal_hpc.workflow.records import EpisodeFailure
 
 log = logging.getLogger("areal_hpc.workflow")
 
@@ -34,14 +37,14 @@ def check_agent_config(wc) -> None:
 
 
 class AgentEndpoint:
-    """The runner's endpoint (one per episode runner, closed with it) and what it has logged."""
+    """The runner's endpoint (one per episode runner, closed with it)."""
 
     def __init__(self, runner, wc):
         s = runner.settings
         sampling = RunSampling(s.temperature, s.top_p, s.max_new_tokens, s.model_name)
         settings = EndpointSettings(sampling, wc.endpoint_host, wc.max_request_kb, wc.tool_parser, s.max_context)
         self.endpoint = Endpoint(runner.text.tokenizer, settings, wc, runner.call_in_loop)
-        self.failures_logged: set[str] = set()
+        self.stopping = False  # its process was ended by the job's stop signal (said once)
         # vLLM's parsers log a traceback for every answer that does not parse (returned as content, as meant)
         logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
         log.info("agent endpoint at %s", self.endpoint.base_url)
@@ -54,27 +57,27 @@ async def agent(ep) -> float | None:
     """rollout.workflow=agent: the episode's session is opened, the agent runs against it, and its result
     becomes the episode's reward: a float as it is, a string scored by reward.fn with the row, None rejects
     the episode. An agent that fails (raises, hangs past workflow.agent_timeout_s, returns or prints something
-    else) costs its episode only: counted (agent_failures), the first failure of each kind logged once, and
-    the episode run again."""
+    else) costs its episode only: it fails (EpisodeFailed), is counted against workflow.max_failure_share, and
+    runs again."""
     runner = ep._runner  # noqa: SLF001 (a built-in workflow: the endpoint lives as long as the runner)
     shared: AgentEndpoint = runner.shared("agent-endpoint", lambda: AgentEndpoint(runner, ep.config))
     session = shared.endpoint.open(ep)
     try:
         outcome: AgentOutcome = await runner.wait(shared.endpoint.start_agent(session, ep.row))
     except RuntimeError as e:  # the endpoint's loop ended under it
-        outcome = AgentOutcome(failure=f"it stopped: {e}")
+        raise EndpointLost(f"the agent endpoint stopped under episode {ep.key}: {e}") from None
     finally:
         shared.endpoint.close(session)
     ep.stats.branches += session.branches
+    if outcome.kind == STOPPED:  # the job is stopping: this rank ends too, and the episode with it
+        if not shared.stopping:
+            shared.stopping = True
+            log.info("%s as the job stops: its episodes are given up", outcome.failure)
+        raise asyncio.CancelledError
+    if outcome.kind == ENDED:
+        raise EndpointLost(outcome.failure)
     if outcome.failure:
-        ep.stats.agent_failures += 1
-        kind = outcome.failure.split(" ", 2)[1]  # raised / ran / returned / exited / printed
-        if kind not in shared.failures_logged:
-            shared.failures_logged.add(kind)
-            log.warning(
-                "an agent failed in episode %s: %s (its episode runs again; logged once)", ep.key, outcome.failure
-            )
-        return None
+        raise EpisodeFailed(EpisodeFailure(outcome.kind, outcome.failure, outcome.where, source="agent"))
     if isinstance(outcome.value, str):
         return await ep.reward(outcome.value)
     return outcome.value

@@ -10,7 +10,9 @@ from areal_hpc.engines.base import run_to_end
 from areal_hpc.workflow.records import FinishedEpisode
 from areal_hpc.workflow.runner import EpisodeRunner, RunnerSettings, Workflow
 
-MAX_REJECTED = 8  # a sample whose episode is rejected this many times in a row stops the run (it never finishes)
+# a sample whose episode is rejected (returned None) this many times in a row stops the run: it would never finish
+# (failures are not rejections: FailureBudget counts them)
+MAX_REJECTED = 8
 
 
 @dataclass
@@ -23,16 +25,23 @@ class EpisodeStart:
 
 def rejected_too_often(key: Hashable, times: int) -> RuntimeError:
     return RuntimeError(
-        f"rollout.workflow rejected {times} episodes in a row of {key}; return a reward (0.0) for episodes that "
-        "should count"
+        f"rollout.workflow rejected {times} episodes in a row of {key} (it returned None each time); return a "
+        "reward (0.0) for episodes that should count"
     )
 
 
 def run_episodes(
-    engine, workflow: Workflow, tokenizer, pool, settings: RunnerSettings, starts: list[EpisodeStart], retry=True
+    engine,
+    workflow: Workflow,
+    tokenizer,
+    pool,
+    settings: RunnerSettings,
+    starts: list[EpisodeStart],
+    retry=True,
 ) -> list[FinishedEpisode]:
-    """Every episode to its end, in the order of `starts`; with `retry` a rejected episode runs again (else it
-    comes back with reward None). Between engine steps the episodes waiting on a reward or a tool go on."""
+    """Every episode to its end, in the order of `starts`; with `retry` a rejected or failed episode runs again
+    (else it comes back with reward None, and its failure). Failures count against the runner's budget, which
+    raises TooManyFailures. Between engine steps the episodes waiting on a reward or a tool go on."""
     runner = EpisodeRunner(workflow, tokenizer, pool, engine.add, settings)
     by_key = {s.key: s for s in starts}
     if len(by_key) != len(starts):
@@ -48,10 +57,11 @@ def run_episodes(
             engine.interrupt(runner.take_abandoned())
         for ep in finished:
             if ep.reward is None and retry:
-                rejected[ep.key] = rejected.get(ep.key, 0) + 1
                 carried.setdefault(ep.key, []).append(ep.stats)
-                if rejected[ep.key] >= MAX_REJECTED:
-                    raise rejected_too_often(ep.key, MAX_REJECTED)
+                if ep.failure is None:  # a rejection: a workflow that rejects every try never ends
+                    rejected[ep.key] = rejected.get(ep.key, 0) + 1
+                    if rejected[ep.key] >= MAX_REJECTED:
+                        raise rejected_too_often(ep.key, MAX_REJECTED)
                 s = by_key[ep.key]
                 runner.start(s.key, s.row, s.prompt_ids, s.greedy)
             else:

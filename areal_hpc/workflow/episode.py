@@ -6,7 +6,7 @@ import time
 from collections.abc import Hashable
 
 from areal_hpc.reward.values import finite_number
-from areal_hpc.workflow.records import Completion, EpisodeStats, FinishedEpisode, Segment, ToolResult
+from areal_hpc.workflow.records import Completion, EpisodeFailure, EpisodeStats, FinishedEpisode, Segment, ToolResult
 from areal_hpc.workflow.tools import calculator
 
 
@@ -131,8 +131,16 @@ class Episode:
         """Token ids as text (special tokens skipped), as a Completion's `text` is made."""
         return self._text.decode(ids)
 
-    def finished(self, reward: float | None) -> FinishedEpisode:
+    def finished(self, reward: float | None, failure: EpisodeFailure | None = None) -> FinishedEpisode:
         """This episode as it ended (the runner's record of it)."""
         return FinishedEpisode(
-            self.key, reward, self.segments, self.stats, self.last_finish, self.t_start, time.time(), self.branches
+            self.key,
+            reward,
+            self.segments,
+            self.stats,
+            self.last_finish,
+            self.t_start,
+            time.time(),
+            self.branches,
+            failure,
         )

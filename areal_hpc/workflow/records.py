@@ -42,6 +42,24 @@ class Segment:
         return self.trained or bool(self.versions)
 
 
+@dataclass(frozen=True)
+class EpisodeFailure:
+    """Why an episode failed: its workflow or agent raised, ran out of time or gave back something unusable. A
+    failed episode keeps no tokens and runs again; failures are counted against workflow.max_failure_share."""
+
+    kind: str  # one of FAILURE_KINDS
+    what: str  # "RuntimeError: the tool is down", or what came back
+    where: str = ""  # the user's file:line that raised ("" when unknown: a command agent, a time-out)
+    source: str = "workflow"  # rollout.workflow's code, or the agent (workflow.agent / agent_command)
+
+    def __str__(self) -> str:
+        at = f" at {self.where}" if self.where else ""
+        return f"the {self.source} {self.kind}: {self.what}{at}"
+
+
+FAILURE_KINDS = ("raised", "timed out", "bad result")
+
+
 @dataclass
 class EpisodeStats:
     turns: int = 0  # generate calls
@@ -51,7 +69,9 @@ class EpisodeStats:
     reward_timeouts: int = 0
     reward_errors: int = 0
     branches: int = 0  # transcripts given up for a rewritten history (the agent endpoint counts them)
-    agent_failures: int = 0  # agents that raised, hung or returned something else (their episodes ran again)
+    # tries of this episode whose agent or workflow failed (raised, timed out, a bad result) and ran again
+    agent_failures: int = 0
+    failure_kinds: dict[str, int] = field(default_factory=dict)  # those failures by kind (FAILURE_KINDS)
     reward_span: tuple[float, float] | None = None  # first reward call to the last answer (the timeline's span)
     tool_spans: list[tuple[float, float]] = field(default_factory=list)  # each tool call's start and end
     # numbers to average per version: reward/<key> (a reward's extras: the last call's that returned them) and
@@ -64,6 +84,12 @@ class EpisodeStats:
         self.reward_errors += other.reward_errors
         self.branches += other.branches
         self.agent_failures += other.agent_failures
+        for kind, n in other.failure_kinds.items():
+            self.failure_kinds[kind] = self.failure_kinds.get(kind, 0) + n
+
+    def add_failure(self, failure: EpisodeFailure) -> None:
+        self.agent_failures += 1
+        self.failure_kinds[failure.kind] = self.failure_kinds.get(failure.kind, 0) + 1
 
     def add_reward_call(self, status: str, extras: dict[str, float], t_start: float, t_end: float) -> None:
         """A reward call that ended as `status` (ok, timeout, error), with the extras its function returned."""
@@ -82,13 +108,14 @@ class EpisodeStats:
 @dataclass
 class FinishedEpisode:
     key: Hashable  # as given to EpisodeRunner.start
-    reward: float | None  # None: the workflow rejected the episode
+    reward: float | None  # None: the workflow rejected the episode, or it failed
     segments: list[Segment]  # the last transcript
     stats: EpisodeStats
     finish_reason: str  # of its last generate call
     t_start: float
     t_end: float
     branches: list[list[Segment]] = field(default_factory=list)  # earlier transcripts (Episode.branch)
+    failure: EpisodeFailure | None = None  # why it failed (reward None): not a rejection
 
     @property
     def transcripts(self) -> list[list[Segment]]:

@@ -8,22 +8,26 @@ import logging
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 
+from areal_hpc.plugins import user_frame
 from areal_hpc.types import GenOutput, GenRequest, RequestId
 from areal_hpc.workflow.calls import EngineRequests, RewardBatches, ToolThreads
 from areal_hpc.workflow.episode import Episode
-from areal_hpc.workflow.records import FinishedEpisode, ToolResult
+from areal_hpc.workflow.failures import SCORED, VOID, EndpointLost, EpisodeFailed, FailureBudget, TooManyFailures
+from areal_hpc.workflow.records import EpisodeFailure, FinishedEpisode, ToolResult
 from areal_hpc.workflow.stepped_loop import SteppedLoop
 from areal_hpc.workflow.text import EpisodeText, render_turn
 
-__all__ = ["EpisodeRunner", "FinishedEpisode", "RunnerSettings", "Workflow", "WorkflowError", "render_turn"]
+__all__ = ["EpisodeRunner", "FinishedEpisode", "RunnerSettings", "Workflow", "render_turn"]
 
 log = logging.getLogger("areal_hpc.workflow")
 
 Workflow = Callable[[Episode], Awaitable[float | None]]
 
 
-class WorkflowError(RuntimeError):
-    """The workflow raised: a bug in episode code stops the run (one line; the traceback is in the rank's log)."""
+def workflow_at(fn) -> str:
+    """Where a workflow function is defined (file:line), for a failure raised on its behalf."""
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
 
 
 @dataclass
@@ -56,7 +60,10 @@ class EpisodeRunner:
         self.tools = ToolThreads(self.loop, settings.tool_threads, settings.tool_memory_mb, settings.sandbox)
         self.tasks: dict[Hashable, asyncio.Task] = {}  # episode key -> task
         self.finished: list[FinishedEpisode] = []
-        self.failure: WorkflowError | None = None
+        wc = settings.workflow
+        self.failures = FailureBudget(wc.max_failure_share, wc.failure_window)  # every episode's, held out too
+        self.broken: EndpointLost | None = None
+        self._logged: set[tuple[str, str]] = set()  # (kind, where) of the failures logged
         self._shared: dict[str, object] = {}  # what a workflow keeps per runner (`shared`), closed with it
 
     # -- the caller's side -----------------------------------------------------------------------
@@ -64,7 +71,7 @@ class EpisodeRunner:
         """A new episode; its first request reaches `submit` at the next poll()."""
         if key in self.tasks:
             raise ValueError(f"episode {key!r} is already running")
-        self.tasks[key] = self.loop.task(self._run(Episode(self, key, row, prompt_ids, greedy)))
+        self.tasks[key] = self.loop.task(self._run(Episode(self, key, row, prompt_ids, greedy), self.failures.start()))
 
     def deliver(self, out: GenOutput) -> None:
         """An engine output for a request this runner submitted (none for a request cancelled meanwhile)."""
@@ -78,9 +85,10 @@ class EpisodeRunner:
         """
         self.loop.run_ready(len(self.tasks))
         self.rewards.flush(force=engine_idle)
-        # episodes may also have ended in a pass that cancel() ran
-        if self.failure is not None:
-            raise self.failure
+        if self.broken is not None:
+            raise self.broken
+        if self.failures.over is not None:
+            raise TooManyFailures(self.failures.over)
         done, self.finished = self.finished, []
         return done
 
@@ -110,25 +118,42 @@ class EpisodeRunner:
         self.loop.close()
 
     # -- an episode's life ----------------------------------------------------------------------
-    async def _run(self, ep: Episode) -> None:
+    async def _run(self, ep: Episode, seq: int) -> None:
+        outcome = VOID  # until it is scored or fails (a rejection, a cancellation, a lost endpoint stay VOID)
+        try:
+            reward, failure = await self._attempt(ep)
+            outcome = failure or (SCORED if reward is not None else VOID)
+        except EndpointLost as e:  # no episode can go on: the rank fails (poll raises it)
+            self.broken = self.broken or e
+            return
+        finally:  # a cancellation too: no try that started earlier may hold the budget's window back
+            self.tasks.pop(ep.key, None)
+            self.failures.end(seq, outcome)
+        if failure is not None:
+            ep.stats.add_failure(failure)
+        self.finished.append(ep.finished(reward, failure))
+
+    async def _attempt(self, ep: Episode) -> tuple[float | None, EpisodeFailure | None]:
+        """The workflow's reward for the episode (None: rejected), or how it failed."""
         try:
             reward = await self.workflow(ep)
-            if reward is not None:
-                try:
-                    reward = float(reward)
-                except (TypeError, ValueError):
-                    raise TypeError(f"it returned {reward!r}; return a float, or None to reject") from None
-        except asyncio.CancelledError:
+            if reward is None:
+                return None, None
+            try:
+                return float(reward), None
+            except (TypeError, ValueError):
+                what = f"it returned {reward!r} ({type(reward).__name__}); return a float, or None to reject"
+                raise EpisodeFailed(EpisodeFailure("bad result", what, workflow_at(self.workflow))) from None
+        except (asyncio.CancelledError, EndpointLost):
             raise
-        except Exception as e:
-            log.exception("workflow failed in episode %s", ep.key)
-            self.failure = self.failure or WorkflowError(
-                f"workflow failed in episode {ep.key}: {type(e).__name__}: {e}"
-            )
-            return
-        finally:
-            self.tasks.pop(ep.key, None)
-        self.finished.append(ep.finished(reward))
+        except EpisodeFailed as e:
+            failure, trace = e.failure, False
+        except Exception as e:  # a failing episode is counted and runs again (FailureBudget says when it is too many)
+            failure, trace = EpisodeFailure("raised", f"{type(e).__name__}: {e}", user_frame(e)), True
+        if (failure.kind, failure.where) not in self._logged:  # the first of each kind at each place
+            self._logged.add((failure.kind, failure.where))
+            log.warning("episode %s failed: %s (logged once)", ep.key, failure, exc_info=trace)
+        return None, failure
 
     # -- the raw calls an Episode makes ------------------------------------------------------------
     async def sample(self, key: Hashable, tokens: list[int], budget: int, greedy: bool, stop: list[str]) -> GenOutput:
