@@ -2,7 +2,7 @@
 
 import random
 
-from areal_hpc.workflow.failures import SCORED, VOID, FailureBudget
+from areal_hpc.workflow.failures import CANCELLED, SCORED, VOID, FailureBudget
 from areal_hpc.workflow.records import EpisodeFailure
 
 BOOM = EpisodeFailure("raised", "RuntimeError: the tool is down", "agents/flaky.py:12", "agent")
@@ -61,15 +61,33 @@ def test_an_agent_that_always_fails_spends_it_in_one_line_naming_the_exception_a
     assert "(200 failed of 200 episodes on this generator: raised 180, timed out 20)" in line
 
 
-def test_rejections_and_cancellations_count_neither_way_and_hold_nothing_back():
+def test_rejections_count_neither_way_and_hold_nothing_back():
     budget = FailureBudget(0.5, 4)
     first = budget.start()
     later = [budget.start() for _ in range(4)]
     for seq in later:
         budget.end(seq, BOOM)
     assert budget.over is None and not budget.recent  # waiting for the first try to end
-    budget.end(first, VOID)  # cancelled (a stop) or rejected: it does not count
+    budget.end(first, VOID)  # rejected: it does not count
     assert budget.failed_recently == 4 and budget.over is not None and budget.episodes == 4
+
+
+def test_a_stop_that_cuts_the_slow_successes_short_does_not_spend_the_budget():
+    """At a stop the tries still running are cancelled: mostly successes in the making, as failures come back
+    at once. Counting the ended tries around them would see a failure-rich window; a cancellation empties it."""
+    budget = FailureBudget(0.75, 200)
+    _start_up_burst(budget, 0.5, slots=256, rounds=5, seed=1)
+    rng = random.Random(2)
+    running = [budget.start() for _ in range(256)]
+    for seq in running:  # the round the stop cuts: failures end, the rest are cancelled
+        budget.end(seq, BOOM if rng.random() < 0.5 else CANCELLED)
+    assert budget.over is None and len(budget.recent) < 200
+    # the same round with the cut tries left out (VOID) would have counted only its failures
+    naive = FailureBudget(0.75, 200)
+    _start_up_burst(naive, 0.5, slots=256, rounds=5, seed=1)
+    for seq in [naive.start() for _ in range(256)]:
+        naive.end(seq, BOOM if rng.random() < 0.5 else VOID)
+    assert naive.over is not None
 
 
 def test_a_share_of_one_never_stops_the_run():

@@ -44,7 +44,7 @@ def header(ep) -> str:
         f"finish {ep.finish_reason}",
         f"turns {ep.counts.turns}",
         f"tool calls {ep.counts.tool_calls}",
-        f"failures {ep.failures}" + (f" ({failed})" if failed else ""),
+        f"errors {ep.failures}" + (f" ({failed})" if failed else ""),
     ]
     if ep.branches:
         parts.append(f"transcripts {len(ep.transcripts)}")

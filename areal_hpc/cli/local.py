@@ -63,7 +63,8 @@ def episode_lines(s: dict, workflow: str = "") -> list[str]:
         who = "agents:     " if workflow == "agent" else "workflow:   "
         lines.append(
             f"{who} {failed} failed in training episodes{f' ({kinds})' if kinds else ''}, {heldout} in held-out "
-            f"ones (each ran again, or scored 0 held out; the first of each kind is in the generator's log); "
+            "ones (each ran again; held out, left out of the figures; the first of each kind is in the generator's "
+            "log); "
             f"{s.get('branches', 0)} branches (histories rewritten)"
         )
     if "reward_errors" in s:

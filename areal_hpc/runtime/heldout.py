@@ -21,11 +21,11 @@ class _Eval:
     tag: str
     version: int  # the weights it started on; a weight load meanwhile resumes it under the newer ones
     t_start: float
-    rewards: dict[int, float] = field(default_factory=dict)  # held-out index * k + sample -> episode reward
+    # held-out index * k + sample -> episode reward (None: its agent or workflow failed, left out of the figures)
+    rewards: dict[int, float | None] = field(default_factory=dict)
     newest: int = -1  # the newest version that sampled any of its tokens
     tool_users: int = 0  # episodes that called a tool
     reward_failures: list[int] = field(default_factory=lambda: [0, 0])  # reward calls timed out, raised
-    failed: int = 0  # episodes whose agent or workflow failed (scored 0, never run again)
     deadline: float | None = None  # past it the unfinished episodes are cut
     bound_by: str = "logging.eval_timeout_s"  # the setting that set the deadline
 
@@ -95,34 +95,35 @@ class HeldoutEvals:
         self.report({"tag": tag, "version": None, "version_end": None} | none | _NO_FAILURES)
 
     def episode_done(self, index: int, ep: FinishedEpisode) -> None:
-        """A held-out episode's reward (a rejected or failed one scores 0); the result goes to rank 0 once all are
-        in."""
+        """A held-out episode's reward (a rejected one scores 0, a failed one is left out); the result goes to rank
+        0 once all are in."""
         ev = self.current
         if ev is None or ep.t_start < ev.t_start:
             return  # an episode of an evaluation that was cut, finished as it was cancelled
-        ev.rewards[index] = ep.reward or 0.0
+        # a failed agent (a flaky tool) says nothing of the model: counted, and left out as a cut episode is
+        ev.rewards[index] = None if ep.failure is not None else ep.reward or 0.0
         ev.tool_users += ep.stats.tool_calls > 0
         ev.reward_failures[0] += ep.stats.reward_timeouts
         ev.reward_failures[1] += ep.stats.reward_errors
-        ev.failed += ep.failure is not None
         # a segment's versions only grow: its last token carries the newest weights it saw
         ev.newest = max([ev.newest] + [seg.versions[-1] for seg in ep.sampled if seg.versions])
         if len(ev.rewards) == len(self.problems) * self.k:
             self._finish()
 
     def _finish(self) -> None:
-        """The running evaluation's result to rank 0: its figures over the episodes that finished, and how many
-        were cut (never scored as wrong answers)."""
+        """The running evaluation's result to rank 0: its figures over the episodes that finished and did not fail,
+        how many failed and how many were cut (neither scored as wrong answers)."""
         ev, total = self.current, len(self.problems) * self.k
         self.current = None
         self.span(ev.t_start, time.time())
         body = {"tag": ev.tag, "version": ev.version, "version_end": max(ev.newest, ev.version)}
         failures = {"reward_timeouts": ev.reward_failures[0], "reward_errors": ev.reward_failures[1]}
-        failures["agent_failures"] = ev.failed
-        figures = heldout_figures(list(ev.rewards.values()), self.threshold)
+        scored = [r for r in ev.rewards.values() if r is not None]
+        failures["agent_failures"] = len(ev.rewards) - len(scored)
+        figures = heldout_figures(scored, self.threshold)
         scores = {"acc": figures["heldout_acc"], "reward_mean": figures["heldout_reward_mean"]}
         done = len(ev.rewards)
-        tools = {"tool_share": ev.tool_users / done if done else float("nan")}
+        tools = {"tool_share": ev.tool_users / done if done else float("nan")}  # failed ones' tool calls count
         self.report(body | scores | tools | failures | {"cut": total - done})
 
     def cut(self, why: str) -> None:

@@ -20,8 +20,9 @@ generator -> scheduler
                                                held-out accuracy (the share of episodes whose reward is
                                                >= logging.eval_threshold), mean reward, the share of its
                                                episodes that called a tool, its reward calls that timed out
-                                               or raised, its episodes whose agent or workflow failed
-                                               (scored 0); started on weights v, its last tokens from w >= v;
+                                               or raised, its episodes f whose agent or workflow failed
+                                               (left out of the figures); started on weights v, its last
+                                               tokens from w >= v;
                                                acc None: superseded by a later evaluation, never run;
                                                c episodes cut unfinished (logging.eval_timeout_s, a stop),
                                                left out of the figures

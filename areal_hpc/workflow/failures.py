@@ -24,7 +24,8 @@ class TooManyFailures(RuntimeError):
     """More of the recent episodes failed than workflow.max_failure_share allows: the run stops (one line)."""
 
 
-SCORED, VOID = "scored", "void"  # a try's outcome besides a failure: it counted, or it does not (rejected, cancelled)
+# a try's outcome besides a failure: it counted; it does not (rejected); it was cut short (a stop, a cut evaluation)
+SCORED, VOID, CANCELLED = "scored", "void", "cancelled"
 
 
 class FailureBudget:
@@ -36,7 +37,9 @@ class FailureBudget:
 
     Why in the order they started: a failure often comes back at once while a success takes its turns, so the
     tries that ended lately are mostly failures (at start-up, all of them). A try's outcome joins the window
-    only once every earlier try has ended, which makes the window's share the share of tries that fail."""
+    only once every earlier try has ended, which makes the window's share the share of tries that fail. A
+    cancellation empties the window for the same reason: the tries a stop cuts short are the slow ones, so the
+    tries around it that did end are mostly failures."""
 
     def __init__(self, max_share: float, window: int):
         self.max_share, self.window = max_share, window
@@ -54,8 +57,8 @@ class FailureBudget:
         return self.started - 1
 
     def end(self, seq: int, outcome: EpisodeFailure | str) -> None:
-        """Try `seq` ended: an EpisodeFailure, SCORED or VOID."""
-        if outcome != VOID:
+        """Try `seq` ended: an EpisodeFailure, SCORED, VOID or CANCELLED."""
+        if outcome not in (VOID, CANCELLED):
             self.episodes += 1
         if isinstance(outcome, EpisodeFailure):
             self.by_kind[outcome.kind] += 1
@@ -63,7 +66,9 @@ class FailureBudget:
         while self.next in self.ended:
             done = self.ended.pop(self.next)
             self.next += 1
-            if done != VOID:
+            if done == CANCELLED:
+                self.recent.clear()
+            elif done != VOID:
                 self.recent.append(done if isinstance(done, EpisodeFailure) else None)
         if (
             self.over is None

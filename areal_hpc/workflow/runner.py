@@ -12,7 +12,15 @@ from areal_hpc.plugins import user_frame
 from areal_hpc.types import GenOutput, GenRequest, RequestId
 from areal_hpc.workflow.calls import EngineRequests, RewardBatches, ToolThreads
 from areal_hpc.workflow.episode import Episode
-from areal_hpc.workflow.failures import SCORED, VOID, EndpointLost, EpisodeFailed, FailureBudget, TooManyFailures
+from areal_hpc.workflow.failures import (
+    CANCELLED,
+    SCORED,
+    VOID,
+    EndpointLost,
+    EpisodeFailed,
+    FailureBudget,
+    TooManyFailures,
+)
 from areal_hpc.workflow.records import EpisodeFailure, FinishedEpisode, ToolResult
 from areal_hpc.workflow.stepped_loop import SteppedLoop
 from areal_hpc.workflow.text import EpisodeText, render_turn
@@ -119,14 +127,17 @@ class EpisodeRunner:
 
     # -- an episode's life ----------------------------------------------------------------------
     async def _run(self, ep: Episode, seq: int) -> None:
-        outcome = VOID  # until it is scored or fails (a rejection, a cancellation, a lost endpoint stay VOID)
+        outcome = VOID  # until it is scored or fails (a rejection, a lost endpoint stay VOID)
         try:
             reward, failure = await self._attempt(ep)
             outcome = failure or (SCORED if reward is not None else VOID)
+        except asyncio.CancelledError:
+            outcome = CANCELLED
+            raise
         except EndpointLost as e:  # no episode can go on: the rank fails (poll raises it)
             self.broken = self.broken or e
             return
-        finally:  # a cancellation too: no try that started earlier may hold the budget's window back
+        finally:  # a cancellation too: no try that started later may wait for it in the budget's window
             self.tasks.pop(ep.key, None)
             self.failures.end(seq, outcome)
         if failure is not None:
