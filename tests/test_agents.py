@@ -433,7 +433,7 @@ def _example_result(tok, sampled) -> str:
 
 
 def _failures_logged(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("an agent failed")]
+    return [r.getMessage() for r in caplog.records if " failed: the agent " in r.getMessage()]
 
 
 def test_an_agent_that_hangs_raises_or_returns_garbage_costs_its_episode_only(agent_model, caplog):
@@ -443,9 +443,13 @@ def test_an_agent_that_hangs_raises_or_returns_garbage_costs_its_episode_only(ag
     _, eps = _run(agent_model, rows, agent=f"{THIS}:failing_agent", agent_timeout_s=10)
     assert [e.reward for e in eps] == [None] * 4 + [1.0, 1.0]
     assert [e.stats.agent_failures for e in eps] == [1, 1, 1, 1, 0, 0]
+    kinds = [e.failure and e.failure.kind for e in eps]
+    assert kinds == ["timed out", "raised", "raised", "bad result", None, None]
+    raised_at = next(i for i, ln in enumerate(Path(__file__).read_text().splitlines(), 1) if 'the agent broke")' in ln)
+    assert eps[1].failure.where.endswith(f"test_agents.py:{raised_at}"), eps[1].failure  # the agent's own line
     logged = _failures_logged(caplog)
-    assert len(logged) == 3  # one per kind of failure: the second raise is counted, not logged again
-    for words in ("workflow.agent_timeout_s=10", "raised ValueError: the agent broke", "returned {'answer'"):
+    assert len(logged) == 3  # one per kind and place: the second raise is counted, not logged again
+    for words in ("workflow.agent_timeout_s=10", "raised: ValueError: the agent broke at", "returned {'answer'"):
         assert sum(words in m for m in logged) == 1, (words, logged)
 
 
@@ -459,6 +463,7 @@ def test_a_command_agent_reports_a_reward_or_an_answer_and_its_failures_cost_one
     _, eps = _run(agent_model, rows, agent_command=f"{sys.executable} {script}", agent_timeout_s=30)
     assert [e.reward for e in eps] == [None, None, None, 1.0, 0.5]
     assert [e.stats.agent_failures for e in eps] == [1, 1, 1, 0, 0]
+    assert [e.failure.kind for e in eps[:3]] == ["bad result", "raised", "timed out"]
     assert [e.stats.turns for e in eps[3:]] == [1, 1]  # the commands called the endpoint with their key
     logged = _failures_logged(caplog)
     assert len(logged) == 3 and sum("agent_timeout_s=30" in m for m in logged) == 1, logged  # one of each kind

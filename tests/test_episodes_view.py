@@ -134,8 +134,11 @@ def test_a_calculator_call_is_followed_by_its_result_untrained(episodes):
     for ep in episodes:
         segs = ep.transcripts[-1].segments
         for call, result in zip(segs[1:], segs[2:]):
-            if call.trained and (m := CALL.search(call.text)):
+            # a call the endpoint read as one (vLLM's parser): the agent answered it with a tool message
+            if call.trained and (m := CALL.search(call.text)) and "<tool>" in result.text:
                 sent = agent.calculate(m.group(1))  # what the agent computed and sent back as the tool's message
+                if not re.fullmatch(r"-?\d+", sent):
+                    continue  # an error text: the tiny vocabulary has no letters (stored as <unk>)
                 # the template closes a turn with <eos>: appended unless sampled (a turn cut at its length)
                 glue = "" if call.text.endswith("<eos>") else "<eos>"
                 assert not result.trained and result.text == f"{glue}<tool>{sent}<assistant>", result.text

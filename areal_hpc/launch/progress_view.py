@@ -126,9 +126,11 @@ def piped_line(p: dict) -> str:
 
 
 def reward_failures(progress: dict) -> dict[str, str]:
-    """The progress bar's reward errors and time-outs (training and held-out episodes), once there are any."""
+    """The progress bar's reward errors and time-outs, and agent (or workflow) failures, training and held-out
+    episodes together, once there are any."""
     out = {}
-    for what, key in (("reward errors", "reward_errors"), ("reward time-outs", "reward_timeouts")):
+    counts = ("reward errors", "reward_errors"), ("reward time-outs", "reward_timeouts"), ("failed", "agent_failures")
+    for what, key in counts:
         n = (progress.get(key) or 0) + (progress.get(f"heldout_{key}") or 0)
         if n:
             out[what] = str(n)

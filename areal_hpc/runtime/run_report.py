@@ -66,7 +66,7 @@ class RunReport:
         self.eval_rewards: dict[str, float] = {}  # evaluation tag -> held-out mean reward
         self.eval_versions: dict[str, int] = {}  # evaluation tag -> the weights version it measured
         # reward calls of held-out evaluations that timed out, raised; their episodes whose agent or workflow failed
-        self.heldout_reward_failures = [0, 0, 0]
+        self.heldout_failures = [0, 0, 0]
         self.generated = GeneratedEpisodes()  # every training episode's counts, from GROUPS_DONE
         self.eval_tool_share: dict[str, float] = {}  # evaluation tag -> share of its episodes that called a tool
         self.eval_cut: dict[str, int] = {}  # evaluation tag -> episodes cut unfinished (eval_timeout_s, a stop)
@@ -200,9 +200,9 @@ class RunReport:
             self.eval_versions[tag] = body["version"]
             self.eval_tool_share[tag] = body["tool_share"]
             # a held-out score of 0 from a hung or failing reward function must not pass for a wrong answer
-            self.heldout_reward_failures[0] += body["reward_timeouts"]
-            self.heldout_reward_failures[1] += body["reward_errors"]
-            self.heldout_reward_failures[2] += body["agent_failures"]
+            self.heldout_failures[0] += body["reward_timeouts"]
+            self.heldout_failures[1] += body["reward_errors"]
+            self.heldout_failures[2] += body["agent_failures"]
             log.info(
                 "held-out %s (weights v%s): accuracy %.3f, mean reward %.3f",
                 *(tag, body["version"], acc, body["reward_mean"]),
@@ -315,10 +315,10 @@ class RunReport:
             "rejected_uniform": self.core.rejected,
             "reward_timeouts": self.generated.total["reward_timeouts"],
             "reward_errors": self.generated.total["reward_errors"],
-            "heldout_reward_timeouts": self.heldout_reward_failures[0],
-            "heldout_reward_errors": self.heldout_reward_failures[1],
+            "heldout_reward_timeouts": self.heldout_failures[0],
+            "heldout_reward_errors": self.heldout_failures[1],
             "agent_failures": self.generated.total["agent_failures"],
-            "heldout_agent_failures": self.heldout_reward_failures[2],
+            "heldout_agent_failures": self.heldout_failures[2],
             "warning": self.warning,
             "eval": self.eval_running,  # {"tag", "done", "total", "reward_timeouts"} while an evaluation runs
             "time": now,
@@ -360,9 +360,9 @@ class RunReport:
             "eval_threshold": self.cfg.logging.eval_threshold,
             "tool_share_start": self.eval_tool_share.get("start"),
             "tool_share_final": self.eval_tool_share.get("final"),
-            "heldout_reward_timeouts": self.heldout_reward_failures[0],
-            "heldout_reward_errors": self.heldout_reward_failures[1],
-            "heldout_agent_failures": self.heldout_reward_failures[2],
+            "heldout_reward_timeouts": self.heldout_failures[0],
+            "heldout_reward_errors": self.heldout_failures[1],
+            "heldout_agent_failures": self.heldout_failures[2],
             **self.generated.summary(),  # training episodes: reward time-outs and errors, turns, tool calls
             "wall_s": now - self.t0,
             "t0": self.t0,  # epoch seconds of metrics.csv's wall_s = 0 (the timeline's times are epoch seconds)

@@ -64,8 +64,8 @@ async def agent(ep) -> float | None:
     session = shared.endpoint.open(ep)
     try:
         outcome: AgentOutcome = await runner.wait(shared.endpoint.start_agent(session, ep.row))
-    except RuntimeError as e:  # the endpoint's loop ended under it
-        raise EndpointLost(f"the agent endpoint stopped under episode {ep.key}: {e}") from None
+    except RuntimeError as e:  # the job cancelled on the endpoint's side (its loop shutting down): as before, a try
+        raise EpisodeFailed(EpisodeFailure("raised", f"it stopped: {e}", source="agent")) from None
     finally:
         shared.endpoint.close(session)
     ep.stats.branches += session.branches

@@ -12,12 +12,16 @@ test also sets for the launcher it starts, so the check means the same with a la
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 from pathlib import Path
 
@@ -50,7 +54,33 @@ def model_path(tmp_path_factory):
     return tmp_path_factory.mktemp("lifetime") / "model"  # built by the first run, reused by the others
 
 
+class _Terminal:
+    """A pseudo-terminal for the launcher's stderr, read on a thread: what a person at a terminal sees (the
+    progress bar; in a file or a pipe the launcher writes plain lines a few times a minute instead)."""
+
+    def __init__(self):
+        self.master, self.slave = os.openpty()
+        fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # 200 columns for the bar
+        self.chunks: list[bytes] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:  # EIO: every writer has closed its end
+                break
+            if not data:
+                break
+            self.chunks.append(data)
+
+    def text(self) -> str:
+        self.reader.join(timeout=30)
+        return b"".join(self.chunks).decode(errors="replace")
+
+
 def _start(tmp_path: Path, model: Path, *overrides: str, progress: bool = False) -> tuple[subprocess.Popen, Path]:
+    """The launcher, with a progress bar on a terminal of its own (`proc.terminal`) or with --no-progress."""
     run = (tmp_path / "run").resolve()
     args = [
         str(ROOT / "jobs" / "demo.yaml"),
@@ -65,7 +95,14 @@ def _start(tmp_path: Path, model: Path, *overrides: str, progress: bool = False)
     ]
     env = {**os.environ, MARKER: str(run)}
     cmd = [*CLI, "run", *args] + ([] if progress else ["--no-progress"])
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), run
+    term = _Terminal() if progress else None
+    stderr = term.slave if term else subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    proc.terminal = term
+    if term:
+        os.close(term.slave)  # the launcher holds it now: the reader sees EIO once the launcher's side closes
+        term.reader.start()
+    return proc, run
 
 
 def _wait(proc: subprocess.Popen, what: str, cond, timeout: float = 240):
@@ -73,7 +110,7 @@ def _wait(proc: subprocess.Popen, what: str, cond, timeout: float = 240):
     while time.time() < end:
         if (got := cond()) is not None and got is not False:
             return got
-        assert proc.poll() is None, f"the run ended while waiting for {what}: {proc.communicate()[1][-2000:]}"
+        assert proc.poll() is None, f"the run ended while waiting for {what}: {(proc.communicate()[1] or '')[-2000:]}"
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
 
@@ -118,7 +155,8 @@ def test_a_hanging_reward_then_sigterm_stops_at_the_last_version_with_a_summary(
         _wait(proc, "the 'start' evaluation cut", lambda: "held-out start:" in rank0_log.read_text())
         t_term = time.time()
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=240)
+        out, _ = proc.communicate(timeout=240)
+        err = proc.terminal.text()
         print(f"\n[chaos] a hanging reward, then SIGTERM: the run ended {time.time() - t_term:.1f} s later")
     finally:
         if proc.poll() is None:
