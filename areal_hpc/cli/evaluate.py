@@ -47,6 +47,7 @@ def eval_cmd(
     mean reward (correct: reward >= logging.eval_threshold)."""
     from areal_hpc import checkpoint_eval as ce
     from areal_hpc.model import ModelFolderError
+    from areal_hpc.workflow import TooManyFailures
 
     try:
         target = ce.resolve(model_path, config_path, list(overrides), data)
@@ -62,7 +63,7 @@ def eval_cmd(
                 out = ce.run_eval(target, data, n_samples, temperature, max_new_tokens, engine)
         finally:
             target.close()
-    except (ConfigError, ModelFolderError, OSError, ValueError) as err:
+    except (ConfigError, ModelFolderError, OSError, ValueError, TooManyFailures) as err:
         raise click.ClickException(str(err).splitlines()[0]) from None
     for line in ce.summary_lines(out):
         click.echo(line)

@@ -28,10 +28,11 @@ def train_sync_cmd(config_path: str, overrides: tuple[str, ...]) -> None:
     cfg = load_or_fail(config_path, overrides)
     from areal_hpc.model import ModelFolderError
     from areal_hpc.runtime.sync_loop import run_sync
+    from areal_hpc.workflow import TooManyFailures
 
     try:
         s = run_sync(cfg)
-    except (ModelFolderError, OSError, ValueError) as err:
+    except (ModelFolderError, OSError, ValueError, TooManyFailures) as err:  # the failure budget's line too
         raise click.ClickException(str(err).splitlines()[0]) from None
     click.echo(
         f"held-out accuracy: {s.acc_before:.1%} at start, {s.acc_after_warm_start:.1%} after warm start, "
