@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from test_agent_runs import short_agent_demo
 
 from areal_hpc.cli.main import main
 from areal_hpc.config import load_config
@@ -21,20 +22,10 @@ EVAL_PROMPTS = 10
 
 
 def _overrides(tmp: Path, run: str, agent: str) -> list[str]:
+    # the model is built by the first run and reused by the second
     return [
-        f"workflow.agent={AGENT}:{agent}",
-        f"store.run_dir={tmp / run}",
-        f"model.path={tmp / 'model'}",  # built by the first run, reused by the second
+        *short_agent_demo(f"{AGENT}:{agent}", tmp / run, tmp / "model", 3, EVAL_PROMPTS),
         "workflow.agent_timeout_s=2",
-        "trainer.versions=3",
-        "trainer.max_wall_s=0",
-        "rollout.batch_prompts=8",
-        "rollout.max_concurrent_groups=8",
-        "ppo.drop_uniform_groups=false",
-        "cluster.n_generators=1",
-        "logging.eval_every=0",
-        f"logging.eval_prompts={EVAL_PROMPTS}",
-        "logging.trackers=[]",
     ]
 
 

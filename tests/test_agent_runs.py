@@ -104,6 +104,25 @@ def _check_trajectory(stored: tuple, tok, parser, tool_result) -> int:
     return tool_calls
 
 
+def short_agent_demo(agent: str, run: Path, model: Path, versions: int, eval_prompts: int = 10) -> list[str]:
+    """Overrides of jobs/demo_agent.yaml for a short run: one generator, 8 groups a version, a fixed number of
+    groups per version (the run's cost is known), versions rather than seconds."""
+    return [
+        f"workflow.agent={agent}",
+        f"store.run_dir={run}",
+        f"model.path={model}",
+        f"trainer.versions={versions}",
+        "trainer.max_wall_s=0",
+        "rollout.batch_prompts=8",
+        "rollout.max_concurrent_groups=8",
+        "ppo.drop_uniform_groups=false",
+        "cluster.n_generators=1",
+        "logging.eval_every=0",
+        f"logging.eval_prompts={eval_prompts}",
+        "logging.trackers=[]",
+    ]
+
+
 def test_the_agents_sdk_calculator_agent_trains_on_exactly_the_tokens_it_sampled(tmp_path, monkeypatch):
     """jobs/demo_agent.yaml with the framework-written agent, a few versions: each episode is one Runner.run of
     the SDK against the episode's endpoint session, and what is stored is the sampled tokens (with their versions
@@ -111,24 +130,8 @@ def test_the_agents_sdk_calculator_agent_trains_on_exactly_the_tokens_it_sampled
     pytest.importorskip("agents", reason="the OpenAI Agents SDK is the `agents` extra (env/setup.sh installs it)")
     monkeypatch.chdir(ROOT)  # the demo's agent path is relative to the repository root
     run = tmp_path / "run"
-    cfg = load_config(
-        ROOT / "jobs" / "demo_agent.yaml",
-        [
-            f"workflow.agent={SDK_AGENT}:agent",
-            f"store.run_dir={run}",
-            f"model.path={tmp_path / 'model'}",
-            f"trainer.versions={VERSIONS}",
-            "trainer.max_wall_s=0",
-            "rollout.batch_prompts=8",
-            "rollout.max_concurrent_groups=8",
-            "ppo.drop_uniform_groups=false",  # a fixed number of groups per version: the run's cost is known
-            "cluster.n_generators=1",
-            "logging.eval_every=0",
-            "logging.eval_prompts=10",
-            "logging.progress=false",
-            "logging.trackers=[]",
-        ],
-    )
+    overrides = short_agent_demo(f"{SDK_AGENT}:agent", run, tmp_path / "model", VERSIONS)
+    cfg = load_config(ROOT / "jobs" / "demo_agent.yaml", [*overrides, "logging.progress=false"])
     s = launch(cfg, progress=False)
     assert s["versions"] == VERSIONS and s["failure"] is None
     # no agent failed, and the SDK's history (its assistant turns sent back as it got them) always extended

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from test_agent_runs import short_agent_demo
 
 from areal_hpc.cli.main import main
 from areal_hpc.config import load_config
@@ -34,21 +35,7 @@ def run(tmp_path_factory) -> Path:
         mp.chdir(ROOT)  # the demo's agent path is relative to the repository root
         cfg = load_config(
             ROOT / "jobs" / "demo_agent.yaml",
-            [
-                f"workflow.agent={AGENT}:agent",
-                f"store.run_dir={tmp / 'run'}",
-                f"model.path={tmp / 'model'}",
-                f"trainer.versions={VERSIONS}",
-                "trainer.max_wall_s=0",
-                "rollout.batch_prompts=8",
-                "rollout.max_concurrent_groups=8",
-                "ppo.drop_uniform_groups=false",
-                "cluster.n_generators=1",
-                "logging.eval_every=0",
-                "logging.eval_prompts=10",
-                "logging.progress=false",
-                "logging.trackers=[]",
-            ],
+            [*short_agent_demo(f"{AGENT}:agent", tmp / "run", tmp / "model", VERSIONS), "logging.progress=false"],
         )
         s = launch(cfg, progress=False)
     assert s["versions"] == VERSIONS and s["failure"] is None

@@ -43,7 +43,8 @@ class FailureBudget:
 
     def __init__(self, max_share: float, window: int):
         self.max_share, self.window = max_share, window
-        self.recent: deque[EpisodeFailure | None] = deque(maxlen=window)
+        self.recent: deque[EpisodeFailure | None] = deque()  # at most `window`, oldest first
+        self.failed_recently = 0  # the failures in `recent`, kept as it moves (every episode's end passes here)
         self.started = 0  # tries numbered so far
         self.next = 0  # the first try whose outcome has not joined the window
         self.ended: dict[int, EpisodeFailure | str] = {}  # outcomes waiting for an earlier try to end
@@ -68,8 +69,9 @@ class FailureBudget:
             self.next += 1
             if done == CANCELLED:
                 self.recent.clear()
+                self.failed_recently = 0
             elif done != VOID:
-                self.recent.append(done if isinstance(done, EpisodeFailure) else None)
+                self._join(done if isinstance(done, EpisodeFailure) else None)
         if (
             self.over is None
             and len(self.recent) == self.window
@@ -77,9 +79,11 @@ class FailureBudget:
         ):
             self.over = self.line()
 
-    @property
-    def failed_recently(self) -> int:
-        return sum(f is not None for f in self.recent)
+    def _join(self, outcome: EpisodeFailure | None) -> None:
+        self.recent.append(outcome)
+        self.failed_recently += outcome is not None
+        if len(self.recent) > self.window:
+            self.failed_recently -= self.recent.popleft() is not None
 
     def line(self) -> str:
         """Why the run stops: what failed most, as it last failed, and how often."""
