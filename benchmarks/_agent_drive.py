@@ -118,7 +118,7 @@ class Drive:
         return max(k, 0) // self.n * self.n
 
     def round(self, episodes: int) -> dict:
-        from areal_hpc.runtime.protocol import Backoff
+        from areal_hpc.runtime.comm.protocol import Backoff
 
         ep = self.endpoint()
         lat0 = len(ep.latencies_ms) if ep else 0

@@ -43,7 +43,7 @@ def figures(run_dir: Path, summary: dict) -> dict:
     import pandas as pd
 
     from areal_hpc.rundir import RunDir
-    from areal_hpc.runtime.timeline import load_engine_samples, load_timeline
+    from areal_hpc.runtime.comm.timeline import load_engine_samples, load_timeline
 
     tl = load_timeline(run_dir)
     # metrics.csv's clock origin (rank 0 starts it after loading the dataset, seconds after its timeline starts)

@@ -61,7 +61,7 @@ def trainer_data(args, host: dict) -> dict:
     """One trainer takes each whole batch (the most a trainer's share can be): per version, reading its shards
     and building what ppo_update consumes (advantages, minibatches, micro-batch plans, each micro-batch's
     per-token inputs and ids tensors, the share's stats); the forwards and the optimizer are left out."""
-    from areal_hpc.runtime import trainer
+    from areal_hpc.runtime.training import trainer
 
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="trainer_data-"))
     cfg = Config()
@@ -112,7 +112,7 @@ def record(out: Path, label: str, res: dict) -> Path:
 
 
 def _version(trainer, cache, engine, cfg, share: list, version: int) -> dict:
-    """A trainer rank's data path (runtime/trainer.py `_train`): the ledger's entries are the whole share here."""
+    """The data path (runtime/training/trainer.py `_train`): the ledger's entries are the whole share here."""
     batch, mb_of = trainer.load_share(cache, share)
     stats = trainer.train_share(engine, cfg, batch, mb_of, len(share), version)
     cache.consumed((shard, i) for mb in share for shard, idx in mb for i in idx)
@@ -120,9 +120,9 @@ def _version(trainer, cache, engine, cfg, share: list, version: int) -> dict:
 
 
 def _before(engine, cfg, base: Path, share: list, version: int) -> dict:
-    """The trainer's data path before the columnar store (runtime/trainer.py `_train`), to time the snapshot."""
-    from areal_hpc.runtime.train_step import train_version
-    from areal_hpc.runtime.trainer import share_stats
+    """The trainer's data path before the columnar store (training/trainer.py `_train`), to time the snapshot."""
+    from areal_hpc.runtime.training.train_step import train_version
+    from areal_hpc.runtime.training.trainer import share_stats
     from areal_hpc.store import read_shard
 
     trajs, mb_of, cache = [], [], {}

@@ -8,7 +8,7 @@ import time
 import torch
 from mpi4py import MPI
 
-from areal_hpc.runtime.weight_sync import SyncGroup, WeightReceiver, WeightSender, state_nbytes
+from areal_hpc.runtime.comm.weight_sync import SyncGroup, WeightReceiver, WeightSender, state_nbytes
 
 
 def llama_like(hidden: int = 1024, layers: int = 2, vocab: int = 16000, inter: int = 2752) -> dict[str, torch.Tensor]:

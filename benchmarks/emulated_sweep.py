@@ -150,7 +150,7 @@ def emulated_runs(variants: list[str]):
     """The real runtime with emulated engines at 16 + 5 ranks, one run per variant, each beside its
     prediction; yields (variant, figures) as each run ends."""
     from areal_hpc.launch.local import launch
-    from areal_hpc.runtime.timeline import load_timeline
+    from areal_hpc.runtime.comm.timeline import load_timeline
     from areal_hpc.simulate import calibrate, trained_span_tokens_per_s
 
     work = ROOT / "runs" / "bench-emulated"

@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a bare checkout too (the GPU machine has no install of this package)
 
 from areal_hpc.engines.base import generate  # noqa: E402
+from areal_hpc.episode_counts import sample_request  # noqa: E402
 from areal_hpc.model import build_tiny_model, load_tokenizer  # noqa: E402
-from areal_hpc.rollout import sample_request  # noqa: E402
 from areal_hpc.types import GenRequest  # noqa: E402
 
 

@@ -80,7 +80,7 @@ def computed_sizes() -> dict:
 def plan_bytes(model_dir: str, dtype: torch.dtype) -> dict:
     """What trainer 0's bucket plan sends per version (sync_bytes), full and with each rank."""
     from areal_hpc.model import load_causal_lm
-    from areal_hpc.runtime.weight_sync import BucketPlan
+    from areal_hpc.runtime.comm.weight_sync import BucketPlan
 
     full = BucketPlan(load_causal_lm(model_dir, "float32").state_dict(), 1 << 30, dtype=dtype).nbytes
     out = {"full": full}
@@ -96,7 +96,7 @@ def sync_child(model_dir: str, repeats: int) -> None:
 
     from areal_hpc.engines.lora import AdapterMerger
     from areal_hpc.model import load_causal_lm
-    from areal_hpc.runtime.weight_sync import SyncGroup, WeightReceiver, WeightSender
+    from areal_hpc.runtime.comm.weight_sync import SyncGroup, WeightReceiver, WeightSender
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)

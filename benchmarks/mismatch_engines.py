@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))  # runs from a bare checkout too
 
 from areal_hpc.algo.mismatch import FIGURES, gap_figures, gap_sums  # noqa: E402
 from areal_hpc.engines.base import generate  # noqa: E402
-from areal_hpc.rollout import sample_request  # noqa: E402
+from areal_hpc.episode_counts import sample_request  # noqa: E402
 from areal_hpc.types import GenRequest  # noqa: E402
 from areal_hpc.utils import atomic_write_text  # noqa: E402
 

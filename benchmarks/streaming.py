@@ -65,7 +65,7 @@ def figures(run_dir: Path, summary: dict) -> dict:
     """The shared figures (benchmarks/_runs.py), plus the generator's tokens per busy second."""
     import pandas as pd
 
-    from areal_hpc.runtime.timeline import load_timeline
+    from areal_hpc.runtime.comm.timeline import load_timeline
     from areal_hpc.store import load_trajectories
 
     out = run_figures(run_dir, summary)

@@ -32,8 +32,8 @@ def ppo_batch(tiny_model_dir):
 
     from areal_hpc.engines.base import generate
     from areal_hpc.engines.torch_gen import TorchGenerationEngine
+    from areal_hpc.episode_counts import group_requests
     from areal_hpc.model import load_tokenizer
-    from areal_hpc.rollout import group_requests
     from areal_hpc.workflow.samples import output_trajectory
 
     tok = load_tokenizer(tiny_model_dir)

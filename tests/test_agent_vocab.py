@@ -20,8 +20,8 @@ from areal_hpc.config import ModelConfig, load_config
 from areal_hpc.data import load_run_dataset
 from areal_hpc.model import ensure_model, load_tokenizer
 from areal_hpc.runtime.build import warm_start
-from areal_hpc.warm_start import calculator_call
 from areal_hpc.workflow.runner import render_turn
+from areal_hpc.workflow.warm_start import calculator_call
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "jobs" / "demo_agent.yaml"

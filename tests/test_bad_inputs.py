@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.config import Config, ConfigError, load_config
-from areal_hpc.config_checks import _CHOICES, _LOWER
+from areal_hpc.config.checks import _CHOICES, _LOWER
 from areal_hpc.data import load_math_dataset
 from areal_hpc.model import ModelFolderError, check_model_folder
-from areal_hpc.runtime.resume import CheckpointError, check_resumable
+from areal_hpc.runtime.rank0.resume import CheckpointError, check_resumable
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "jobs" / "demo.yaml"
@@ -93,7 +93,7 @@ def test_cispo_may_bound_the_upper_side_alone():
 
 
 def test_gspo_with_the_token_mean_is_warned_once_in_one_line_naming_the_per_sequence_mean(caplog):
-    from areal_hpc import objective_checks
+    from areal_hpc.config import objective as objective_checks
 
     objective_checks._warned.clear()
     with caplog.at_level(logging.WARNING, logger="areal_hpc"):
@@ -106,7 +106,7 @@ def test_gspo_with_the_token_mean_is_warned_once_in_one_line_naming_the_per_sequ
 
 
 def test_distilling_while_dropping_uniform_groups_is_warned_in_one_line(caplog):
-    from areal_hpc import objective_checks
+    from areal_hpc.config import objective as objective_checks
 
     objective_checks._warned.clear()
     with caplog.at_level(logging.WARNING, logger="areal_hpc"):
@@ -121,7 +121,7 @@ def test_distilling_while_dropping_uniform_groups_is_warned_in_one_line(caplog):
 
 
 def test_one_answer_per_prompt_with_a_task_reward_that_cannot_train_is_warned_in_one_line(caplog):
-    from areal_hpc import objective_checks
+    from areal_hpc.config import objective as objective_checks
 
     objective_checks._warned.clear()
     one = ["rollout.n_samples=1", "model.path=/nonexistent", "ppo.drop_uniform_groups=false"]

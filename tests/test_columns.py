@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from areal_hpc.algo.advantages import longest_answer
-from areal_hpc.columns import TrajectoryColumns, as_columns, gather
 from areal_hpc.config import Config
 from areal_hpc.engines.torch_train import TorchTrainEngine
-from areal_hpc.runtime.train_step import longest_answers, train_version
-from areal_hpc.runtime.trainer import load_share, train_share
+from areal_hpc.runtime.training.train_step import longest_answers, train_version
+from areal_hpc.runtime.training.trainer import load_share, train_share
 from areal_hpc.store import write_shard
 from areal_hpc.store.cache import ShardCache
+from areal_hpc.store.columns import TrajectoryColumns, as_columns, gather
 from areal_hpc.store.shards import read_columns, read_shard
 from areal_hpc.types import Trajectory
 

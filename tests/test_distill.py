@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from areal_hpc.engines.teacher import DistillSpec
-from areal_hpc.teacher import TeacherError, check_teacher, distill_spec
+from areal_hpc.model.teacher import TeacherError, check_teacher, distill_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "jobs" / "demo_distill.yaml"
@@ -175,7 +175,7 @@ def test_the_distillation_settings_refuse_contradictions_in_one_line():
 
 def test_a_resume_keeps_the_same_teacher(teacher_dir, tiny_model_dir, tmp_path):
     from areal_hpc.model import build_tiny_model
-    from areal_hpc.model_record import record_model, record_teacher, teacher_mismatch
+    from areal_hpc.model.record import record_model, record_teacher, teacher_mismatch
 
     run = tmp_path / "run"
     run.mkdir()
@@ -263,8 +263,8 @@ def test_the_full_estimator_loss_and_gradients_match_a_direct_computation(
     from transformers import AutoModelForCausalLM
 
     from areal_hpc.algo.ppo import Objective, policy_loss, sequence_weights
-    from areal_hpc.columns import as_columns
     from areal_hpc.engines.torch_train import TorchTrainEngine
+    from areal_hpc.store.columns import as_columns
 
     trajs, adv = ppo_batch
     coef, n = 0.5, len(trajs)

@@ -9,8 +9,8 @@ import torch
 from areal_hpc.engines.base import generate
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.engines.torch_train import TorchTrainEngine
+from areal_hpc.episode_counts import sample_request
 from areal_hpc.model import load_causal_lm, load_tokenizer
-from areal_hpc.rollout import sample_request
 from areal_hpc.types import GenRequest
 from areal_hpc.workflow.samples import output_trajectory
 

@@ -7,10 +7,10 @@ import math
 import pytest
 from test_workflow import RecordingEngine, _settings, _starts
 
+from areal_hpc.episode_counts import group_counts
 from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import RewardPool
 from areal_hpc.reward.functions import MathAnswer, UserReward
-from areal_hpc.rollout import group_counts
 from areal_hpc.types import SampleId
 from areal_hpc.workflow import Episode, TooManyFailures
 from areal_hpc.workflow.batch import run_episodes

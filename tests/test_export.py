@@ -22,7 +22,7 @@ from areal_hpc.config import load_config, save_config
 from areal_hpc.data import arithmetic_problems
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.rundir import RunDir
-from areal_hpc.rundir_actions import create
+from areal_hpc.rundir.actions import create
 from areal_hpc.runtime.sync_loop import run_sync
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,9 +13,9 @@ from pathlib import Path
 import pandas as pd
 
 from areal_hpc.launch.progress_view import progress_line
-from areal_hpc.metrics import MetricsLogger
 from areal_hpc.rundir import RunDir
-from areal_hpc.runtime.throughput import Throughput
+from areal_hpc.runtime.reporting.metrics import MetricsLogger
+from areal_hpc.runtime.reporting.throughput import Throughput
 from areal_hpc.simulate.calibrate import trained_span_tokens_per_s
 from areal_hpc.utils import PIPED_PROGRESS_S
 

@@ -3,7 +3,7 @@
 import pytest
 
 from areal_hpc.data import Problem
-from areal_hpc.runtime.generator_core import Admission, GeneratorCore, GroupBook, ShardBuffer
+from areal_hpc.runtime.generation.generator_core import Admission, GeneratorCore, GroupBook, ShardBuffer
 from areal_hpc.types import EvalId, GenRequest, RequestId, SampleId
 from areal_hpc.workflow import FinishedEpisode
 from areal_hpc.workflow.batch import MAX_REJECTED

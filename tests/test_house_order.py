@@ -11,8 +11,8 @@ from pathlib import Path
 
 from areal_hpc import rundir
 from areal_hpc.rundir import SHARD_SUFFIX, TMP_SUFFIX, WEIGHTS_FILE, RunDir, SweepDir, rng_file, shard_name
-from areal_hpc.runtime import protocol
-from areal_hpc.runtime.protocol import FIELDS, GROUP_FIELDS, ProtocolError, Tag, check_fields
+from areal_hpc.runtime.comm import protocol
+from areal_hpc.runtime.comm.protocol import FIELDS, GROUP_FIELDS, ProtocolError, Tag, check_fields
 
 PACKAGE = Path(__file__).resolve().parents[1] / "areal_hpc"
 
@@ -84,8 +84,8 @@ NOT_PATHS = {
     ("cli/slurm.py", "submitit", "flag_value"),
     ("trackers.py", "tensorboard", None),  # logging.trackers' names, defined once there
     ("trackers.py", "wandb", None),
-    ("config.py", "tensorboard", None),  # the deprecated config key logging.tensorboard
-    ("export.py", ".h5", None),  # a Keras weights file a model folder may hold (export refuses to copy it)
+    ("config/__init__.py", "tensorboard", None),  # the deprecated config key logging.tensorboard
+    ("model/export.py", ".h5", None),  # a Keras weights file a model folder may hold (export refuses to copy it)
 }
 
 
@@ -116,7 +116,7 @@ def test_no_run_dir_name_is_spelt_outside_the_rundir_module():
     assert {"rollouts", "ledger", "checkpoints", "STOP", "config.yaml", "summary.json", "logs", "slurm"} <= names
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "rundir.py":
+        if path.name == "rundir/__init__.py":
             continue
         tree = ast.parse(path.read_text())
         docstrings = {
@@ -139,7 +139,7 @@ def test_no_run_dir_name_is_spelt_outside_the_rundir_module():
             literal = _literal(node)
             for hit in _spells(template, literal, names, suffixes):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {hit!r}")
-    assert not found, "run-dir names outside areal_hpc/rundir.py:\n" + "\n".join(found)
+    assert not found, "run-dir names outside areal_hpc/rundir/__init__.py:\n" + "\n".join(found)
 
 
 def _documented_fields() -> dict[str, list[str]]:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from areal_hpc.runtime.learning_signal import UniformGroups
+from areal_hpc.runtime.reporting.learning_signal import UniformGroups
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "jobs" / "demo.yaml"

@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from areal_hpc.lifetime import MARKER, describe, marked
 from areal_hpc.reward import RewardPool
 from areal_hpc.reward.bounds import ERROR, OK
+from areal_hpc.rundir.lifetime import MARKER, describe, marked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,10 +101,10 @@ async def _score_row(ep) -> float:
 
 
 def test_a_heldout_evaluation_past_its_bound_ends_with_what_it_has(tmp_path, tiny_model_dir):
-    from areal_hpc.config_task import WorkflowConfig
+    from areal_hpc.config.task import WorkflowConfig
     from areal_hpc.data import Problem
+    from areal_hpc.evaluation.heldout import HeldoutEvals
     from areal_hpc.model import load_tokenizer
-    from areal_hpc.runtime.heldout import HeldoutEvals
     from areal_hpc.workflow.runner import EpisodeRunner, RunnerSettings
 
     log = tmp_path / "calls.txt"

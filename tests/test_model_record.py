@@ -11,9 +11,9 @@ from pathlib import Path
 
 from areal_hpc.config import load_config
 from areal_hpc.model import build_tiny_model
-from areal_hpc.model_record import model_mismatch, record_model
+from areal_hpc.model.record import model_mismatch, record_model
 from areal_hpc.rundir import RunDir
-from areal_hpc.rundir_actions import create
+from areal_hpc.rundir.actions import create
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -247,7 +247,7 @@ def test_no_kl_holds_no_reference_and_a_kl_keeps_the_starting_policy_across_a_re
 def test_the_schedule_gives_the_documented_rate_and_a_resume_stays_on_its_curve(tiny_model_dir, ppo_batch, tmp_path):
     from areal_hpc.algo.schedule import lr_at
     from areal_hpc.config import load_config
-    from areal_hpc.runtime.train_step import train_version
+    from areal_hpc.runtime.training.train_step import train_version
 
     # warm-up to the peak, then the decay's documented points (10 versions, 2 of warm-up: p = (v - 2) / 8)
     assert [lr_at(v, 1.0, "cosine", 2, 10) for v in (0, 1, 2)] == [0.5, 1.0, 1.0]

@@ -7,8 +7,8 @@ import pytest
 
 from areal_hpc.engines.base import generate
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
+from areal_hpc.episode_counts import group_requests
 from areal_hpc.model import load_tokenizer
-from areal_hpc.rollout import group_requests
 from areal_hpc.types import GenRequest
 
 

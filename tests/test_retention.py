@@ -11,7 +11,7 @@ from areal_hpc.config import ConfigError, load_config
 from areal_hpc.disk_estimate import estimate_disk, model_shape
 from areal_hpc.launch.local import launch
 from areal_hpc.rundir import RunDir
-from areal_hpc.rundir_actions import checkpoints_to_prune, prune_checkpoints
+from areal_hpc.rundir.actions import checkpoints_to_prune, prune_checkpoints
 from areal_hpc.store import list_shards, read_shard_summary
 
 ROOT = Path(__file__).resolve().parents[1]

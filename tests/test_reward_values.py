@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.config import load_config
-from areal_hpc.config_checks import ConfigError
+from areal_hpc.config.errors import ConfigError
+from areal_hpc.episode_counts import group_counts
 from areal_hpc.plugins import PluginError
 from areal_hpc.reward import reward_pool_for
-from areal_hpc.rollout import group_counts
-from areal_hpc.runtime.generated import GeneratedEpisodes
+from areal_hpc.runtime.reporting.generated import GeneratedEpisodes
 from areal_hpc.workflow.records import EpisodeStats
 
 ROOT = Path(__file__).resolve().parents[1]

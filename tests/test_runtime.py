@@ -22,10 +22,10 @@ from areal_hpc.config import load_config
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.launch.local import launch
 from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.comm.layout import GENERATOR, SCHEDULER, TRAINER
+from areal_hpc.runtime.comm.timeline import load_timeline
+from areal_hpc.runtime.comm.weight_sync import weights_checksum
 from areal_hpc.runtime.cores import CoreSplit
-from areal_hpc.runtime.layout import GENERATOR, SCHEDULER, TRAINER
-from areal_hpc.runtime.timeline import load_timeline
-from areal_hpc.runtime.weight_sync import weights_checksum
 from areal_hpc.store import Ledger, list_shards, load_trajectories, read_shard_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -633,7 +633,7 @@ def test_an_engine_that_is_not_installed_is_refused_in_one_line(tmp_path, monkey
 
 def test_a_timeline_left_empty_by_a_killed_rank_gets_its_header_when_resumed(tmp_path):
     """A rank killed before its first flush leaves an empty log; the resumed launch's rows must still load."""
-    from areal_hpc.runtime.timeline import Timeline
+    from areal_hpc.runtime.comm.timeline import Timeline
 
     RunDir(tmp_path).timeline_log(0).parent.mkdir(parents=True)
     RunDir(tmp_path).timeline_log(0).write_text("")  # what the killed launch left

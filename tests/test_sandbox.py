@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.config import ConfigError, load_config
-from areal_hpc.config_checks import _CHOICES
+from areal_hpc.config.checks import _CHOICES
 from areal_hpc.data import load_math_dataset
 from areal_hpc.reward import code_reward, isolation, reward_pool_for
 from areal_hpc.reward.code import extract_last_python_block

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from areal_hpc.runtime.scheduler_core import ReadyGroup, SchedulerCore, fair_shares
+from areal_hpc.runtime.rank0.scheduler_core import ReadyGroup, SchedulerCore, fair_shares
 
 
 def _group(i, version_start, n_tokens=10):

@@ -11,8 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from areal_hpc.columns import EPISODE_DTYPES, gather
-from areal_hpc.config_checks import _CHOICES
+from areal_hpc.config.checks import _CHOICES
 from areal_hpc.store import (
     CorruptShardError,
     Ledger,
@@ -24,6 +23,7 @@ from areal_hpc.store import (
     write_shard,
 )
 from areal_hpc.store import shards as shards_mod
+from areal_hpc.store.columns import EPISODE_DTYPES, gather
 from areal_hpc.store.shards import COMPRESSIONS, read_columns
 from areal_hpc.types import FINISH_REASONS, EpisodeCounts, Trajectory
 

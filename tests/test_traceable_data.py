@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 from areal_hpc.cli import main
 from areal_hpc.config import ConfigError, load_config
-from areal_hpc.config_task import DataConfig
+from areal_hpc.config.task import DataConfig
 from areal_hpc.data import load_math_dataset
-from areal_hpc.dataset_record import dataset_rows, fingerprint, record_dataset
+from areal_hpc.data.record import dataset_rows, fingerprint, record_dataset
 from areal_hpc.evaluation import heldout_figures, summarize
 from areal_hpc.model import load_tokenizer
 from areal_hpc.rundir import RunDir

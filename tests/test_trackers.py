@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from areal_hpc.config import ConfigError, load_config, to_yaml
-from areal_hpc.metrics import MetricsLogger
 from areal_hpc.rundir import RunDir
+from areal_hpc.runtime.reporting.metrics import MetricsLogger
 from areal_hpc.trackers import TrackerNotInstalled, flat_params
 
 ROOT = Path(__file__).resolve().parents[1]

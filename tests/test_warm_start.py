@@ -13,7 +13,7 @@ import pytest
 
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.data import read_dataset
-from areal_hpc.warm_start import WarmStartError, check_warm_start, warm_start_segments, warm_start_targets
+from areal_hpc.workflow.warm_start import WarmStartError, check_warm_start, warm_start_segments, warm_start_targets
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "jobs" / "demo.yaml"

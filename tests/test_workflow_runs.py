@@ -17,7 +17,7 @@ from areal_hpc.config import load_config
 from areal_hpc.launch.local import launch
 from areal_hpc.model import load_tokenizer
 from areal_hpc.rundir import RunDir
-from areal_hpc.runtime.timeline import load_timeline
+from areal_hpc.runtime.comm.timeline import load_timeline
 from areal_hpc.store import list_shards, load_trajectories, read_shard
 from areal_hpc.workflow.builtin import tool_observation
 from areal_hpc.workflow.tools import calculator

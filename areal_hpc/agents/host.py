@@ -22,7 +22,7 @@ log = logging.getLogger("areal_hpc.agents")
 
 def main(conn, settings, wc) -> None:
     """The process's entry (spawned by the generator, killed with it)."""
-    from areal_hpc.lifetime import die_with_parent
+    from areal_hpc.rundir.lifetime import die_with_parent
 
     die_with_parent()
     try:

@@ -6,7 +6,7 @@ import json
 import logging
 import uuid
 
-from areal_hpc.prompts import after_assistant_turn, assistant_turn_end
+from areal_hpc.data.prompts import after_assistant_turn, assistant_turn_end
 
 log = logging.getLogger("areal_hpc.agents")
 

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from areal_hpc.columns import as_columns
+from areal_hpc.store.columns import as_columns
 
 # what a metrics row shows, per token set (docs/algorithm.md, "Training-inference mismatch")
 FIGURES = ("k1", "k3", "chi2", "log_ppl_diff", "max_ratio", "mult_prob_err", "ess", "tokens")
@@ -82,7 +82,7 @@ _KEY = "{}_sums/{}"  # flat float keys, so a trainer's stats stay a flat dict of
 def version_sums(trajectories, train_logp, version: int) -> dict[str, float]:
     """A trainer's sums of one version, as flat stats keys `<set>_sums/<sum>`.
 
-    `trajectories`: columns (areal_hpc.columns) or Trajectory records; `train_logp[i]`: sequence i's per-token
+    `trajectories`: columns (areal_hpc.store.columns) or Trajectory records; `train_logp[i]`: sequence i's per-token
     logprobs under the weights of `version` (the version before the step). A token counts as staleness 0 when
     its whole trajectory is (`version_start == version`): a token of `version` in a trajectory begun on older
     weights was sampled over keys and values those computed (`rollout.weight_update=keep_kv`), a gap that is

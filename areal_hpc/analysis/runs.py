@@ -41,7 +41,7 @@ class Run:
 
 def load_run(run_dir: os.PathLike | str, name: str | None = None) -> Run:
     """Everything a finished (or running) run directory holds, as DataFrames; RunDirError if it is not one."""
-    from areal_hpc.runtime.timeline import load_engine_samples, load_timeline
+    from areal_hpc.runtime.comm.timeline import load_engine_samples, load_timeline
     from areal_hpc.store import load_trajectories
 
     rd = RunDir(run_dir)

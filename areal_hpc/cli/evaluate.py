@@ -45,7 +45,7 @@ def eval_cmd(
 ):
     """Evaluate RUN_DIR/checkpoints/vN or a Hugging Face folder: pass@1 as avg@k (+- standard error), pass@k, the
     mean reward (correct: reward >= logging.eval_threshold)."""
-    from areal_hpc import checkpoint_eval as ce
+    from areal_hpc.evaluation import checkpoint as ce
     from areal_hpc.model import ModelFolderError
     from areal_hpc.workflow import TooManyFailures
 
@@ -133,7 +133,7 @@ def _eval_job(target, model_path, data, config_path, json_path, submit, override
 def export_cmd(checkpoint, out_dir, dtype, adapter):
     """Write RUN_DIR/checkpoints/vN (torch, DeepSpeed ZeRO shards, or a LoRA adapter merged into its base) as a
     Hugging Face folder OUT_DIR, on CPU."""
-    from areal_hpc.export import ExportError, export_checkpoint
+    from areal_hpc.model.export import ExportError, export_checkpoint
 
     try:
         echo = lambda line: click.echo(line, err=True)  # noqa: E731

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_hpc.columns import Batch
+from areal_hpc.store.columns import Batch
 from areal_hpc.types import GenOutput, GenRequest
 
 

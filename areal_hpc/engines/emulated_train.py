@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_hpc.columns import Batch, as_columns
 from areal_hpc.costmodel import RunSettings, emulated_cost, train_tokens
 from areal_hpc.engines.base import TrainEngine
 from areal_hpc.engines.emulated_gen import payload
 from areal_hpc.rundir import EMULATED_STATE
+from areal_hpc.store.columns import Batch, as_columns
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
 

@@ -310,7 +310,7 @@ def chunked_loss(
     `head_weight`: a context in which head.weight is whole, entered after the body's forward (ZeRO-3, frozen head).
     `dense`: a full-vocabulary term added to the loss, fused path only (see Dense)."""
     if n_chunks is not None:
-        if dense is not None:  # the config check refuses this first (objective_checks.py)
+        if dense is not None:  # the config check refuses this first (config/objective.py)
             raise ValueError("a full-vocabulary loss term (distill.estimator=full) needs the fused head, not n_chunks")
         logps, ents = token_logprobs(model, head, mb, temperature, chunk_tokens, n_chunks, with_entropy)
         _, _, index = mb.predicting_rows()

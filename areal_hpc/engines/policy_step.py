@@ -7,7 +7,7 @@ import torch
 
 from areal_hpc.algo.distill import distill_term
 from areal_hpc.algo.ppo import Objective, loglinear_prox_logp, policy_loss, segment_mean
-from areal_hpc.columns import Batch, as_columns
+from areal_hpc.store.columns import Batch, as_columns
 
 # per-token stats -> the token count each is a mean over: kept loss tokens, or loss tokens before the cap
 PPO_STATS = {

@@ -10,7 +10,7 @@ from areal_hpc.engines.reference import FrozenPolicy
 
 @dataclass(frozen=True)
 class DistillSpec:
-    """What a trainer distils from (the distill section, resolved by areal_hpc.teacher.distill_spec): the teacher,
+    """What a trainer distils from (the distill section, resolved by areal_hpc.model.teacher.distill_spec): the teacher,
     the term's weight, the folder with its config and tokenizer (default: `teacher` itself, a Hugging Face folder),
     for a checkpoint of this project a reader of its weights, and the estimator (sample or full)."""
 

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from areal_hpc.algo.mismatch import version_sums
 from areal_hpc.algo.packing import balance_across_ranks
 from areal_hpc.algo.ppo import Objective, sequence_weights
-from areal_hpc.columns import Batch, TrajectoryColumns, as_columns
 from areal_hpc.engines import forward
 from areal_hpc.engines import lora as lora_lib
 from areal_hpc.engines.base import TrainEngine
@@ -22,6 +21,7 @@ from areal_hpc.engines.reference import FrozenPolicy, ReferencePolicy
 from areal_hpc.engines.teacher import DistillSpec
 from areal_hpc.engines.torch_files import TorchEngineFiles
 from areal_hpc.model import load_causal_lm
+from areal_hpc.store.columns import Batch, TrajectoryColumns, as_columns
 
 
 class TorchTrainEngine(Distilling, TorchEngineFiles, TrainEngine):

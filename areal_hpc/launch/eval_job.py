@@ -61,7 +61,7 @@ def render_eval_sbatch(cfg: Config, argv: list[str], run_dir: RunDir | None, che
 
 def eval_argv(model_path, data, config_path, json_path, opts: dict, overrides: list[str]) -> list[str]:
     """The job's `areal-hpc eval` arguments, paths made absolute (the job may start in another folder)."""
-    from areal_hpc.checkpoint_eval import HELDOUT
+    from areal_hpc.evaluation.checkpoint import HELDOUT
 
     absolute = lambda p: str(Path(p).resolve())  # noqa: E731
     argv = ["eval", absolute(model_path), "--data", data if data == HELDOUT else absolute(data)]
@@ -78,7 +78,7 @@ def eval_argv(model_path, data, config_path, json_path, opts: dict, overrides: l
 
 def eval_script(target, argv: list[str]) -> str:
     """The checked sbatch script evaluating `target` (a checkpoint_eval.EvalTarget); removes its linked folder."""
-    from areal_hpc.checkpoint_eval import pick_engine
+    from areal_hpc.evaluation.checkpoint import pick_engine
 
     base = target.folder if target.run_dir is None else target.cfg.model.path
     target.close()  # the job links its own

@@ -14,16 +14,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from areal_hpc import rundir_actions
 from areal_hpc.config import Config
 from areal_hpc.engines import require_installed
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.launch.progress_view import ProgressLines, reward_failures
-from areal_hpc.lifetime import MARKER, sweep, tied_to_me
 from areal_hpc.rundir import RunDir, RunDirError
+from areal_hpc.rundir import actions as rundir_actions
+from areal_hpc.rundir.lifetime import MARKER, sweep, tied_to_me
+from areal_hpc.runtime.comm.layout import Layout
+from areal_hpc.runtime.comm.liveness import silence_verdict
 from areal_hpc.runtime.failures import PEER, read_failures
-from areal_hpc.runtime.layout import Layout
-from areal_hpc.runtime.liveness import silence_verdict
 from areal_hpc.trackers import require_trackers
 from areal_hpc.utils import on_terminal
 
@@ -56,11 +56,11 @@ def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     """A new run dir (refusing one that holds a run) or an existing one with a checkpoint to resume."""
     from areal_hpc.config import save_config
     from areal_hpc.model import ensure_model
-    from areal_hpc.model_record import model_mismatch, record_model, record_teacher, teacher_mismatch
+    from areal_hpc.model.record import model_mismatch, record_model, record_teacher, teacher_mismatch
     from areal_hpc.runtime.build import check_model_fits
-    from areal_hpc.runtime.resume import CheckpointError, check_resumable
-    from areal_hpc.warm_start import check_warm_start
+    from areal_hpc.runtime.rank0.resume import CheckpointError, check_resumable
     from areal_hpc.workflow import check_user_code
+    from areal_hpc.workflow.warm_start import check_warm_start
 
     check_user_code(cfg)  # a broken reward.fn or rollout.workflow: one line, before the run dir is written
     if not resume:  # a resumed run's weights are past the warm start

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from areal_hpc.launch.environment import slurm_job_id
 from areal_hpc.rundir import RunDir
-from areal_hpc.rundir_actions import storage_problem
+from areal_hpc.rundir.actions import storage_problem
+from areal_hpc.runtime.comm.liveness import silence_verdict
 from areal_hpc.runtime.failures import PEER, STARTUP, read_failures
-from areal_hpc.runtime.liveness import silence_verdict
 from areal_hpc.utils import atomic_write_text
 
 # srun's line for a task that died ("srun: error: n2: task 0: Killed"); Killed/Terminated: by a signal

@@ -11,7 +11,7 @@ import yaml
 from areal_hpc.config import Config, load_config, save_config, to_yaml
 from areal_hpc.launch.jobs import run_jobs
 from areal_hpc.launch.slurm import SlurmError, load_job, render_sbatch, save_job
-from areal_hpc.model_record import model_fingerprint, model_mismatch, read_model_record, teacher_mismatch
+from areal_hpc.model.record import model_fingerprint, model_mismatch, read_model_record, teacher_mismatch
 from areal_hpc.rundir import RunDir
 from areal_hpc.utils import atomic_write_text
 

@@ -21,7 +21,7 @@ from areal_hpc.config import Config, SlurmConfig, to_yaml
 from areal_hpc.engines import EngineNotInstalled, require_installed
 from areal_hpc.launch.environment import RANK_ENV, slurm_job_id
 from areal_hpc.rundir import RunDir
-from areal_hpc.rundir_actions import before_start
+from areal_hpc.rundir.actions import before_start
 from areal_hpc.trackers import TrackerNotInstalled, require_trackers
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
@@ -202,7 +202,7 @@ def request_problems(cfg: Config, het: bool = True) -> tuple[PartitionInfo | Non
     """One clear line per impossible request, before anything is queued (het=False: one allocation for all ranks).
     No partition (it does not exist): the checks against its nodes are left out."""
     from areal_hpc.model import ModelFolderError, check_model_folder
-    from areal_hpc.teacher import teacher_problem
+    from areal_hpc.model.teacher import teacher_problem
 
     sc, problems = cfg.slurm, []
     try:
@@ -265,10 +265,10 @@ def prepare_run_dir(run_dir: Path) -> str:
     """Run by the batch script before srun: model folder ready, no stale stop request; says fresh or resume."""
     from areal_hpc.config import load_config
     from areal_hpc.model import ensure_model
-    from areal_hpc.model_record import model_mismatch, record_model, record_teacher, teacher_mismatch
+    from areal_hpc.model.record import model_mismatch, record_model, record_teacher, teacher_mismatch
     from areal_hpc.runtime.build import check_model_fits
-    from areal_hpc.warm_start import check_warm_start
     from areal_hpc.workflow import check_user_code
+    from areal_hpc.workflow.warm_start import check_warm_start
 
     run = RunDir(run_dir)
     cfg = load_config(run.config)
@@ -292,7 +292,7 @@ def prepare_run_dir(run_dir: Path) -> str:
         save_job(run_dir, info | {"job_id": job_id})
     n = run.latest_checkpoint()
     if n is not None:
-        from areal_hpc.runtime.resume import check_resumable
+        from areal_hpc.runtime.rank0.resume import check_resumable
 
         check_resumable(run.root, cfg)  # CheckpointError (a ValueError): one line in the job's log, no world started
         return f"resuming {run_dir} from checkpoint v{n}"

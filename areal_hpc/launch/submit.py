@@ -18,7 +18,7 @@ from areal_hpc.config import Config, slurm_time_minutes
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.launch.slurm import SlurmError, component_options, job_venv, prepare_run_dir, save_job
 from areal_hpc.rundir import RunDir, RunDirError
-from areal_hpc.rundir_actions import create
+from areal_hpc.rundir.actions import create
 
 
 def srun_command(cfg: Config, run_dir: Path, het: bool = True, python: str = sys.executable) -> list[str]:

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from areal_hpc.config_checks import ConfigError
-from areal_hpc.lifetime import marker_env
+from areal_hpc.config.errors import ConfigError
+from areal_hpc.rundir.lifetime import marker_env
 
 __all__ = ["MODES", "Limits", "Result", "Isolation", "SandboxUnavailable", "isolation", "run_python"]
 

@@ -8,8 +8,8 @@ import os
 import signal
 import time
 
-from areal_hpc.lifetime import exit_with
 from areal_hpc.reward.bounds import Scorer, bounded_call
+from areal_hpc.rundir.lifetime import exit_with
 
 logger = logging.getLogger(__name__)
 

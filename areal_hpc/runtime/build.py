@@ -17,11 +17,11 @@ from areal_hpc.data import MathDataset, check_prompts_fit
 from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_engine, make_train_engine
 from areal_hpc.engines.lora import LoraSpec, adapter_params, model_skeleton, target_modules
 from areal_hpc.model import DTYPES
+from areal_hpc.model.teacher import check_teacher, distill_spec
 from areal_hpc.rundir import RunDir
-from areal_hpc.runtime.weight_sync import cast_floating, weights_checksum
-from areal_hpc.teacher import check_teacher, distill_spec
+from areal_hpc.runtime.comm.weight_sync import cast_floating, weights_checksum
 from areal_hpc.utils import atomic_write_text, bar_interval
-from areal_hpc.warm_start import warm_start_example, warm_start_targets
+from areal_hpc.workflow.warm_start import warm_start_example, warm_start_targets
 
 
 def _emulation_kwargs(cfg: Config) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from areal_hpc.runtime.layout import GENERATOR
+from areal_hpc.runtime.comm.layout import GENERATOR
 
 
 @dataclass(frozen=True)

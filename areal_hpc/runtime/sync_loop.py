@@ -15,15 +15,13 @@ from tqdm import tqdm
 from areal_hpc.algo import mismatch
 from areal_hpc.config import Config
 from areal_hpc.data import check_fits_context, load_run_dataset
-from areal_hpc.dataset_record import record_dataset
+from areal_hpc.data.record import record_dataset
+from areal_hpc.episode_counts import episode_metrics, episode_stats, group_counts
 from areal_hpc.evaluation import heldout_evaluation, heldout_figures
-from areal_hpc.metrics import MetricsLogger
 from areal_hpc.model import ensure_model, load_tokenizer
 from areal_hpc.reward import reward_pool_for
-from areal_hpc.rollout import episode_metrics, episode_stats, group_counts
 from areal_hpc.rundir import RunDir, RunDirError
-from areal_hpc.rundir_actions import create
-from areal_hpc.runtime.adapters import AdapterLoader
+from areal_hpc.rundir.actions import create
 from areal_hpc.runtime.build import (
     adapt_after_warm_start,
     adapter_base,
@@ -34,17 +32,19 @@ from areal_hpc.runtime.build import (
     warm_start,
     write_lora_contract,
 )
-from areal_hpc.runtime.generated import GeneratedEpisodes
-from areal_hpc.runtime.train_step import train_version
+from areal_hpc.runtime.generation.adapters import AdapterLoader
+from areal_hpc.runtime.reporting.generated import GeneratedEpisodes
+from areal_hpc.runtime.reporting.metrics import MetricsLogger
+from areal_hpc.runtime.training.train_step import train_version
 from areal_hpc.store import Ledger, write_shard
 from areal_hpc.store.shards import read_columns
 from areal_hpc.trackers import require_trackers
 from areal_hpc.types import SampleId
 from areal_hpc.utils import bar_interval, seed_everything
-from areal_hpc.warm_start import check_warm_start
 from areal_hpc.workflow import load_workflow, runner_settings
 from areal_hpc.workflow.batch import EpisodeStart, run_episodes
 from areal_hpc.workflow.samples import episode_counts, to_trajectories
+from areal_hpc.workflow.warm_start import check_warm_start
 
 
 @dataclass

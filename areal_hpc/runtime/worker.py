@@ -8,7 +8,7 @@ Each rank writes RUN_DIR/logs/rank{r}-{role}.log (its stdout and stderr too) and
 fails writes one line naming itself and the error to RUN_DIR/logs/error-rank{r}.txt, then aborts the MPI
 job, so no rank is left waiting on a dead peer. The file's second line is the error's kind (runtime/failures.py):
 raised before the role loop ran by the rank's own set-up (the job does not restart a world for that), a lost
-peer, or the rank's own failure. Rank 0 writes its heartbeat file from its start (runtime/liveness.py).
+peer, or the rank's own failure. Rank 0 writes its heartbeat file from its start (runtime/comm/liveness.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 import traceback
 from pathlib import Path
 
-from areal_hpc.lifetime import MARKER
 from areal_hpc.rundir import RunDir
+from areal_hpc.rundir.lifetime import MARKER
 from areal_hpc.runtime.failures import error_file_text, kind_of, loop_started
 from areal_hpc.utils import atomic_write_text
 
@@ -118,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = False  # rank 0: the run ended cleanly with a failure verdict (summary.json's "failure")
     try:
         from areal_hpc.config import load_config
-        from areal_hpc.runtime.layout import GENERATOR, SCHEDULER, TRAINER, Layout
+        from areal_hpc.runtime.comm.layout import GENERATOR, SCHEDULER, TRAINER, Layout
 
         cfg = load_config(run_dir.config)
         if rank == 0:  # the job script's watchdog counts from the world's start: beat before the slow parts
-            from areal_hpc.runtime.liveness import beat_during_startup
+            from areal_hpc.runtime.comm.liveness import beat_during_startup
 
             beat_during_startup(run_dir.heartbeat, cfg.cluster.hang_timeout_s, loop_started)
         from areal_hpc.workflow import check_user_code
@@ -175,17 +175,17 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = check_model_folder(cfg.model.path) if role != SCHEDULER else None
         sync_group = None
         if in_sync and cfg.sync.method == "broadcast":
-            from areal_hpc.runtime.weight_sync import SyncGroup, backend_for
+            from areal_hpc.runtime.comm.weight_sync import SyncGroup, backend_for
 
             sync_group = SyncGroup(sync_comm, backend_for(cfg.sync.backend, cfg.cluster.device), timeout_s)
 
         if role == SCHEDULER:
-            from areal_hpc.runtime.scheduler import Scheduler
+            from areal_hpc.runtime.rank0.scheduler import Scheduler
 
             summary = Scheduler(cfg, run_dir, comm, layout, resume, lambda: bool(stop_requested)).run()
             failed = bool(summary.get("failure"))
         elif role == GENERATOR:
-            from areal_hpc.runtime.generator import Generator
+            from areal_hpc.runtime.generation.generator import Generator
 
             gen = Generator(cfg, run_dir, comm, layout, sync_group, model_dir, resume, reward_cores)
             try:
@@ -194,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                 gen.close()
         else:
             if layout.n_trainers > 1:
-                from areal_hpc.runtime.torch_groups import init_trainer_group
+                from areal_hpc.runtime.comm.torch_groups import init_trainer_group
 
                 init_trainer_group(trainer_comm, timeout_s, "nccl" if cfg.cluster.device == "cuda" else "gloo")
-            from areal_hpc.runtime.trainer import Trainer
+            from areal_hpc.runtime.training.trainer import Trainer
 
             tr = Trainer(cfg, run_dir, comm, layout, sync_group, model_dir, resume)
             try:

@@ -15,7 +15,7 @@ from areal_hpc.costmodel import SHAPES, CostModel, EmpiricalLengths, ResponseLen
 from areal_hpc.disk_estimate import read_model_shape
 from areal_hpc.reward.emulated import EmulatedRewards
 from areal_hpc.rundir import RunDir
-from areal_hpc.runtime.timeline import load_engine_samples, load_timeline
+from areal_hpc.runtime.comm.timeline import load_engine_samples, load_timeline
 from areal_hpc.simulate.loop import SimConfig
 from areal_hpc.store import load_trajectories
 

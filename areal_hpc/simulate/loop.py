@@ -17,8 +17,8 @@ import numpy as np
 import simpy
 
 from areal_hpc.costmodel import CostModel, train_tokens
-from areal_hpc.runtime.admission import Admission
-from areal_hpc.runtime.scheduler_core import ReadyGroup, SchedulerCore, fair_shares
+from areal_hpc.runtime.generation.admission import Admission
+from areal_hpc.runtime.rank0.scheduler_core import ReadyGroup, SchedulerCore, fair_shares
 from areal_hpc.simulate.result import SimResult
 
 

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
-from areal_hpc.columns import TrajectoryColumns
+from areal_hpc.store.columns import TrajectoryColumns
 from areal_hpc.store.shards import read_columns
 
 # What one trainer keeps at most. A shard is dropped once the ledger has consumed all of it, so in a run only

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from areal_hpc.columns import EPISODE_COUNTS, TrajectoryColumns
 from areal_hpc.rundir import RunDir, RunDirError
+from areal_hpc.store.columns import EPISODE_COUNTS, TrajectoryColumns
 from areal_hpc.store.loader import load_trajectories
 from areal_hpc.store.shards import read_columns
 from areal_hpc.types import EpisodeCounts
@@ -134,7 +134,7 @@ def load_episodes(
     picked = _pick(df, lowest, failed, prompt_id, versions, limit)
     trajectories = df.merge(picked[_KEY], on=_KEY)  # the picked episodes' trajectories, in store order
     if rows is not False and len(trajectories):
-        from areal_hpc.dataset_record import dataset_rows, join_rows
+        from areal_hpc.data.record import dataset_rows, join_rows
 
         trajectories = join_rows(trajectories, dataset_rows(run.root, None if rows is True else rows))
     by_episode = dict(iter(trajectories.groupby(_KEY, sort=False)))
@@ -240,7 +240,7 @@ def run_model_folder(run_dir: os.PathLike | str) -> Path:
     """The run's model folder, for its tokenizer: model.path in its config.yaml, else the folder its model.json
     recorded at the first start; RunDirError in one line if neither is there."""
     from areal_hpc.config import ConfigError, load_config
-    from areal_hpc.model_record import read_model_record
+    from areal_hpc.model.record import read_model_record
 
     run = RunDir(run_dir)
     tried = []

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from areal_hpc.columns import EPISODE_COUNTS, EPISODE_DTYPES, episode_owners
 from areal_hpc.rundir import RunDir
+from areal_hpc.store.columns import EPISODE_COUNTS, EPISODE_DTYPES, episode_owners
 from areal_hpc.store.ledger import Ledger
 from areal_hpc.store.shards import TRAJ_FIELDS, CorruptShardError, ShardSummary, list_shards, read_shard_summary
 
@@ -86,7 +86,7 @@ def load_trajectories(
     # Ledger entries whose shard is gone or unreadable: worth knowing when auditing exactly-once.
     df.attrs["unmatched_ledger_entries"] = sum(1 for e in consumed if e not in known)
     if rows is not False:
-        from areal_hpc.dataset_record import dataset_rows, join_rows
+        from areal_hpc.data.record import dataset_rows, join_rows
 
         df = join_rows(df, dataset_rows(run_dir, None if rows is True else rows))
     return df

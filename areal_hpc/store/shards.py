@@ -12,7 +12,8 @@ import h5py
 import numpy as np
 from h5py import h5d, h5s
 
-from areal_hpc.columns import (
+from areal_hpc.rundir import parse_shard_name, shard_name
+from areal_hpc.store.columns import (
     DTYPES,
     EPISODE_COUNTS,
     EPISODE_DTYPES,
@@ -24,7 +25,6 @@ from areal_hpc.columns import (
     episode_problem,
     from_trajectories,
 )
-from areal_hpc.rundir import parse_shard_name, shard_name
 from areal_hpc.types import EpisodeCounts, Trajectory
 from areal_hpc.utils import fsync_dir as _fsync_dir
 from areal_hpc.utils import temporary_beside
@@ -33,7 +33,7 @@ from areal_hpc.utils import temporary_beside
 # counts in an episode table, one row per episode (they had ridden on each episode's first trajectory)
 SCHEMA_VERSION = 4
 
-# Explicit little-endian dtypes (columns.py) so the checksummed bytes are the same on every platform; TRAJ_FIELDS
+# Explicit little-endian dtypes (store/columns.py) so the checksummed bytes are the same on every platform; TRAJ_FIELDS
 # in checksum order (SCHEMA_FIELDS: each schema version's).
 TOKEN_FIELDS = TOKEN_DTYPES
 OFFSETS_DTYPE = np.dtype("<i8")

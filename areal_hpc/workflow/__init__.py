@@ -48,7 +48,7 @@ def load_workflow(name: str) -> Workflow:
 
 def runner_settings(cfg, tokenizer, model_dir) -> RunnerSettings:
     """What an EpisodeRunner needs from a run's config and model folder."""
-    from areal_hpc.prompts import chat_enabled, max_context
+    from areal_hpc.data.prompts import chat_enabled, max_context
 
     return RunnerSettings(
         workflow=cfg.workflow,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from areal_hpc.columns import EPISODE_COUNTS
+from areal_hpc.store.columns import EPISODE_COUNTS
 from areal_hpc.types import EpisodeCounts, GenOutput, SampleId, Trajectory
 from areal_hpc.workflow.records import EpisodeStats, FinishedEpisode, Segment
 

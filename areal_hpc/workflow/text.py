@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from areal_hpc.data.prompts import after_assistant_turn
 from areal_hpc.model import text_decoder
-from areal_hpc.prompts import after_assistant_turn
 
 log = logging.getLogger("areal_hpc.workflow")
 

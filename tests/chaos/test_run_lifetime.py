@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_hpc.lifetime import MARKER, describe, marked
 from areal_hpc.rundir import RunDir
+from areal_hpc.rundir.lifetime import MARKER, describe, marked
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "areal_hpc.cli"]

@@ -6,7 +6,7 @@ import sys
 import torch
 from mpi4py import MPI
 
-from areal_hpc.runtime.weight_sync import SyncGroup, WeightReceiver, WeightSender, weights_checksum
+from areal_hpc.runtime.comm.weight_sync import SyncGroup, WeightReceiver, WeightSender, weights_checksum
 from areal_hpc.runtime.worker import exit_rank
 
 

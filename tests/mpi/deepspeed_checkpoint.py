@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
 from areal_hpc.rundir import RunDir
-from areal_hpc.runtime.torch_groups import init_trainer_group
+from areal_hpc.runtime.comm.torch_groups import init_trainer_group
 from areal_hpc.runtime.worker import exit_rank
 
 

@@ -13,7 +13,7 @@ from areal_hpc.algo.packing import balance_across_ranks
 from areal_hpc.algo.ppo import Objective
 from areal_hpc.engines.deepspeed_train import DeepSpeedTrainEngine
 from areal_hpc.engines.lora import LoraSpec
-from areal_hpc.runtime.torch_groups import init_trainer_group
+from areal_hpc.runtime.comm.torch_groups import init_trainer_group
 from areal_hpc.runtime.worker import exit_rank
 
 

@@ -10,7 +10,7 @@ from mpi4py import MPI
 from areal_hpc.algo.packing import balance_across_ranks
 from areal_hpc.algo.ppo import LOSS_AGGS as AGGS
 from areal_hpc.engines.torch_train import TorchTrainEngine
-from areal_hpc.runtime.torch_groups import init_trainer_group
+from areal_hpc.runtime.comm.torch_groups import init_trainer_group
 from areal_hpc.runtime.worker import exit_rank
 
 

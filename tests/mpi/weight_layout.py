@@ -7,7 +7,7 @@ import sys
 import torch
 from mpi4py import MPI
 
-from areal_hpc.runtime.weight_sync import (
+from areal_hpc.runtime.comm.weight_sync import (
     SyncGroup,
     WeightLayoutMismatch,
     WeightReceiver,
