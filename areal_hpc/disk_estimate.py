@@ -77,17 +77,17 @@ def checkpoint_bytes(cfg, shape: ModelShape) -> int:
     reference policy is saved beside them (reference.safetensors, in the trainer's compute dtype). With LoRA
     the same holds for the adapter alone (the base is the model folder, or RUN_DIR/base_model once), plus
     adapter.safetensors (fp32), and there is no reference file."""
-    tc = cfg.trainer
-    if tc.engine == "emulated":
+    trainer_cfg = cfg.trainer
+    if trainer_cfg.engine == "emulated":
         return 0
-    if tc.lora_rank:
-        n = shape.adapter(tc.lora_rank)
-        if tc.engine == "deepspeed":
-            return n * ((2 if tc.bf16 else 4) + 4 + ADAM_BYTES) + n * 4
+    if trainer_cfg.lora_rank:
+        n = shape.adapter(trainer_cfg.lora_rank)
+        if trainer_cfg.engine == "deepspeed":
+            return n * ((2 if trainer_cfg.bf16 else 4) + 4 + ADAM_BYTES) + n * 4
         return n * (4 + ADAM_BYTES)
-    reference = (shape.params + shape.tied) * (2 if tc.bf16 else 4) if cfg.ppo.kl_coef else 0
-    if tc.engine == "deepspeed":
-        module = 0 if tc.zero_stage == 3 else (2 if tc.bf16 else 4)
+    reference = (shape.params + shape.tied) * (2 if trainer_cfg.bf16 else 4) if cfg.ppo.kl_coef else 0
+    if trainer_cfg.engine == "deepspeed":
+        module = 0 if trainer_cfg.zero_stage == 3 else (2 if trainer_cfg.bf16 else 4)
         return shape.params * (module + 4 + ADAM_BYTES) + reference
     return (shape.params + shape.tied) * 4 + shape.params * ADAM_BYTES + reference
 

@@ -1,21 +1,12 @@
-"""Rollout records: a group's requests made outside a runner (tests, benchmarks), group and episode sums."""
+"""Episode counts added up: a group's for GROUPS_DONE, a batch's for its trainer, a version's for metrics.csv."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from areal_hpc.count_schema import FAILURES, SENT, TRAINED_MEANS, TRAINED_SUMS
 from areal_hpc.store.columns import Batch, as_columns
-from areal_hpc.types import GenRequest, RequestId, SampleId, Trajectory
-
-
-def group_requests(prompt_ids: list[int], group_id: int, n_samples: int, max_new_tokens: int) -> list[GenRequest]:
-    """n requests for one prompt, each the first call of sample s's episode (outputs regroup by their ids)."""
-    return [GenRequest(sample_request(group_id, s), list(prompt_ids), max_new_tokens) for s in range(n_samples)]
-
-
-def sample_request(group_id: int, sample: int) -> RequestId:
-    """The id of the first (only) call of a training sample's episode, for requests made outside a runner."""
-    return RequestId(SampleId(group_id, sample), 0)
+from areal_hpc.types import Trajectory
 
 
 def group_summary(trajs: list[Trajectory], prompt_id: int, group_id: int) -> dict:
@@ -32,15 +23,11 @@ def group_summary(trajs: list[Trajectory], prompt_id: int, group_id: int) -> dic
     }
 
 
-# what GROUPS_DONE carries of a group's episodes, whatever becomes of the group: rank 0 adds them up
-GROUP_COUNTS = ("episodes", "turns", "tool_calls", "reward_timeouts", "reward_errors", "branches", "agent_failures")
-
-
 def group_counts(stats: list, rejected: list = ()) -> dict:
-    """The counts of a group's episodes (their EpisodeStats) and, per number they logged (reward/<key>,
-    episode/<name>), its sum and how many episodes logged it. `rejected`: the stats of episodes the workflow
-    rejected (or that failed) and ran again, whose reward failures, branches and failures count too; the failures
-    by kind."""
+    """The counts of a group's episodes (their EpisodeStats: count_schema.GROUP_COUNTS) and, per
+    number they logged (reward/<key>, episode/<name>), its sum and how many episodes logged it. `rejected`: the
+    stats of episodes the workflow rejected (or that failed) and ran again, whose failure counts (reward
+    failures, branches, failures) count too; the failures by kind."""
     logged: dict[str, tuple[float, int]] = {}
     every = [*stats, *rejected]
     kinds: dict[str, int] = {}
@@ -51,47 +38,41 @@ def group_counts(stats: list, rejected: list = ()) -> dict:
         for k, v in st.logged.items():
             total, n = logged.get(k, (0.0, 0))
             logged[k] = (total + v, n + 1)
-    return {
-        "episodes": len(stats),
-        "turns": sum(st.turns for st in stats),
-        "tool_calls": sum(st.tool_calls for st in stats),
-        "reward_timeouts": sum(st.reward_timeouts for st in every),
-        "reward_errors": sum(st.reward_errors for st in every),
-        "branches": sum(st.branches for st in every),
-        "agent_failures": sum(st.agent_failures for st in every),
-        "failure_kinds": kinds,
-        "logged": logged,
-    }
+    sums = {k: sum(getattr(st, k) for st in (every if k in FAILURES else stats)) for k in SENT}
+    return {"episodes": len(stats), **sums, "failure_kinds": kinds, "logged": logged}
 
 
 def episode_stats(trajs: Batch) -> dict:
     """Sums over trajectories (columns or records) of what their episodes did, as a version's metrics row adds
-    them up."""
+    them up: each "trained" count of the schema (<name>_sum for those shown as means), and the tokens trained."""
     c = as_columns(trajs)
     e = c.episodes  # the episodes whose first trajectory is here: each counted once
     after_prompt = int(c.offsets[-1]) - int(c.seqs["prompt_len"].sum())
     trained = int(c.tokens["loss_mask"].sum(dtype=np.int64))
-    return {
-        "turns_sum": int(e["turns"].sum()),
-        "tool_calls": int(e["tool_calls"].sum()),
-        "tool_errors": int(e["tool_errors"].sum()),
-        "tool_s": float(e["tool_s"].astype(np.float64).sum()),
+    sums = {k: _sum(e[k]) for k in TRAINED_SUMS} | {f"{k}_sum": _sum(e[k]) for k in TRAINED_MEANS}
+    return sums | {
         "trained_tokens": trained,
         # tokens after the prompt that are not trained: a workflow's own, and turns generated with train=False
         "unsampled_tokens": int(after_prompt - trained),
     }
 
 
+def _sum(column: np.ndarray) -> int | float:
+    return float(column.astype(np.float64).sum()) if column.dtype.kind == "f" else int(column.sum(dtype=np.int64))
+
+
 def episode_metrics(stats: list[dict], samples: int) -> dict:
-    """A version's episode columns in metrics.csv from the episode_stats of its parts."""
+    """A version's episode columns in metrics.csv from the episode_stats of its parts: the "trained" counts'
+    sums (or <name>_mean, per sample), the tokens not sampled, and the share of those after the prompt trained."""
     trained = sum(x["trained_tokens"] for x in stats)
     unsampled = sum(x["unsampled_tokens"] for x in stats)
     row = {k: sum(x[k] for x in stats) for k in EPISODE_SUMS}
     return row | {
-        "turns_mean": sum(x["turns_sum"] for x in stats) / max(samples, 1),
+        **{f"{k}_mean": sum(x[f"{k}_sum"] for x in stats) / max(samples, 1) for k in TRAINED_MEANS},
         "trained_share": trained / max(trained + unsampled, 1),  # of the tokens after the prompt
     }
 
 
-# (reward time-outs and errors are counted over every generated episode instead: GROUP_COUNTS)
-EPISODE_SUMS = ("tool_calls", "tool_errors", "tool_s", "unsampled_tokens")
+# a version's sums over its trained episodes ("generated" counts are summed over every generated episode instead:
+# runtime.reporting.generated)
+EPISODE_SUMS = (*TRAINED_SUMS, "unsampled_tokens")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 
 import numpy as np
+
+from areal_hpc import count_schema
 
 # finish_reason values a trajectory can carry (stored as fixed-width bytes in shards).
 FINISH_REASONS = ("stop", "length", "abort")
@@ -53,20 +55,18 @@ class Trajectory:
         return int(gen.max()) if len(gen) else -1
 
 
-@dataclass
-class EpisodeCounts:
-    """What one training episode did (areal_hpc.workflow), kept once per episode however many transcripts it
-    left: a shard's episode table has a row of these per (group_id, sample_idx). Engine requests, tool calls
-    (that failed), tool seconds, reward calls past reward.timeout_s or raising."""
-
-    group_id: int
-    sample_idx: int
-    turns: int = 1
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_s: float = 0.0
-    reward_timeouts: int = 0
-    reward_errors: int = 0
+# made from the schema (count_schema.COUNTS): a count added there is a field here
+EpisodeCounts = make_dataclass(
+    "EpisodeCounts",
+    [("group_id", int), ("sample_idx", int), *count_schema.table_fields()],
+    namespace={
+        "__module__": __name__,
+        "__doc__": """What one training episode did (areal_hpc.workflow), kept once per episode however many
+    transcripts it left: a shard's episode table has a row of these per (group_id, sample_idx). Its counts are
+    the schema's stored ones, in its order (engine requests, tool calls (that failed), tool seconds, reward calls
+    past reward.timeout_s or raising, ...), each at its unset value by default.""",
+    },
+)
 
 
 @dataclass(frozen=True, slots=True, order=True)

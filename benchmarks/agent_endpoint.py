@@ -99,7 +99,7 @@ def demo_config(workflow: str, args, overrides: list[str] = ()):
     job, model = ("demo_tool.yaml", "tool") if workflow == "tool" else ("demo_agent.yaml", "agent")
     ov = [
         f"model.path={args.out / ('base-' + model)}",
-        f"rollout.workflow={workflow}",
+        f"workflow.fn={workflow}",
         f"workflow.warm_start_tool_share={args.tool_share}",
         f"trainer.warm_start_steps={args.warm_steps}",
         "logging.progress=false",

@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a bare checkout too (the GPU machine has no install of this package)
 
 from areal_hpc.engines.base import generate  # noqa: E402
-from areal_hpc.episode_counts import sample_request  # noqa: E402
 from areal_hpc.model import build_tiny_model, load_tokenizer  # noqa: E402
 from areal_hpc.types import GenRequest  # noqa: E402
+from tests.request_helpers import sample_request  # noqa: E402
 
 
 def make_gen(kind: str, model: Path, args):
@@ -214,7 +214,7 @@ def main() -> None:
                 )
                 for r in reqs
             ]
-        from areal_hpc.workflow.samples import output_trajectory
+        from tests.request_helpers import output_trajectory
 
         trajs = [output_trajectory(o, o.request_id.episode.group_id, 0.0) for o in outs]
         adv = np.where(np.arange(len(trajs)) % 2 == 0, 1.0, -1.0).astype(np.float32)

@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))  # runs from a bare checkout too
 
 from areal_hpc.algo.mismatch import FIGURES, gap_figures, gap_sums  # noqa: E402
 from areal_hpc.engines.base import generate  # noqa: E402
-from areal_hpc.episode_counts import sample_request  # noqa: E402
 from areal_hpc.types import GenRequest  # noqa: E402
 from areal_hpc.utils import atomic_write_text  # noqa: E402
+from tests.request_helpers import sample_request  # noqa: E402
 
 SHOWN = ("k1", "k3", "chi2", "log_ppl_diff", "max_ratio", "mult_prob_err", "ess")
 
@@ -186,7 +186,7 @@ def precision_rows(m: Model, vllm_bf16: bool) -> tuple[list[dict], list]:
 def lora_rows(m: Model, outs, updates: int, rank: int = 8, alpha: float = 32.0) -> list[dict]:
     """Row 5: an adapter trained `updates` PPO versions; the generator merges it, the trainer keeps it unmerged."""
     from areal_hpc.engines.lora import AdapterMerger, LoraSpec
-    from areal_hpc.workflow.samples import output_trajectory
+    from tests.request_helpers import output_trajectory
 
     spec = LoraSpec(rank, alpha)
     tl = train_engine(m, lora=spec, lr=1e-3)
@@ -206,7 +206,7 @@ def lora_rows(m: Model, outs, updates: int, rank: int = 8, alpha: float = 32.0) 
 
 def straddle_rows(m: Model, kind: str, outs, lr: float, load_after: int) -> list[dict]:
     """Row 6: weights B load with keep_kv after `load_after` engine steps of requests started under A."""
-    from areal_hpc.workflow.samples import output_trajectory
+    from tests.request_helpers import output_trajectory
 
     trainer = train_engine(m, lr=lr)
     a = {k: v.detach().clone() for k, v in trainer.weights().items()}

@@ -33,9 +33,9 @@ from train_memory import build_model  # noqa: E402
 
 from areal_hpc.engines.base import generate  # noqa: E402
 from areal_hpc.engines.torch_gen import TorchGenerationEngine  # noqa: E402
-from areal_hpc.episode_counts import group_requests  # noqa: E402
 from areal_hpc.model import build_tiny_model  # noqa: E402
 from areal_hpc.utils import atomic_write_text  # noqa: E402
+from tests.request_helpers import group_requests  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 

@@ -30,7 +30,7 @@ def one_run(workflow: str, seed: int, args) -> dict:
     cfg = load_config(
         ROOT / "jobs" / "demo_tool.yaml",
         [
-            f"rollout.workflow={workflow}",
+            f"workflow.fn={workflow}",
             f"trainer.seed={seed}",
             f"data.seed={seed}",
             f"trainer.max_wall_s={args.max_wall}",

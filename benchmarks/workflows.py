@@ -98,7 +98,7 @@ def tools(args, out: Path) -> dict:
         overrides = [
             *WORKLOAD,
             "rollout.eta=4",
-            f"rollout.workflow={TOOLS}:{name}",
+            f"workflow.fn={TOOLS}:{name}",
             f"workflow.args={{tool_s: {args.tool_ms / 1000}}}",
             f"rollout.max_new_tokens={args.max_new // 2}",
             f"rollout.max_num_seqs={args.slots}",

@@ -29,12 +29,11 @@ def tiny_qwen_dir(tmp_path_factory):
 def ppo_batch(tiny_model_dir):
     """16 sampled trajectories (4 groups of 4) with mixed rewards and spread advantages, for PPO steps."""
     import numpy as np
+    from request_helpers import group_requests, output_trajectory
 
     from areal_hpc.engines.base import generate
     from areal_hpc.engines.torch_gen import TorchGenerationEngine
-    from areal_hpc.episode_counts import group_requests
     from areal_hpc.model import load_tokenizer
-    from areal_hpc.workflow.samples import output_trajectory
 
     tok = load_tokenizer(tiny_model_dir)
     gen = TorchGenerationEngine(str(tiny_model_dir), seed=3)

@@ -93,8 +93,8 @@ def _check_trajectory(stored: tuple, tok, parser, tool_result) -> int:
         call = _call(parser, text)
         assert call is not None and call["name"] == "calculator", text
         # the template closes the turn with <eos>: appended unless the model sampled it (a turn cut at its length)
-        glue = [] if t.input_ids[b - 1] == tok.eos_token_id else [tok.eos_token_id]
-        assert t.input_ids[b:c].tolist() == glue + render_turn(tok, "tool", tool_result(call), chat=True)
+        closing = [] if t.input_ids[b - 1] == tok.eos_token_id else [tok.eos_token_id]
+        assert t.input_ids[b:c].tolist() == closing + render_turn(tok, "tool", tool_result(call), chat=True)
     final = texts[-1]
     # each assistant turn with tool_calls is counted (the last one too, where the agent ran out of turns)
     assert tool_calls == len(runs) - 1 + (_call(parser, final) is not None)

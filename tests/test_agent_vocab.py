@@ -176,7 +176,7 @@ def test_the_calculator_evaluates_sums_and_products_and_nothing_else():
 def test_the_agent_demo_loads_and_keeps_the_tool_demos_task():
     cfg = load_config(DEMO, ["model.path=/unused"])
     tool = load_config(ROOT / "jobs" / "demo_tool.yaml", ["model.path=/unused"])
-    assert (cfg.rollout.workflow, cfg.model.vocab) == ("agent", "arith_agent")
+    assert (cfg.workflow.fn, cfg.model.vocab) == ("agent", "arith_agent")
     assert cfg.workflow.agent == f"{ROOT / 'jobs' / 'examples' / 'calculator_agent.py'}:agent"  # made absolute
     assert cfg.data == tool.data and cfg.trainer.max_wall_s == tool.trainer.max_wall_s
     assert np.isclose(cfg.workflow.warm_start_tool_share, tool.workflow.warm_start_tool_share)

@@ -18,7 +18,7 @@ import pytest
 
 from areal_hpc.agents.protocol import OpenAIError, RunSampling, parse_request
 from areal_hpc.agents.transcript import ChatRenderer
-from areal_hpc.config import WorkflowConfig, load_config
+from areal_hpc.config import Config, ModelConfig, RolloutConfig, WorkflowConfig, load_config
 from areal_hpc.data import load_run_dataset
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.engines.torch_train import TorchTrainEngine
@@ -261,14 +261,9 @@ def _run(agent_model, rows: list[dict], greedy=False, **workflow):
     path, tok, weights = agent_model
     eng = RecordingEngine(str(path), seed=7, max_num_seqs=8)
     eng.update_weights(weights, 1)
-    settings = RunnerSettings(
-        WorkflowConfig(**workflow),
-        max_new_tokens=MAX_NEW,
-        max_context=512,
-        chat=True,
-        sandbox="auto",
-        model_name="tiny",
-    )
+    wc = WorkflowConfig(**workflow)
+    cfg = Config(model=ModelConfig(path=str(path)), rollout=RolloutConfig(max_new_tokens=MAX_NEW), workflow=wc)
+    settings = RunnerSettings(wc, max_new_tokens=MAX_NEW, max_context=512, chat=True, sandbox="auto", config=cfg)
     starts = []
     for i, row in enumerate(rows):
         text = tok.apply_chat_template(
@@ -378,7 +373,7 @@ def test_every_refused_field_is_a_400_naming_it(agent_run):
 
 def test_every_bad_key_is_refused_and_nothing_is_reachable_without_one(agent_run):
     seen = agent_run[3]["bad"]
-    assert seen["models"] == ["tiny"]  # GET /v1/models with the episode's key
+    assert seen["models"] == ["tiny-agent"]  # GET /v1/models with the episode's key: the model folder's name
     assert seen["unknown_key"][:2] == ("AuthenticationError", 401)
     assert seen["raw"] == {
         "chat, no key": 401,
@@ -401,7 +396,7 @@ def test_stored_trajectories_are_the_sampled_tokens_with_rendered_messages_untra
         pieces = [_check_sampled(t, outs[sum(n[:i]) : sum(n[: i + 1])]) for i, t in enumerate(trajs)]
         if name in ("plain", "stream", "example"):
             (between,) = pieces[0]
-            assert outs[0].output_ids[-1] == tok.eos_token_id  # the model closed its turn: no glue
+            assert outs[0].output_ids[-1] == tok.eos_token_id  # the model closed its turn: nothing added
             result = seen[name]["results"][0] if name != "example" else _example_result(tok, outs[0])
             assert tok.decode(between) == f"<tool>{result}<assistant>"
             assert trajs[0].reward == ep.reward
@@ -507,7 +502,7 @@ async def one(client):
 def test_every_bad_agent_setting_is_one_line(tmp_path, overrides, words):
     f = tmp_path / "agents.py"
     f.write_text(AGENT_FILE)
-    args = ["model.path=/m", "rollout.workflow=agent", *(o.format(f=f) for o in overrides)]
+    args = ["model.path=/m", "workflow.fn=agent", *(o.format(f=f) for o in overrides)]
     with pytest.raises(ValueError) as err:
         check_user_code(load_config(None, args))
     message = str(err.value)
@@ -518,7 +513,7 @@ def test_a_good_agent_setting_passes_the_checks(tmp_path):
     f = tmp_path / "agents.py"
     f.write_text(AGENT_FILE)
     for setting in (f"workflow.agent={f}:good", f"workflow.agent_command={sys.executable} agent.py"):
-        check_user_code(load_config(None, ["model.path=/m", "rollout.workflow=agent", setting]))
+        check_user_code(load_config(None, ["model.path=/m", "workflow.fn=agent", setting]))
 
 
 def test_an_agent_setting_without_the_agent_workflow_is_one_line():
@@ -579,3 +574,44 @@ def test_tools_of_the_wrong_shape_and_fields_not_served_are_refused_before_anyth
         assert err.value.status == 400 and err.value.param == param, (extra, err.value)
     # max_completion_tokens: null leaves max_tokens in force
     assert parse_request({"messages": msgs, "max_completion_tokens": None, "max_tokens": 3}, run).max_tokens == 3
+
+
+def test_the_pipe_carries_typed_records_and_refuses_a_bad_one_in_one_line():
+    import multiprocessing
+
+    from areal_hpc.agents import pipe
+    from areal_hpc.agents.protocol import ChatRequest
+    from areal_hpc.agents.running import AgentOutcome
+
+    here, there = multiprocessing.Pipe()
+    call = pipe.ChatCall(3, "sk-areal-x", ChatRequest([{"role": "user", "content": "1+1="}]), 12.5)
+    pipe.send(there, call, pipe.TO_GENERATOR)
+    assert pipe.receive(here, pipe.TO_GENERATOR) == call
+    pipe.send(there, pipe.AgentDone("sk-areal-x", AgentOutcome(1.0)), pipe.TO_GENERATOR)
+    assert pipe.receive(here, pipe.TO_GENERATOR).outcome.value == 1.0
+    for msg, allowed, words in (
+        (pipe.Ready("8000"), pipe.TO_GENERATOR, "Ready.port is a str, the protocol says int"),
+        (pipe.CallRefused(1, "no"), pipe.TO_HOST, "CallRefused.error is a str, the protocol says OpenAIError"),
+        (pipe.Quit(), pipe.TO_GENERATOR, "a Quit where the protocol carries Ready, Failed, ChatCall, AgentDone"),
+        (("start", "k", {}), pipe.TO_HOST, "a tuple where the protocol carries StartAgent"),
+    ):
+        with pytest.raises(pipe.PipeError) as err:
+            pipe.send(there, msg, allowed)
+        assert words in str(err.value) and "\n" not in str(err.value)
+    there.send(pipe.StartAgent("k", {}))  # sent unchecked: the receiver checks too
+    with pytest.raises(pipe.PipeError, match="a StartAgent where"):
+        pipe.receive(here, pipe.TO_GENERATOR)
+    here.close()
+    there.close()
+
+
+def test_the_pipe_table_in_its_docstring_is_the_records_in_code():
+    from dataclasses import fields
+
+    from areal_hpc.agents import pipe
+
+    lines = {ln.split()[0]: ln for ln in pipe.__doc__.splitlines() if ln.startswith("  ") and ln.split()}
+    for record in pipe.TO_HOST + pipe.TO_GENERATOR:
+        names = [f.name for f in fields(record)]
+        row = lines[record.__name__].split(None, 1)[1:] or [""]
+        assert [w.strip(",") for w in row[0].split()[: len(names)]] == names, record.__name__

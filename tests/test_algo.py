@@ -7,12 +7,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import decoupled_ppo_loss  # tests/ is on the path when pytest runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.algo.advantages import group_advantages, informative_groups
 from areal_hpc.algo.packing import _ffd_bin_count, balance_across_ranks, pack_microbatches
-from areal_hpc.algo.ppo import decoupled_ppo_loss, loglinear_prox_logp
+from areal_hpc.algo.ppo import loglinear_prox_logp
 from areal_hpc.algo.staleness import StalenessGate
 
 

@@ -186,21 +186,41 @@ def test_report_compares_runs_or_a_sweep_in_one_html_file(two_runs, tmp_path):
     assert not (tmp_path / "bad.html").exists()
 
 
+def _trainer_busy_share(run_dir: Path) -> float:
+    """The share of the span the simulator models (first weights published to the last version trained) that
+    the run's trainer spent loading and training (metrics.csv t_train)."""
+    from areal_hpc.rundir import RunDir
+
+    run = RunDir(run_dir)
+    summary = json.loads(run.summary.read_text())
+    m = pd.read_csv(run.metrics).drop_duplicates("version", keep="last")
+    m = m[m["version"] > summary.get("start_version", 0)]
+    span = float(m["wall_s"].iloc[-1]) - (float(summary["wall_s"]) - float(summary["rl_wall_s"]))
+    return float(m["t_train"].sum() / span)
+
+
 def test_simulator_calibrated_on_the_async_run_predicts_the_sync_run(two_runs):
-    """Fitted to the eta=2 run's timeline, the model of the loop predicts the eta=0 run's throughput.
+    """Fitted to the eta=2 run's timeline, the model of the loop keeps what the two runs show whatever the host's
+    speed: the share of each run's time its trainer was busy, and how much faster (or slower) the async run went.
 
     This direction because the asynchronous run shows how its roles share the 2 cores (they overlap), so
-    the fit can take the sharing out of the costs; the synchronous run's roles never overlap."""
+    the fit can take the sharing out of the costs; the synchronous run's roles never overlap. Tokens/s alone
+    are a figure of the host's speed in each sitting: under load a run and its own simulation parted by 18%,
+    then by 60% (load 16 on the 2 cores), while the shares below held within 0.05 and the ratio within 20%."""
     from areal_hpc.simulate import calibrate, simulate
+    from areal_hpc.simulate.calibrate import trained_span_tokens_per_s
 
     sim, measured = calibrate(two_runs[1])  # measured costs and latencies; nothing tuned to the result
     itself = simulate(sim)
-    # within the same bound as the prediction: the model's core sharing is taken per span, not per step
-    assert itself.consumed_tokens_per_s == pytest.approx(measured["consumed_tokens_per_s"], rel=0.15)
     assert 0 < measured["core_sharing"]["train_share"] <= 1 and measured["core_sharing"]["train_slowdown"] >= 0
     predicted = simulate(calibrate(two_runs[1], ["rollout.eta=0"])[0])
-    # how close the prediction comes to the eta=0 run is a figure of the host's speed a minute later (eight
-    # quiet pairs missed by -19% to +13%; docs/emulation.md), not something a test on a busy machine can bound:
-    # what holds on any machine is the order, side by side in one model
-    assert max(predicted.staleness) == 0 and predicted.gen_busy < itself.gen_busy
-    assert predicted.consumed_tokens_per_s < itself.consumed_tokens_per_s  # eta=0 is the slower loop
+    assert max(predicted.staleness) == 0 and predicted.gen_busy < itself.gen_busy  # eta=0: generators wait
+    # shares of time: overlapped, the trainer is busy most of the async run; at eta=0 it waits for each batch
+    assert itself.train_busy == pytest.approx(_trainer_busy_share(two_runs[1]), abs=0.1)
+    assert predicted.train_busy == pytest.approx(_trainer_busy_share(two_runs[0]), abs=0.1)
+    # the order and the size of the async gain: the model's ratio comes from one calibration, so the host's speed
+    # cancels in it; the runs' spans two sittings, hence a factor: eight quiet pairs of runs parted by -19% to
+    # +13% (docs/emulation.md), a pair at load 16 by -19%
+    ran_ratio = measured["consumed_tokens_per_s"] / trained_span_tokens_per_s(two_runs[0])
+    model_ratio = itself.consumed_tokens_per_s / predicted.consumed_tokens_per_s
+    assert 1 / 1.5 < model_ratio / ran_ratio < 1.5, (model_ratio, ran_ratio)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from request_helpers import output_trajectory, sample_request
 
 from areal_hpc.engines.base import generate
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.engines.torch_train import TorchTrainEngine
-from areal_hpc.episode_counts import sample_request
 from areal_hpc.model import load_causal_lm, load_tokenizer
 from areal_hpc.types import GenRequest
-from areal_hpc.workflow.samples import output_trajectory
 
 PROMPTS = ["07+35=", "1+2=", "99+99=", "50+5="]
 GEN_ENGINES = ["torch", "vllm"]  # vLLM: its CPU build, in-process (env/setup.sh installs it)
@@ -414,18 +413,18 @@ def test_two_trainers_match_one(tiny_model_dir, tmp_path):
 
 
 def test_loglinear_prox_treats_current_weights_as_the_proximal_policy(tiny_model_dir, monkeypatch):
-    import areal_hpc.engines.policy_step as tt
+    import areal_hpc.engines.policy_step as policy_step
 
     tok = load_tokenizer(tiny_model_dir)
     trajs = _trajs(tok, TorchGenerationEngine(str(tiny_model_dir), seed=7))
     seen = []
-    real = tt.loglinear_prox_logp
+    real = policy_step.loglinear_prox_logp
 
     def spy(logp, behav, versions, current_version):
         seen.append(current_version)
         return real(logp, behav, versions, current_version)
 
-    monkeypatch.setattr(tt, "loglinear_prox_logp", spy)
+    monkeypatch.setattr(policy_step, "loglinear_prox_logp", spy)
     tr = TorchTrainEngine(str(tiny_model_dir), prox="loglinear")
     tr.version = 4
     tr.ppo_update(trajs, np.linspace(-1, 1, len(trajs)).astype(np.float32))

@@ -1,5 +1,5 @@
 """Checks over the package source: the run directory's layout lives in one module, the protocol's text
-matches what is sent."""
+matches what is sent, imports keep docs/architecture.md's layers, and that page's message table points at the code."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import re
 from pathlib import Path
 
 from areal_hpc import rundir
+from areal_hpc.count_schema import GROUP_COUNTS
 from areal_hpc.rundir import SHARD_SUFFIX, TMP_SUFFIX, WEIGHTS_FILE, RunDir, SweepDir, rng_file, shard_name
 from areal_hpc.runtime.comm import protocol
 from areal_hpc.runtime.comm.protocol import FIELDS, GROUP_FIELDS, ProtocolError, Tag, check_fields
 
 PACKAGE = Path(__file__).resolve().parents[1] / "areal_hpc"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 
 SAMPLE_ARGS = {"version": 3, "rank": 3, "role": "trainer", "job_id": "77"}
@@ -116,7 +118,7 @@ def test_no_run_dir_name_is_spelt_outside_the_rundir_module():
     assert {"rollouts", "ledger", "checkpoints", "STOP", "config.yaml", "summary.json", "logs", "slurm"} <= names
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "rundir/__init__.py":
+        if path == PACKAGE / "rundir" / "__init__.py":
             continue
         tree = ast.parse(path.read_text())
         docstrings = {
@@ -168,7 +170,7 @@ def test_the_protocol_text_names_exactly_the_fields_sent():
     for tag, keys in FIELDS.items():
         doc = documented[tag.name]
         if tag == Tag.GROUPS_DONE:
-            assert set(doc) == set(keys) | set(GROUP_FIELDS)
+            assert set(doc) == set(keys) | set(GROUP_FIELDS) - set(GROUP_COUNTS)  # the counts: by the schema's name
         else:
             assert set(doc) == set(keys), f"{tag.name}: documented {doc}, sent {keys}"
 
@@ -201,3 +203,137 @@ def test_an_idle_rank_backs_off_between_polls_and_wakes_fast_again_after_work():
     assert naps == [0.002, 0.004, 0.008, 0.01, 0.01]  # 5x fewer wake-ups than 2 ms polling once idle
     b.reset()
     assert b.nap == 0.002
+
+
+def _section(title: str) -> list[str]:
+    """The lines of docs/architecture.md's section whose `## ` heading starts with `title`."""
+    lines = ARCHITECTURE.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(f"## {title}")), None)
+    assert start is not None, f"{ARCHITECTURE.name} has no section '## {title}'"
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start + 1 : end]
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name under areal_hpc; the package itself is ""."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """What each module imports of the package, at load time or inside functions: `import areal_hpc.x.y` is the
+    longest module of x.y, `from areal_hpc.x import y` is x.y when that is a module, else x."""
+    modules = _modules()
+
+    def module_of(dotted: str) -> str:
+        name = dotted.removeprefix("areal_hpc").removeprefix(".")
+        while name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(module_of(a.name) for a in node.names if a.name.split(".")[0] == "areal_hpc")
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path}:{node.lineno}: a relative import (the package imports absolutely)"
+                if (node.module or "").split(".")[0] == "areal_hpc":
+                    base = module_of(node.module)
+                    named = (f"{base}.{a.name}".lstrip(".") for a in node.names)
+                    deps.update(n if n in modules else base for n in named)
+        graph[name] = deps - {name}
+    return graph
+
+
+def _layers() -> dict[str, int]:
+    """docs/architecture.md's Layers section: each unit (a dotted module prefix under areal_hpc, `areal_hpc` for
+    the package's own __init__) with the number of its layer, bottom 0."""
+    layers, current = {}, None
+    for line in _section("Layers"):
+        if m := re.match(r"^(\d+)\. ", line):
+            current = int(m.group(1))
+        elif not line.startswith(" "):
+            current = None
+        if current is not None:
+            for unit in re.findall(r"`([a-z_][a-z0-9_.]*)`", line):
+                layers["" if unit == "areal_hpc" else unit] = current
+    return layers
+
+
+def _layer_of(module: str, layers: dict[str, int]) -> int | None:
+    """The layer of the longest unit that is the module or a package above it."""
+    units = [u for u in layers if module == u or module.startswith(f"{u}.")]
+    return layers[max(units, key=len)] if units else None
+
+
+def test_no_import_circle_among_the_package_modules():
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [dep]
+            if dep not in state and (circle := visit(dep)):
+                return circle
+        state[module] = 2
+        path.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (circle := visit(module)):
+            raise AssertionError("import circle: " + " -> ".join(m or "areal_hpc" for m in circle))
+
+
+def test_no_module_imports_one_in_a_higher_layer():
+    layers = _layers()
+    assert len(set(layers.values())) >= 8, f"the Layers section of {ARCHITECTURE.name} was not read: {layers}"
+    graph = _import_graph()
+    unplaced = sorted(m or "areal_hpc" for m in graph if _layer_of(m, layers) is None)
+    assert not unplaced, f"modules in no layer of {ARCHITECTURE.name}: {unplaced}"
+    upward = [
+        f"{m or 'areal_hpc'} -> {d or 'areal_hpc'} (layer {_layer_of(m, layers)} -> {_layer_of(d, layers)})"
+        for m in sorted(graph)
+        for d in sorted(graph[m])
+        if _layer_of(d, layers) > _layer_of(m, layers)
+    ]
+    assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def test_the_top_level_holds_at_most_twelve_loose_modules():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(loose) <= 12, f"{len(loose)} loose modules at areal_hpc/'s top level (at most 12): {loose}"
+
+
+def test_every_line_of_the_architecture_page_fits_a_screen():
+    long = [f"{i}: {len(line)}" for i, line in enumerate(ARCHITECTURE.read_text().splitlines(), 1) if len(line) > 120]
+    assert not long, f"lines of {ARCHITECTURE.name} over 120 characters (line: length): {long}"
+
+
+def test_the_message_table_points_at_lines_that_name_each_message():
+    rows = {m.group(1): line for line in _section("Messages") if (m := re.match(r"^\| ([A-Z_]+) +\|", line))}
+    assert set(rows) == set(Tag.__members__), f"messages in the table: {sorted(rows)}"
+    wrong = []
+    for tag, row in rows.items():
+        places = re.findall(r"`([\w/]+\.py):(\d+)`", row)
+        assert len(places) >= 2, f"{tag}: a sender and a handler, each as `file.py:line`"
+        for file, line in places:
+            lines = (PACKAGE / "runtime" / file).read_text().splitlines()
+            if int(line) > len(lines) or not re.search(rf"\bTag\.{tag}\b", lines[int(line) - 1]):
+                wrong.append(f"{tag}: runtime/{file}:{line} does not name Tag.{tag}")
+    assert not wrong, "the message table of docs/architecture.md is out of date:\n" + "\n".join(wrong)
+
+
+def test_the_route_from_prompt_to_weights_names_at_most_fifteen_files():
+    files = set(re.findall(r"`([\w/]+\.py)", "\n".join(_section("The asynchronous roles"))))
+    assert 5 <= len(files) <= 15, f"the route names {len(files)} files: {sorted(files)}"
+    missing = [f for f in files if not (PACKAGE / f).exists()]
+    assert not missing, f"files the route names that are not under areal_hpc/: {missing}"

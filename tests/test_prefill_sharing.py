@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from request_helpers import group_requests
 
 from areal_hpc.engines.base import generate
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
-from areal_hpc.episode_counts import group_requests
 from areal_hpc.model import load_tokenizer
 from areal_hpc.types import GenRequest
 

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from areal_hpc.algo import prefix_tree
 from areal_hpc.algo.ppo import Objective
-from areal_hpc.algo.prefix_tree import pack_shared, prefix_layout
+from areal_hpc.algo.prefix_tree import pack_shared, prefix_layout, shares_a_prefix
 from areal_hpc.engines import forward
+from areal_hpc.engines.batching import Batching
 from areal_hpc.engines.lora import LoraSpec
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.types import Trajectory
@@ -130,3 +132,80 @@ def test_a_version_with_shared_prefixes_updates_the_weights_as_unshared(tiny_qwe
     # groups: once per part)
     saved = 1 - on["train_tokens_computed"] / on["train_tokens_unshared"]
     assert saved > (0.05 if "max_tokens_per_mb" in setting else 0.4), saved
+
+
+def test_shares_a_prefix_says_exactly_when_the_layout_lays_something_down_once():
+    rng = np.random.default_rng(4)
+    for k in range(60):
+        head = _tokens(rng, int(rng.integers(0, 12)), vocab=4)  # a small vocabulary: chance common runs too
+        seqs = [np.concatenate([head, _tokens(rng, int(rng.integers(0, 10)), vocab=4)]) for _ in range(5)]
+        layout = prefix_layout(seqs, min_shared=6)
+        laid_once = len(layout.segments) < len(seqs) or any(s.parent >= 0 for s in layout.segments)
+        assert shares_a_prefix(seqs, 6) == laid_once, k
+    assert shares_a_prefix(_tree_seqs(), 8) and not shares_a_prefix(_tree_seqs()[8:], 8)
+    with pytest.raises(ValueError, match="min_shared"):
+        shares_a_prefix(_tree_seqs(), 0)
+
+
+def _sharing_nothing(vocab: int, seed: int = 5):
+    """The demo's shape: groups of 4 answers to a 7-token prompt, under the 32-token threshold, and answers of
+    varied length (two of them longer than the threshold, all different)."""
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for g in range(3):
+        prompt = rng.integers(1, vocab, 7)
+        for s in range(4):
+            ids = np.concatenate([prompt, rng.integers(1, vocab, 5 + 9 * s + g)]).astype(np.int32)
+            mask = (np.arange(len(ids)) >= 7).astype(np.uint8)
+            behav = np.where(mask > 0, -rng.uniform(0.5, 4.0, len(ids)), 0).astype(np.float32)
+            trajs.append(Trajectory(g, g, s, ids, behav, np.where(mask > 0, 0, -1).astype(np.int32), mask, 7))
+    return trajs, np.linspace(-1, 1, len(trajs)).astype(np.float32)
+
+
+def test_a_micro_batch_sharing_nothing_takes_the_plain_packed_path(tiny_qwen_dir, monkeypatch):
+    """With share_prefixes on and nothing to share, the micro-batches are those of share_prefixes off: packed by
+    length, no prefix tree built (its functions are never called), the same inputs, the same update bit for bit."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_qwen_dir).vocab_size
+    trajs, adv = _sharing_nothing(vocab)
+    seqs = [t.input_ids for t in trajs]
+    # the contrast: a batch that shares its prompts takes the tree path
+    sharing = [t.input_ids for t in _batch(vocab)[0]]
+    assert Batching(4096).shares(sharing) and Batching(4096).build(sharing).tree is not None
+    assert not Batching(4096, share_prefixes=False).shares(sharing)
+
+    def no_tree(*args, **kwargs):
+        raise AssertionError("a prefix tree built for a micro-batch that shares nothing")
+
+    monkeypatch.setattr(prefix_tree, "prefix_layout", no_tree)
+    monkeypatch.setattr(prefix_tree, "pack_shared", no_tree)
+    on, off = Batching(64, share_prefixes=True), Batching(64, share_prefixes=False)
+    assert not on.shares(seqs)
+    plan = on.plan(seqs)
+    assert plan == off.plan(seqs) and len(plan) > 1  # packed by length, as with sharing off
+    for mb in plan:
+        a, b = on.build([seqs[i] for i in mb]), off.build([seqs[i] for i in mb])
+        assert a.tree is None and a.token_pos is None and "prefix_tree" not in a.model_kwargs()
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.position_ids, b.position_ids)
+    assert on.counts() == off.counts()
+
+    weights, stats = [], []
+    for share in (False, True):
+        tr = TorchTrainEngine(
+            str(tiny_qwen_dir),
+            lr=0.1,
+            optimizer="sgd",
+            max_tokens_per_mb=64,
+            seed=0,
+            n_minibatches=2,
+            share_prefixes=share,
+        )
+        stats.append(tr.ppo_update(trajs, adv, [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7]]))
+        weights.append(tr.weights())
+    for k, v in weights[0].items():
+        assert torch.equal(weights[1][k], v), k
+    off_stats, on_stats = stats
+    for k in ("loss", "grad_norm", "train_tokens_computed", "train_tokens_unshared"):
+        assert on_stats[k] == off_stats[k], k
+    assert on_stats["train_tokens_computed"] == on_stats["train_tokens_unshared"]

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from areal_hpc.config import load_config
+from areal_hpc.config.errors import ConfigError
 from areal_hpc.data import check_prompts_fit, load_dataset
 from areal_hpc.model import load_tokenizer, stop_token_ids
 
@@ -81,8 +82,6 @@ def test_stop_tokens_are_every_eos_the_folder_declares(tiny_model_dir, tmp_path)
 
 
 def test_eval_sampling_and_chat_template_settings_are_checked(tiny_model_dir, tmp_path):
-    from areal_hpc.config import ConfigError
-
     for bad, says in (
         (["data.chat_template=maybe"], "choose one of auto, on, off"),
         (["logging.eval_n_samples=4"], "eval_temperature=0 (greedy) gives identical samples"),

@@ -48,7 +48,7 @@ def test_nan_rewards_are_counted_over_every_episode_and_extras_and_logged_number
         f"store.run_dir={run}",
         f"model.path={tmp_path / 'model'}",
         f"reward.fn={user}:reward",
-        f"rollout.workflow={user}:answer_once",
+        f"workflow.fn={user}:answer_once",
         "trainer.versions=4",
         "trainer.warm_start_steps=20",
         "logging.eval_every=0",

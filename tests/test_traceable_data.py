@@ -65,7 +65,7 @@ def test_a_run_keeps_each_trajectorys_row_and_reports_accuracy_beside_mean_rewar
         f"data.path={data}",
         "data.heldout_size=6",
         f"reward.fn={user}:reward",
-        f"rollout.workflow={user}:every_answer_scored",
+        f"workflow.fn={user}:every_answer_scored",
         "rollout.batch_prompts=8",
         "rollout.n_samples=4",
         "rollout.max_concurrent_groups=8",

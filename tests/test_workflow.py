@@ -326,7 +326,7 @@ def test_a_stepped_loop_pass_runs_what_is_ready_once_and_a_parked_waiter_only_wh
     async def episode():
         ran.append("started")
         await asyncio.sleep(0)  # what a pass schedules runs at the next pass: a pass is bounded
-        ran.append(await loop.parked(fut))
+        ran.append(await loop.wait_woken(fut))
 
     loop.task(episode())
     loop.run_ready(tasks=1)

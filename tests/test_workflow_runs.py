@@ -111,7 +111,7 @@ def test_multi_turn_episodes_straddle_weight_loads_past_hung_rewards_and_tools(t
         [
             f"store.run_dir={tmp_path / 'run'}",
             f"model.path={tmp_path / 'model'}",
-            f"rollout.workflow={user}:looping_tool_then_multi_turn",
+            f"workflow.fn={user}:looping_tool_then_multi_turn",
             f"reward.fn={user}:reward",
             "reward.timeout_s=0.5",
             "workflow.tool_sandbox=auto",

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible endpoint of a generator: agents' chat calls as engine requests on exact token transcripts."""
+"""The agent feature: the `agent` workflow and its OpenAI-compatible endpoint, on exact token transcripts."""

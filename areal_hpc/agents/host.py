@@ -8,16 +8,12 @@ import json
 import logging
 import time
 
+from areal_hpc.agents import pipe
 from areal_hpc.agents.protocol import OpenAIError, chunks, completion, models, parse_request
 from areal_hpc.agents.running import AgentOutcome, AgentRunner
 
 log = logging.getLogger("areal_hpc.agents")
-
-# The pipe's messages, as tuples (kind, ...):
-#   generator -> host: ("start", key, row)  ("close", key)  ("answer", call, Answer)  ("error", call, OpenAIError)
-#                      ("quit",)
-#   host -> generator: ("ready", port) | ("failed", text)  ("call", call, key, ChatRequest, t_received)
-#                      ("done", key, AgentOutcome)
+# the pipe's messages to and from the generator: agents/pipe.py
 
 
 def main(conn, settings, wc) -> None:
@@ -43,6 +39,7 @@ class Host:
         self.calls: dict[int, asyncio.Future] = {}
         self.ids = itertools.count()
         self.stopped: asyncio.Event | None = None
+        self.bad_message: pipe.PipeError | None = None  # the generator sent what the protocol does not carry
 
     async def serve(self) -> None:
         from aiohttp import web
@@ -62,10 +59,10 @@ class Host:
             port = site._server.sockets[0].getsockname()[1]
             self.agent_runner = AgentRunner(f"http://{self.settings.host}:{port}/v1", self.wc)
         except BaseException as e:
-            self.conn.send(("failed", f"{type(e).__name__}: {e}"))
+            self._send(pipe.Failed(f"{type(e).__name__}: {e}"))
             return
         loop.add_reader(self.conn.fileno(), self._read)
-        self.conn.send(("ready", port))
+        self._send(pipe.Ready(port))
         try:
             await self.stopped.wait()
         finally:
@@ -75,31 +72,40 @@ class Host:
             await asyncio.gather(*self.agents.values(), return_exceptions=True)
             await self.agent_runner.close()
             await runner.cleanup()
+        if self.bad_message is not None:  # a bug on the generator's side: this process ends and it sees how
+            raise self.bad_message
+
+    def _send(self, msg) -> None:
+        pipe.send(self.conn, msg, pipe.TO_GENERATOR)
 
     # -- the generator's messages ------------------------------------------------------------------------
     def _read(self) -> None:
         try:
             while self.conn.poll():
-                self._on(self.conn.recv())
+                self._on(pipe.receive(self.conn, pipe.TO_HOST))
         except (EOFError, OSError):  # the generator is gone
             self.stopped.set()
+        except pipe.PipeError as e:
+            self.bad_message = e
+            self.stopped.set()
 
-    def _on(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "start":
-            _, key, row = msg
-            self.keys.add(key)
-            self.agents[key] = asyncio.get_running_loop().create_task(self._agent(key, row))
-        elif kind == "close":
-            self.keys.discard(msg[1])
-            task = self.agents.pop(msg[1], None)
+    def _on(self, msg) -> None:
+        if isinstance(msg, pipe.StartAgent):
+            self.keys.add(msg.key)
+            self.agents[msg.key] = asyncio.get_running_loop().create_task(self._agent(msg.key, msg.row))
+        elif isinstance(msg, pipe.CloseSession):
+            self.keys.discard(msg.key)
+            task = self.agents.pop(msg.key, None)
             if task is not None and not task.done():
                 task.cancel()
-        elif kind in ("answer", "error"):
-            fut = self.calls.pop(msg[1], None)
+        elif isinstance(msg, (pipe.CallAnswered, pipe.CallRefused)):
+            fut = self.calls.pop(msg.call, None)
             if fut is not None and not fut.done():
-                fut.set_result(msg[2]) if kind == "answer" else fut.set_exception(msg[2])
-        elif kind == "quit":
+                if isinstance(msg, pipe.CallAnswered):
+                    fut.set_result(msg.answer)
+                else:
+                    fut.set_exception(msg.error)
+        elif isinstance(msg, pipe.Quit):
             self.stopped.set()
 
     async def _agent(self, key: str, row: dict) -> None:
@@ -110,7 +116,7 @@ class Host:
         except BaseException as e:  # noqa: BLE001 (the runner catches the agent's own; this is a bug's)
             outcome = AgentOutcome(failure=f"it could not run: {type(e).__name__}: {e}")
         self.agents.pop(key, None)
-        self.conn.send(("done", key, outcome))
+        self._send(pipe.AgentDone(key, outcome))
 
     # -- HTTP --------------------------------------------------------------------------------------------
     def _guard(self):
@@ -150,7 +156,7 @@ class Host:
         req = parse_request(body, self.settings.run)
         call = next(self.ids)
         fut = self.calls[call] = asyncio.get_running_loop().create_future()
-        self.conn.send(("call", call, request["key"], req, t0))
+        self._send(pipe.ChatCall(call, request["key"], req, t0))
         try:
             answer = await fut
         finally:

@@ -42,7 +42,8 @@ class AgentSession:
         )
         if extends:
             new = template_messages(msgs[len(h) :])
-            return "extend", self.renderer.glue(self.last_sampled) + self.renderer.extension(new, req.tools, tools_key)
+            closing = self.renderer.rest_of_turn_end(self.last_sampled)
+            return "extend", closing + self.renderer.extension(new, req.tools, tools_key)
         return "branch", self.renderer.prompt(template_messages(msgs), req.tools)
 
     def _check_length(self, n_prompt: int, req: ChatRequest) -> None:

@@ -13,13 +13,13 @@ log = logging.getLogger("areal_hpc.agents")
 
 class ChatRenderer:
     """Renders a conversation's first prompt, and the messages that extend one after an assistant turn (only them:
-    earlier turns are never rendered again). `glue`: the tokens the template puts after an assistant turn that
-    the model did not sample."""
+    earlier turns are never rendered again). `rest_of_turn_end`: the tokens the template puts after an assistant
+    turn that the model did not sample."""
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
-                "rollout.workflow=agent needs a chat template: the model folder's tokenizer has none "
+                "workflow.fn=agent needs a chat template: the model folder's tokenizer has none "
                 "(tokenizer_config.json chat_template)"
             )
         self.tokenizer = tokenizer
@@ -34,7 +34,7 @@ class ChatRenderer:
         text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return self._encode(text)
 
-    def glue(self, sampled: list[int]) -> list[int]:
+    def rest_of_turn_end(self, sampled: list[int]) -> list[int]:
         """What closes the model's turn as the template closes it: the template's end of an assistant turn,
         less the end token the model sampled itself (none is sampled when the turn ran into its length limit)."""
         end = self.turn_end

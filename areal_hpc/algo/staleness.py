@@ -49,7 +49,7 @@ class StalenessGate:
         self.accepted -= k
 
     def drop(self, k: int = 1) -> None:
-        """k running prompts were abandoned (e.g. a generator died); they free their slots."""
+        """k running prompts were given up (e.g. a generator died); they free their slots."""
         self.running -= min(k, self.running)
 
     def set_version(self, v: int) -> None:

@@ -52,13 +52,13 @@ def simulate_cmd(
     """Predict a run's throughput, utilisation and staleness in seconds (a discrete-event model of the loop)."""
     import json
 
-    from areal_hpc import simulate as sim_mod
+    from areal_hpc import simulate
 
     try:
         if calibrate_dir:
             if config_path is not None and "=" in config_path:
                 overrides = (config_path, *overrides)
-            sim, measured = sim_mod.calibrate(calibrate_dir, list(overrides))
+            sim, measured = simulate.calibrate(calibrate_dir, list(overrides))
             click.echo(
                 f"calibrated on {calibrate_dir}: {measured['consumed_tokens_per_s']:.0f} consumed tokens/s measured "
                 f"up to the last version trained; batches relayed in {measured['batch_latency_s'] * 1e3:.0f} ms"
@@ -66,19 +66,19 @@ def simulate_cmd(
         elif config_path is None:
             raise click.ClickException("give a config file (e.g. jobs/emulated_1p5b.yaml) or --calibrate RUN_DIR")
         else:
-            sim = sim_mod.sim_config(load_or_fail(config_path, overrides))
-        sim = sim_mod.with_prompts(sim, prompt_tokens, shared_prefix_tokens)
+            sim = simulate.sim_config(load_or_fail(config_path, overrides))
+        sim = simulate.with_prompts(sim, prompt_tokens, shared_prefix_tokens)
         out: dict = {"cost": sim.cost.to_dict()}
         if sweep_spec:
-            key, values = sim_mod.parse_sweep(sweep_spec)
-            table = sim_mod.sweep(sim, key, values)
+            key, values = simulate.parse_sweep(sweep_spec)
+            table = simulate.sweep(sim, key, values)
             click.echo(table.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
             out["sweep"] = table.to_dict(orient="records")
             if plot:
-                sim_mod.sweep_figure(table, key).savefig(plot, dpi=120)
+                simulate.sweep_figure(table, key).savefig(plot, dpi=120)
                 click.echo(f"wrote {plot}")
         else:
-            r = sim_mod.simulate(sim)
+            r = simulate.simulate(sim)
             row = r.row()
             click.echo(
                 f"simulated {r.versions} versions in {r.wall_s:.1f} s: {row['consumed_tokens_per_s']:.0f} consumed "

@@ -45,12 +45,12 @@ def eval_cmd(
 ):
     """Evaluate RUN_DIR/checkpoints/vN or a Hugging Face folder: pass@1 as avg@k (+- standard error), pass@k, the
     mean reward (correct: reward >= logging.eval_threshold)."""
-    from areal_hpc.evaluation import checkpoint as ce
+    from areal_hpc.evaluation import checkpoint
     from areal_hpc.model import ModelFolderError
     from areal_hpc.workflow import TooManyFailures
 
     try:
-        target = ce.resolve(model_path, config_path, list(overrides), data)
+        target = checkpoint.resolve(model_path, config_path, list(overrides), data)
         if slurm:
             opts = dict(n_samples=n_samples, temperature=temperature, engine=engine, max_new_tokens=max_new_tokens)
             _eval_job(target, model_path, data, config_path, json_path, submit, overrides, opts)
@@ -58,17 +58,17 @@ def eval_cmd(
         try:
             # the user's one line, said before any engine ran; a ValueError or OSError from the engine (memory,
             # max_model_len, its files) keeps its log: the one line alone would not say enough
-            refusals = (ConfigError, ModelFolderError, ce.EvalError)
+            refusals = (ConfigError, ModelFolderError, checkpoint.EvalError)
             with contextlib.nullcontext() if verbose else _engine_log_aside(refusals):
-                out = ce.run_eval(target, data, n_samples, temperature, max_new_tokens, engine)
+                out = checkpoint.run_eval(target, data, n_samples, temperature, max_new_tokens, engine)
         finally:
             target.close()
     except (ConfigError, ModelFolderError, OSError, ValueError, TooManyFailures) as err:
         raise click.ClickException(str(err).splitlines()[0]) from None
-    for line in ce.summary_lines(out):
+    for line in checkpoint.summary_lines(out):
         click.echo(line)
     if json_path:
-        ce.write_json(out, json_path)
+        checkpoint.write_json(out, json_path)
         click.echo(f"wrote {json_path}")
 
 

@@ -150,7 +150,7 @@ def run_cmd(config_path: str | None, overrides: tuple[str, ...], resume_dir: str
         f"{s.get('aborted_requests', 0)} requests interrupted for new weights and resumed; "
         f"{s.get('prefill_tokens', 0)} tokens prefilled"
     )
-    for line in episode_lines(s, cfg.rollout.workflow):
+    for line in episode_lines(s, cfg.workflow.fn):
         click.echo(line)
     if s.get("sync_s_mean") is not None:
         # per version: on a small model GB/s only measures how fast the generators reach the collective

@@ -13,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from areal_hpc.config.checks import ConfigError, slurm_time_minutes, validate  # noqa: F401  (re-exported)
 from areal_hpc.config.cluster import ClusterConfig, EmulationConfig, SlurmConfig
 from areal_hpc.config.files import map_deprecated_keys, quote_advice, read_config_file, text_read_as_yaml
-from areal_hpc.config.task import DataConfig, RewardConfig, WorkflowConfig, check_tool_limits  # noqa: F401
+from areal_hpc.config.task import DataConfig, RewardConfig, WorkflowConfig  # noqa: F401
 from areal_hpc.plugins import absolute_spec
 from areal_hpc.trackers import DEFAULT_TRACKERS
 
@@ -65,9 +65,7 @@ class RolloutConfig:
     # matrix to this many bits per output row on each load (fake quantization, as a quantized rollout does;
     # no speed-up). 0 = off
     weight_bits: int = 0
-    # one episode of one prompt (docs/workflows.md): single_turn | multi_turn | tool, or an import path to an
-    # `async def f(episode) -> float | None`
-    workflow: str = "single_turn"
+    workflow: str | None = None  # deprecated: workflow.fn
 
 
 @dataclass
@@ -321,11 +319,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         # TypeError: OmegaConf merging a mapping into an untyped (Any) key that holds a list, or the reverse
         raise ConfigError(_one_line(err, overrides)) from None
     cfg = validate(cfg)
-    check_tool_limits(cfg.workflow)
     # a file given relative to where the run was started: every rank, on any node, finds the same one
     fn = cfg.reward.fn
     cfg.reward.fn = [absolute_spec(f) for f in fn] if isinstance(fn, list) else absolute_spec(fn)
-    cfg.rollout.workflow = absolute_spec(cfg.rollout.workflow)
+    cfg.workflow.fn = absolute_spec(cfg.workflow.fn)
     cfg.workflow.agent = absolute_spec(cfg.workflow.agent) if cfg.workflow.agent else ""
     for dotted in PATH_KEYS:
         section, key = dotted.split(".")
@@ -348,6 +345,7 @@ def to_yaml(cfg: Config) -> str:
     tree = OmegaConf.to_container(OmegaConf.structured(cfg))
     tree["rollout"].pop("interrupt")  # deprecated and always mapped away on load: a written config has only the mode
     tree["logging"].pop("tensorboard")  # deprecated likewise: logging.trackers says it
+    tree["rollout"].pop("workflow")  # renamed: workflow.fn says it
     return OmegaConf.to_yaml(tree)
 
 

@@ -1,4 +1,5 @@
-"""Range and choice checks on a loaded run config, each failing with one line that names the key."""
+"""Range and choice checks on a loaded run config, each failing with one line that names the key (the reward,
+workflow and warm-start checks: config/checks_task.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import math
 import re
 from typing import Any
 
+from areal_hpc.config.checks_task import check_task
 from areal_hpc.config.errors import ConfigError
-from areal_hpc.data.prompts import CHAT_TEMPLATE_MODES, template_fields
-from areal_hpc.plugins import PluginError, is_import_path, split_spec
+from areal_hpc.config.objective import check_objective
+from areal_hpc.data.prompts import CHAT_TEMPLATE_MODES
 
 # Config (areal_hpc.config) imports this module; the checks take it untyped so neither imports the other back.
 Config = Any
@@ -21,6 +23,7 @@ _CHOICES = {
     "model.vocab": ("arith", "arith_tool", "arith_agent"),
     "data.operator": ("+", "*"),
     "workflow.tool": ("python", "calculator"),
+    "workflow.tool_sandbox": ("bwrap", "auto", "none"),  # tool calls' isolation, as reward.sandbox's
     "data.kind": ("arithmetic", "jsonl", "parquet", "code"),
     "reward.sandbox": ("bwrap", "auto", "none"),
     "data.chat_template": CHAT_TEMPLATE_MODES,
@@ -75,6 +78,8 @@ _LOWER = {
     "workflow.tool_timeout_s": (0, False),
     "workflow.agent_timeout_s": (0, False),
     "workflow.max_request_kb": (1, True),
+    "workflow.tool_memory_mb": (64, True),
+    "workflow.failure_window": (1, True),
     "store.shard_max_groups": (1, True),
     "store.shard_max_wait_s": (0, True),
     "rollout.kv_cache_gib": (0, False),
@@ -151,108 +156,6 @@ def slurm_time_minutes(t: str) -> float:
     return parts[0] * 60 + parts[1] + parts[2] / 60
 
 
-BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool", "agent")  # rollout.workflow by name (areal_hpc.workflow)
-
-
-def _check_agent(cfg) -> None:
-    """The agent settings' form (importing the agent waits for start-up, as reward.fn's does)."""
-    wc = cfg.workflow
-    if cfg.rollout.workflow != "agent":
-        if wc.agent or wc.agent_command:
-            raise ConfigError(
-                f"config workflow.agent / workflow.agent_command name an agent, but rollout.workflow="
-                f"{cfg.rollout.workflow!r}; set rollout.workflow=agent"
-            )
-        return
-    if bool(wc.agent) == bool(wc.agent_command):
-        raise ConfigError(
-            "config rollout.workflow=agent needs exactly one of workflow.agent (path/to/file.py:fn or "
-            "package.module:fn) and workflow.agent_command (a command run per episode)"
-            + ("; both are set" if wc.agent else "")
-        )
-    if wc.agent and not is_import_path(wc.agent):
-        raise ConfigError(
-            f"config workflow.agent={wc.agent!r} is not an import path ('package.module:function' or "
-            "'path/to/file.py:function')"
-        )
-    if wc.agent:
-        _check_plugin(wc.agent, "workflow.agent", ())
-    if not wc.endpoint_host.strip():
-        raise ConfigError("config workflow.endpoint_host is empty; 127.0.0.1 (the default) serves this node only")
-
-
-def _check_plugin(value: str, key: str, builtins: tuple[str, ...]) -> None:
-    """A built-in's name or an import path's form (importing it waits for start-up: the launcher and each rank)."""
-    if is_import_path(value):
-        try:
-            split_spec(value, key)
-        except PluginError as e:
-            raise ConfigError(f"config {e}") from None
-    elif value not in builtins:
-        named = ", ".join(b for b in builtins if b)
-        raise ConfigError(
-            f"config {key}={value!r} is neither a built-in ({named}) nor an import path "
-            "('package.module:function' or 'path/to/file.py:function')"
-        )
-
-
-def _check_reward(rc) -> None:
-    """reward.fn (a name or a list of them), reward.weights (only with a list) and reward.args."""
-    if isinstance(rc.fn, str):
-        _check_plugin(rc.fn, "reward.fn", ("", "math", "code"))
-        if rc.weights:
-            raise ConfigError(
-                f"config reward.weights={rc.weights!r} needs reward.fn as a list (one weight per function)"
-            )
-    elif not isinstance(rc.fn, list) or not rc.fn:
-        raise ConfigError(f"config reward.fn={rc.fn!r} must be a function (built-in or import path) or a list of them")
-    else:
-        for i, f in enumerate(rc.fn):
-            if not isinstance(f, str) or not f:
-                raise ConfigError(f"config reward.fn[{i}]={f!r} must be a built-in (math, code) or an import path")
-            _check_plugin(f, f"reward.fn[{i}]", ("math", "code"))
-        names = rc.names()
-        if len(set(names)) < len(names):
-            twice = next(n for n in names if names.count(n) > 1)
-            raise ConfigError(f"config reward.fn lists two functions named {twice!r}; each is logged as reward/<name>")
-        if not isinstance(rc.weights, list):
-            raise ConfigError(f"config reward.weights={rc.weights!r} must be a list of numbers, one per reward.fn")
-        if rc.weights and len(rc.weights) != len(rc.fn):
-            raise ConfigError(
-                f"config reward.weights lists {len(rc.weights)} weights but reward.fn lists {len(rc.fn)} functions; "
-                "give one weight per function (or none: all 1.0)"
-            )
-        for i, w in enumerate(rc.weights):
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-                raise ConfigError(f"config reward.weights[{i}]={w!r} must be a finite number")
-    if rc.args and not any(is_import_path(f) for f in rc.fns()):
-        raise ConfigError("config reward.args reaches reward functions of your own; the built-ins take none")
-
-
-def _check_warm_start(cfg: Config) -> None:
-    """trainer.warm_start_template names a field; a code task's warm start needs one naming a solution."""
-    tc = cfg.trainer
-    fields = template_fields(tc.warm_start_template)
-    if tc.warm_start_template and not fields:
-        raise ConfigError(
-            f"config trainer.warm_start_template={tc.warm_start_template!r} must name a row field such as "
-            "{answer} ({{ and }} are literal braces)"
-        )
-    if cfg.data.kind != "code" or not tc.warm_start_steps:
-        return
-    if not tc.warm_start_template:
-        # the warm start imitates a reference, and a code task's reference is its tests: no answer to imitate
-        raise ConfigError(
-            "config trainer.warm_start_steps must be 0 with data.kind=code unless trainer.warm_start_template names "
-            "a solution field of your rows (the tests are no answer to imitate)"
-        )
-    if "answer" in fields:
-        raise ConfigError(
-            f"config trainer.warm_start_template={tc.warm_start_template!r} names {{answer}}, which with "
-            "data.kind=code is the row's tests (data.answer_key), not a solution; name a solution field of your rows"
-        )
-
-
 def _get(cfg: Config, dotted: str) -> Any:
     obj: Any = cfg
     for part in dotted.split("."):
@@ -284,7 +187,6 @@ def validate(cfg: Config) -> Config:
             f"config rollout.top_p={cfg.rollout.top_p!r} is not supported: the trainer's logprobs are those of "
             "the full distribution; use top_p=1.0"
         )
-    _check_warm_start(cfg)
     if cfg.data.kind in ("jsonl", "parquet", "code") and not cfg.data.path:
         raise ConfigError(f"config data.path is empty; data.kind={cfg.data.kind} needs a dataset file")
     if cfg.model.hidden_size % cfg.model.num_heads:
@@ -324,39 +226,29 @@ def validate(cfg: Config) -> Config:
     if bad:
         fields = ", ".join(sorted(set(CostModel.__dataclass_fields__) - {"name"}))
         raise ConfigError(f"config emulation.cost.{bad[0]} is not a cost-model field; choose from {fields}")
-    lc = cfg.logging
-    _check_trackers(lc.trackers)
-    if not math.isfinite(lc.eval_threshold):
+    logging_cfg = cfg.logging
+    _check_trackers(logging_cfg.trackers)
+    if not math.isfinite(logging_cfg.eval_threshold):
         raise ConfigError(
-            f"config logging.eval_threshold={lc.eval_threshold!r} must be a finite number "
+            f"config logging.eval_threshold={logging_cfg.eval_threshold!r} must be a finite number "
             "(the reward at which a held-out answer counts as correct)"
         )
-    if lc.eval_temperature == 0 and lc.eval_n_samples > 1:
+    if logging_cfg.eval_temperature == 0 and logging_cfg.eval_n_samples > 1:
         raise ConfigError(
-            f"config logging.eval_n_samples={lc.eval_n_samples} with logging.eval_temperature=0 (greedy) gives "
-            "identical samples; set eval_temperature (to rollout.temperature) or eval_n_samples=1"
+            f"config logging.eval_n_samples={logging_cfg.eval_n_samples} with logging.eval_temperature=0 (greedy) "
+            "gives identical samples; set eval_temperature (to rollout.temperature) or eval_n_samples=1"
         )
-    if lc.eval_temperature not in (0, cfg.rollout.temperature):
+    if logging_cfg.eval_temperature not in (0, cfg.rollout.temperature):
         # the generators' engines sample at rollout.temperature: held-out samples share that distribution
         raise ConfigError(
-            f"config logging.eval_temperature={lc.eval_temperature!r} must be 0 (greedy) or "
+            f"config logging.eval_temperature={logging_cfg.eval_temperature!r} must be 0 (greedy) or "
             f"rollout.temperature={cfg.rollout.temperature!r}; other temperatures: areal-hpc eval on a checkpoint"
         )
-    _check_reward(cfg.reward)
-    _check_plugin(cfg.rollout.workflow, "rollout.workflow", BUILTIN_WORKFLOWS)
-    _check_agent(cfg)
+    check_task(cfg)
     if cfg.data.min_operand > cfg.data.max_operand:
         raise ConfigError(
             f"config data.min_operand={cfg.data.min_operand} is above data.max_operand={cfg.data.max_operand}"
         )
-    if not 0 <= cfg.workflow.warm_start_tool_share <= 1:
-        raise ConfigError(
-            f"config workflow.warm_start_tool_share={cfg.workflow.warm_start_tool_share!r} must be in [0, 1]"
-        )
-    if cfg.workflow.turn_discount > 1:
-        raise ConfigError(f"config workflow.turn_discount={cfg.workflow.turn_discount!r} must be in [0, 1]")
-    from areal_hpc.config.objective import check_objective  # it imports ConfigError from here
-
     check_objective(cfg)
     _check_distill(cfg)
     if cfg.sync.backend == "nccl" and cfg.cluster.device != "cuda":
@@ -380,16 +272,16 @@ def _check_trackers(trackers: list[str]) -> None:
 
 def _check_distill(cfg: Config) -> None:
     """The distillation section's combinations (docs/algorithm.md, "On-policy distillation")."""
-    dc = cfg.distill
-    if not dc.teacher:
-        if not dc.task_reward:
+    distill_cfg = cfg.distill
+    if not distill_cfg.teacher:
+        if not distill_cfg.task_reward:
             raise ConfigError("config distill.task_reward=false needs distill.teacher (nothing else would train)")
         return
-    if dc.coef == 0:
+    if distill_cfg.coef == 0:
         raise ConfigError("config distill.coef=0 with distill.teacher set: give a coefficient > 0 (e.g. 1.0)")
     if "emulated" in (cfg.trainer.engine, cfg.rollout.engine):
         raise ConfigError("config distill.teacher needs real engines (trainer.engine torch or deepspeed)")
-    if not dc.task_reward and cfg.ppo.drop_uniform_groups:
+    if not distill_cfg.task_reward and cfg.ppo.drop_uniform_groups:
         # the groups would still be kept or dropped by the task reward the run turned off
         raise ConfigError(
             "config distill.task_reward=false needs ppo.drop_uniform_groups=false: without a task reward every "

@@ -60,9 +60,33 @@ def text_read_as_yaml(key: str, msg: str, overrides: list[str] | None) -> str | 
 def map_deprecated_keys(merged: DictConfig, layers: list, n_files: int | None = None) -> None:
     """Keys of older configs become what they meant, each with one line saying so. `layers`: the config
     file's layers, then the overrides (the first `n_files` are the file's; None: all)."""
+    _map_renamed(merged, layers)
     _map_interrupt(merged, layers)
     _map_tool_sandbox(merged, layers)
     _map_tensorboard(merged, layers, len(layers) if n_files is None else n_files)
+
+
+# keys that only moved: old name -> new name, the value unchanged
+RENAMED_KEYS = {
+    "rollout.workflow": "workflow.fn",
+}
+
+
+def _map_renamed(merged: DictConfig, layers: list) -> None:
+    """A key of RENAMED_KEYS set under its old name moves to its new one, with one line saying so; the one
+    said last wins where both are set."""
+    for old, new in RENAMED_KEYS.items():
+        value = OmegaConf.select(merged, old)
+        if value is None:
+            continue
+        said_old = [i for i, x in enumerate(layers) if OmegaConf.select(x, old) is not None]
+        said_new = [i for i, x in enumerate(layers) if OmegaConf.select(x, new) is not None]
+        if said_new and said_new[-1] == said_old[-1] and OmegaConf.select(merged, new) != value:
+            raise ConfigError(f"config {old}={value} (deprecated, = {new}) contradicts {new}; keep only {new}")
+        if not said_new or said_new[-1] < said_old[-1]:
+            OmegaConf.update(merged, new, value)
+        OmegaConf.update(merged, old, None)
+        print(f"areal-hpc: config {old}={value} is deprecated; it means {new}={value}", file=sys.stderr)
 
 
 def _map_tensorboard(merged: DictConfig, layers: list, n_files: int) -> None:
@@ -120,7 +144,7 @@ def _map_tool_sandbox(merged: DictConfig, layers: list) -> None:
     """reward.sandbox and reward.code_memory_mb, which tool calls (the `tool` workflow's, a workflow of your own's
     ep.run_python) read before workflow.tool_sandbox and workflow.tool_memory_mb, still reach them where the new
     keys are not set, each with one line saying so."""
-    if merged.rollout.workflow in ("single_turn", "multi_turn", "agent"):  # no tool calls
+    if merged.workflow.fn in ("single_turn", "multi_turn", "agent"):  # no tool calls
         return
     for new, old in TOOL_SANDBOX_KEYS.items():
         if any(OmegaConf.select(x, new) is not None for x in layers):

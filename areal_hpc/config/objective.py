@@ -17,19 +17,29 @@ DISTILL_ESTIMATORS = ("sample", "full")  # distill.estimator: the sampled gap as
 
 def check_objective(cfg: Any) -> None:
     """Refuse combinations that make no sense, in one line; log the doubtful ones (objective_warnings)."""
-    pc = cfg.ppo
+    ppo_cfg = cfg.ppo
     # CISPO's paper bounds only the upper side (a large eps_clip): its upper clip may be the smaller one
-    if pc.eps_clip_high is not None and not pc.eps_clip_high >= pc.eps_clip and pc.objective == "ppo":
+    if (
+        ppo_cfg.eps_clip_high is not None
+        and not ppo_cfg.eps_clip_high >= ppo_cfg.eps_clip
+        and ppo_cfg.objective == "ppo"
+    ):
         raise ConfigError(
-            f"config ppo.eps_clip_high={pc.eps_clip_high!r} is below ppo.eps_clip={pc.eps_clip!r}; clip-higher "
+            f"config ppo.eps_clip_high={ppo_cfg.eps_clip_high!r} is below ppo.eps_clip={ppo_cfg.eps_clip!r}; "
+            "clip-higher "
             "raises the upper clip (e.g. 0.28 with 0.2), or leave it null for eps_clip"
         )
-    if 0 < pc.dual_clip <= 1:
-        raise ConfigError(f"config ppo.dual_clip={pc.dual_clip!r} must be 0 (off) or above 1 (e.g. 3)")
-    _check_corrections(pc)
-    tc = cfg.trainer
-    _check_distill_estimator(cfg.distill, tc)
-    if pc.kl_coef and tc.engine == "deepspeed" and tc.zero_stage == 3 and not tc.lora_rank:
+    if 0 < ppo_cfg.dual_clip <= 1:
+        raise ConfigError(f"config ppo.dual_clip={ppo_cfg.dual_clip!r} must be 0 (off) or above 1 (e.g. 3)")
+    _check_corrections(ppo_cfg)
+    trainer_cfg = cfg.trainer
+    _check_distill_estimator(cfg.distill, trainer_cfg)
+    if (
+        ppo_cfg.kl_coef
+        and trainer_cfg.engine == "deepspeed"
+        and trainer_cfg.zero_stage == 3
+        and not trainer_cfg.lora_rank
+    ):
         # the reference would be a full, unsharded copy on every trainer: what ZeRO-3 is chosen to avoid
         # (with LoRA the reference is the base with the adapter off: no copy)
         raise ConfigError(
@@ -107,7 +117,7 @@ def objective_warnings(cfg: Any) -> list[str]:
         )
     if cfg.distill.teacher and cfg.distill.task_reward and pc.drop_uniform_groups:
         # a group whose answers all scored alike has no task advantage, but the teacher still scores every token
-        # (without the task reward this is refused: config_checks)
+        # (without the task reward this is refused: config/checks.py)
         out.append(
             "config distill.teacher with ppo.drop_uniform_groups=true drops groups whose answers all scored alike, "
             "though the teacher's term still teaches on them; ppo.drop_uniform_groups=false keeps them"

@@ -17,7 +17,7 @@ from areal_hpc import config
 from areal_hpc.config import cluster as config_cluster
 from areal_hpc.config import task as config_task
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 COMMAND = "python -m areal_hpc.config.reference --write"
 
 

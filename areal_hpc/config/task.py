@@ -29,7 +29,9 @@ class DataConfig:
     min_operand: int = 0  # arithmetic: the smallest operand (see max_operand)
     operator: str = "+"  # arithmetic: + (sums) | * (products: the tool demo)
     train_size: int = 9500  # arithmetic: number of training problems
-    seed: int = 0  # arithmetic: which problems are drawn; a file: which rows are held out
+    # arithmetic: which problems are drawn; a file: which rows are held out; both: the training prompts' order
+    # (a fresh shuffle each epoch, the same for train-sync and run)
+    seed: int = 0
 
 
 @dataclass
@@ -66,8 +68,12 @@ class RewardConfig:
 
 @dataclass
 class WorkflowConfig:
-    """Settings of the built-in workflows; `args` reaches a workflow of your own as `episode.args`."""
+    """Which workflow runs an episode (`fn`) and its settings; `args` reaches a workflow of your own as
+    `episode.args`."""
 
+    # one episode of one prompt (docs/workflows.md): single_turn | multi_turn | tool | agent, or an import path to
+    # an `async def f(episode) -> float | None`
+    fn: str = "single_turn"
     max_turns: int = 2  # multi_turn: answers per episode (a wrong one gets a feedback turn)
     turn_discount: float = 0.5  # multi_turn: a right answer at turn k (from 0) earns turn_discount ** k
     feedback: str = "Wrong, try again."  # multi_turn: the user's turn after a wrong answer
@@ -92,21 +98,3 @@ class WorkflowConfig:
     # than this share of the last failure_window tries failed (docs/agents.md); in (0, 1], 1: never
     max_failure_share: float = 0.75
     failure_window: int = 200  # the tries max_failure_share is judged over, in the order they started; >= 1
-
-
-def check_tool_limits(wc: WorkflowConfig) -> None:
-    """workflow.tool_sandbox and workflow.tool_memory_mb, checked as reward.sandbox and reward.code_memory_mb are
-    (config/checks.py, at its size limit), and the failure budget: one line naming the key and what is allowed."""
-    from areal_hpc.config.errors import ConfigError
-
-    modes = ("bwrap", "auto", "none")
-    if wc.tool_sandbox not in modes:
-        raise ConfigError(
-            f"config workflow.tool_sandbox={wc.tool_sandbox!r} is not allowed; choose one of {', '.join(modes)}"
-        )
-    if wc.tool_memory_mb < 64:
-        raise ConfigError(f"config workflow.tool_memory_mb={wc.tool_memory_mb!r} is out of range; it must be >= 64")
-    if not 0 < wc.max_failure_share <= 1:
-        raise ConfigError(f"config workflow.max_failure_share={wc.max_failure_share!r} must be in (0, 1]")
-    if wc.failure_window < 1:
-        raise ConfigError(f"config workflow.failure_window={wc.failure_window!r} is out of range; it must be >= 1")

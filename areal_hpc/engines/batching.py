@@ -37,17 +37,23 @@ class Batching:
     def reset(self) -> None:
         self.positions = self.padding = self.unshared = 0
 
+    def shares(self, seqs: list[np.ndarray]) -> bool:
+        """Whether these sequences have a prefix to lay down once. When they have none (prompts under
+        `min_shared`, or all different) they take the plain packed path, as with `share_prefixes` off: packed
+        by length, no prefix tree built, plain causal attention per sequence."""
+        return self.trees and prefix_tree.shares_a_prefix(seqs, self.min_shared)
+
     def plan(self, seqs: list[np.ndarray]) -> list[list[int]]:
         """Indices of `seqs`, one list per micro-batch."""
         if not seqs:
             return []
-        if self.trees:
+        if self.shares(seqs):
             return prefix_tree.pack_shared(seqs, self.max_tokens, self.min_shared)
         return pack_microbatches([len(s) for s in seqs], self.max_tokens)
 
     def build(self, seqs: list[np.ndarray]) -> MicroBatch:
         """One micro-batch's model inputs, counted."""
-        if self.trees:
+        if self.shares(seqs):
             mb = micro_batch.shared(seqs, prefix_tree.prefix_layout(seqs, self.min_shared), self.device)
         elif self.packing:
             mb = micro_batch.packed(seqs, self.device)

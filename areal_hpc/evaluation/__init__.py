@@ -94,7 +94,8 @@ def evaluate(
 ) -> EvalResult:
     """n_samples episodes of the workflow per problem (greedy: one, at temperature 0; else at the engine's
     temperature); an episode's reward is its score (a rejected or failed one scores 0: pass@k needs every sample;
-    a run's own held-out evaluations leave failed ones out instead, evaluation/heldout.py), correct when >= threshold.
+    so do the sync loop's held-out figures, heldout_evaluation below, while an asynchronous run's generators leave
+    failed ones out, evaluation/heldout.py), correct when >= threshold.
     `settings`: the RunnerSettings (workflow_settings) of the run; `workflow` defaults to single_turn."""
     from areal_hpc.workflow import single_turn
     from areal_hpc.workflow.batch import EpisodeStart, run_episodes

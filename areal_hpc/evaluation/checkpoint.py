@@ -153,7 +153,7 @@ def run_eval(
     check_context(target.folder, max(len(p.prompt_ids) for p in problems), mnt, "the longest evaluated")
     cfg.rollout.max_new_tokens = mnt
     settings = runner_settings(cfg, tokenizer, target.folder)
-    flow = load_workflow(cfg.rollout.workflow)  # a tool-using policy is evaluated with its tool; checked first
+    flow = load_workflow(cfg.workflow.fn)  # a tool-using policy is evaluated with its tool; checked first
     name = pick_engine(engine)
     extra = {"kv_cache_gib": cfg.rollout.kv_cache_gib} if name == "vllm" else {}
     # the run's reward (math-verify, or code in its sandbox) first: a sandbox that cannot run refuses
@@ -181,7 +181,7 @@ def run_eval(
         "model": str(target.folder if target.run_dir is None else target.run_dir.trainer_checkpoint(target.version)),
         "version": target.version,
         "data": data,
-        "workflow": cfg.rollout.workflow,
+        "workflow": cfg.workflow.fn,
         "engine": name,
         "temperature": temperature,
         "max_new_tokens": mnt,

@@ -48,7 +48,8 @@ class HeldoutEvals:
         self.current: _Eval | None = None
         self.timeout_s = 0.0  # logging.eval_timeout_s (0: no bound)
         self.final_s: float | None = None  # a stop request's bound on the final evaluation (logging.stop_eval_s)
-        self.drop: Callable[[list[EvalId]], None] = runner.cancel  # the generator's: out of the runner and the engine
+        # out of the runner only, until bound() gives the generator's, which also interrupts them in the engine
+        self.drop: Callable[[list[EvalId]], None] = runner.cancel
         self.progress: Callable[[dict], None] = lambda body: None  # an EVAL_PROGRESS body to rank 0
         self._progress_t = 0.0
 

@@ -77,7 +77,7 @@ def eval_argv(model_path, data, config_path, json_path, opts: dict, overrides: l
 
 
 def eval_script(target, argv: list[str]) -> str:
-    """The checked sbatch script evaluating `target` (a checkpoint_eval.EvalTarget); removes its linked folder."""
+    """The checked sbatch script evaluating `target` (evaluation.checkpoint.EvalTarget); removes its linked folder."""
     from areal_hpc.evaluation.checkpoint import pick_engine
 
     base = target.folder if target.run_dir is None else target.cfg.model.path

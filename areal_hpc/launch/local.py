@@ -14,8 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from areal_hpc.config import Config
-from areal_hpc.engines import require_installed
+from areal_hpc.config import Config, save_config
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.launch.progress_view import ProgressLines, reward_failures
 from areal_hpc.rundir import RunDir, RunDirError
@@ -24,7 +23,6 @@ from areal_hpc.rundir.lifetime import MARKER, sweep, tied_to_me
 from areal_hpc.runtime.comm.layout import Layout
 from areal_hpc.runtime.comm.liveness import silence_verdict
 from areal_hpc.runtime.failures import PEER, read_failures
-from areal_hpc.trackers import require_trackers
 from areal_hpc.utils import on_terminal
 
 
@@ -54,34 +52,19 @@ def mpirun_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
 
 def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
     """A new run dir (refusing one that holds a run) or an existing one with a checkpoint to resume."""
-    from areal_hpc.config import save_config
-    from areal_hpc.model import ensure_model
-    from areal_hpc.model.record import model_mismatch, record_model, record_teacher, teacher_mismatch
-    from areal_hpc.runtime.build import check_model_fits
-    from areal_hpc.runtime.rank0.resume import CheckpointError, check_resumable
-    from areal_hpc.workflow import check_user_code
-    from areal_hpc.workflow.warm_start import check_warm_start
+    from areal_hpc.runtime.rank0.resume import CheckpointError
+    from areal_hpc.runtime.startup_checks import StartRefused, check_start, record_start
 
-    check_user_code(cfg)  # a broken reward.fn or rollout.workflow: one line, before the run dir is written
-    if not resume:  # a resumed run's weights are past the warm start
-        check_warm_start(cfg)  # rows lacking what the warm start trains on: one line, before the run dir is written
     run = RunDir(Path(cfg.store.run_dir).resolve())
-    if resume and (why := model_mismatch(run.root, cfg.model.path)):  # before anything is rewritten or built
-        raise RunFailed(why)
-    if resume and (why := teacher_mismatch(run.root, cfg.distill.teacher)):  # a resume keeps the same teacher
-        raise RunFailed(why)
     try:
+        check_start(cfg, run.root, resume)  # every check, one line each, before the run dir is written
         if resume:
-            check_resumable(run.root, cfg)  # one line on a damaged checkpoint, before the config is rewritten
             save_config(cfg, run.config)  # a resume may change settings (more versions, a new time limit)
         else:
             rundir_actions.create(run, cfg, hint="resume it with --resume or pick another run_name=...")
-    except (RunDirError, CheckpointError) as err:
+    except (RunDirError, CheckpointError, StartRefused) as err:
         raise RunFailed(str(err)) from None
-    check_model_fits(cfg, ensure_model(cfg.model))  # built once here, never by several ranks at once
-    record_model(run.root, cfg.model.path)  # RUN_DIR/model.json at the first start
-    record_teacher(run.root, cfg.distill.teacher)  # RUN_DIR/teacher.json likewise
-    rundir_actions.before_start(run)
+    record_start(run, cfg)
     return run
 
 
@@ -118,8 +101,6 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
     for the version on the trainers and the checkpoint, plus logging.stop_eval_s) mpirun is killed."""
     if stop_grace_s is None:
         stop_grace_s = 120.0 + cfg.logging.stop_eval_s
-    require_installed(cfg.rollout.engine, cfg.trainer.engine)
-    require_trackers(cfg.logging.trackers)
     run_dir = prepare_run_dir(cfg, resume)
     cmd = mpirun_command(cfg, run_dir.root, resume)
     run_dir.progress.unlink(missing_ok=True)

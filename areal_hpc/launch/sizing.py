@@ -88,23 +88,24 @@ def signal_problem(cfg: Config, version_s: float, checkpoint_bytes: float | None
 def time_problem(cfg: Config, version_s: float | None, checkpoint_bytes: float | None = None) -> str | None:
     """slurm.time must leave room before the signal for start-up, one version and its checkpoint: a shorter
     time limit signals a job before it has made progress, and it checkpoints and requeues for ever."""
-    sc = cfg.slurm
-    limit_s = slurm_time_minutes(sc.time) * 60
-    if not sc.requeue or limit_s == 0:  # no signal is asked for; time=0 is no limit
+    slurm_cfg = cfg.slurm
+    limit_s = slurm_time_minutes(slurm_cfg.time) * 60
+    if not slurm_cfg.requeue or limit_s == 0:  # no signal is asked for; time=0 is no limit
         return None
     ckpt_s = (checkpoint_bytes or 0) / CHECKPOINT_WRITE_BPS
     start_s = GPU_START_S + ckpt_s if cfg.cluster.device == "cuda" else CPU_START_S  # a resume reads its checkpoint
     work_s = SIGNAL_MARGIN * ((version_s or 0) + ckpt_s)
-    need = sc.signal_s + start_s + work_s
+    need = slurm_cfg.signal_s + start_s + work_s
     if limit_s > need:
         return None
     # what fits with the signal this config also needs (signal_problem asks for at least work_s)
-    signal = max(sc.signal_s, math.ceil(work_s / 60) * 60 if version_s is not None else 0)
+    signal = max(slurm_cfg.signal_s, math.ceil(work_s / 60) * 60 if version_s is not None else 0)
     fit = math.floor((signal + start_s + work_s) / 60) + 1
     work = f" and ~{work_s:.0f} s for one version and its checkpoint (simulated)" if version_s is not None else ""
-    with_signal = f" with slurm.signal_s={signal}" if signal != sc.signal_s else ""
+    with_signal = f" with slurm.signal_s={signal}" if signal != slurm_cfg.signal_s else ""
     return (
-        f"slurm.time={sc.time} leaves no room before slurm.signal_s={sc.signal_s}: the job needs ~{start_s:.0f} s "
+        f"slurm.time={slurm_cfg.time} leaves no room before slurm.signal_s={slurm_cfg.signal_s}: "
+        f"the job needs ~{start_s:.0f} s "
         f"to start{work} before the signal, or it requeues without progress; set "
         f"slurm.time={fit // 60:02d}:{fit % 60:02d}:00 or more{with_signal}"
     )

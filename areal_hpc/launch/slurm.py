@@ -17,11 +17,10 @@ from pathlib import Path
 
 import jinja2
 
-from areal_hpc.config import Config, SlurmConfig, to_yaml
+from areal_hpc.config import Config, SlurmConfig, load_config, to_yaml
 from areal_hpc.engines import EngineNotInstalled, require_installed
 from areal_hpc.launch.environment import RANK_ENV, slurm_job_id
 from areal_hpc.rundir import RunDir
-from areal_hpc.rundir.actions import before_start
 from areal_hpc.trackers import TrackerNotInstalled, require_trackers
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm_templates"
@@ -91,7 +90,7 @@ def component_options(sc: SlurmConfig) -> list[str]:
 
 def render_sbatch(cfg: Config, source: str = "") -> str:
     """The sbatch script for this config: readable, and runs as is with plain `sbatch`."""
-    sc = cfg.slurm
+    slurm_cfg = cfg.slurm
     run_dir = Path(cfg.store.run_dir).resolve()
     resolved = _as_rendered(cfg, RunDir(run_dir))
     env = jinja2.Environment(
@@ -105,20 +104,20 @@ def render_sbatch(cfg: Config, source: str = "") -> str:
         source=source or "<config>",
         n_trainers=cfg.cluster.n_trainers,
         n_generators=cfg.cluster.n_generators,
-        train_nodes=sc.train_nodes,
-        gen_nodes=sc.gen_nodes,
-        time=sc.time,
-        requeue=sc.requeue,
-        signal_s=sc.signal_s,
-        max_restarts=sc.max_restarts,
+        train_nodes=slurm_cfg.train_nodes,
+        gen_nodes=slurm_cfg.gen_nodes,
+        time=slurm_cfg.time,
+        requeue=slurm_cfg.requeue,
+        signal_s=slurm_cfg.signal_s,
+        max_restarts=slurm_cfg.max_restarts,
         hang_timeout_s=int(math.ceil(cfg.cluster.hang_timeout_s)),
-        component_options=component_options(sc),
-        setup=list(sc.setup),
+        component_options=component_options(slurm_cfg),
+        setup=list(slurm_cfg.setup),
         venv=job_venv(cfg),
         config_yaml=to_yaml(resolved),
         paths=RunDir(run_dir),
         rank_env=RANK_ENV,
-        mpi=sc.mpi,
+        mpi=slurm_cfg.mpi,
     )
 
 
@@ -263,27 +262,11 @@ def request_problems(cfg: Config, het: bool = True) -> tuple[PartitionInfo | Non
 
 def prepare_run_dir(run_dir: Path) -> str:
     """Run by the batch script before srun: model folder ready, no stale stop request; says fresh or resume."""
-    from areal_hpc.config import load_config
-    from areal_hpc.model import ensure_model
-    from areal_hpc.model.record import model_mismatch, record_model, record_teacher, teacher_mismatch
-    from areal_hpc.runtime.build import check_model_fits
-    from areal_hpc.workflow import check_user_code
-    from areal_hpc.workflow.warm_start import check_warm_start
+    from areal_hpc.runtime.startup_checks import check_start, record_start
 
     run = RunDir(run_dir)
     cfg = load_config(run.config)
-    check_user_code(cfg)  # the user's reward.fn and rollout.workflow import here as they will on every node
-    if why := model_mismatch(run.root, cfg.model.path):  # before ensure_model: a missing model is never rebuilt
-        raise ValueError(why)
-    if why := teacher_mismatch(run.root, cfg.distill.teacher):  # a resume keeps the same teacher
-        raise ValueError(why)
-    check_model_fits(cfg, ensure_model(cfg.model))  # one line in the job's log before srun starts any rank
-    if run.latest_checkpoint() is None:  # a resumed run's weights are past the warm start
-        check_warm_start(cfg)
-    record_model(run.root, cfg.model.path)  # RUN_DIR/model.json at the first start
-    record_teacher(run.root, cfg.distill.teacher)  # RUN_DIR/teacher.json likewise
-    before_start(run)
-    if job_id := slurm_job_id():  # a sweep's point as JOBID_TASK
+    if job_id := slurm_job_id():  # a sweep's point as JOBID_TASK; saved first: a start refused below is this job's
         info = {"submitted_by": "sbatch"}  # unless submit or resume said otherwise (submitit): resume goes the same way
         try:
             info |= load_job(run_dir)
@@ -291,10 +274,11 @@ def prepare_run_dir(run_dir: Path) -> str:
             pass
         save_job(run_dir, info | {"job_id": job_id})
     n = run.latest_checkpoint()
+    # one line in the job's log before srun starts any rank (CheckpointError, a ValueError, on a damaged one);
+    # the user's code imports here as it will on every node
+    check_start(cfg, run.root, resume=n is not None)
+    record_start(run, cfg)
     if n is not None:
-        from areal_hpc.runtime.rank0.resume import check_resumable
-
-        check_resumable(run.root, cfg)  # CheckpointError (a ValueError): one line in the job's log, no world started
         return f"resuming {run_dir} from checkpoint v{n}"
     if run.rollouts.exists() or run.ledger.exists():
         # a start that died before its first checkpoint: nothing was trained; keep it aside

@@ -133,35 +133,45 @@ def make_executor(
     """A submitit executor for component 0; component 1 (the generators) is added by `#SBATCH hetjob` lines
     written where sbatch still reads them (submitit has no heterogeneous-job API). het=False: one
     homogeneous allocation for every rank (job arrays)."""
-    sc = cfg.slurm
-    comp0_extra = [f"#SBATCH {opt}" for opt in sc.extra_sbatch]  # before "hetjob": component 0's (or the array's)
+    slurm_cfg = cfg.slurm
+    comp0_extra = [
+        f"#SBATCH {opt}" for opt in slurm_cfg.extra_sbatch
+    ]  # before "hetjob": component 0's (or the array's)
     comp1 = []
     if het:
-        comp1 = ["#SBATCH hetjob", f"#SBATCH --nodes={sc.gen_nodes}", f"#SBATCH --ntasks={cfg.cluster.n_generators}"]
-        comp1 += [f"#SBATCH {opt}" for opt in component_options(sc)]
+        comp1 = [
+            "#SBATCH hetjob",
+            f"#SBATCH --nodes={slurm_cfg.gen_nodes}",
+            f"#SBATCH --ntasks={cfg.cluster.n_generators}",
+        ]
+        comp1 += [f"#SBATCH {opt}" for opt in component_options(slurm_cfg)]
     venv = job_venv(cfg)
-    setup = comp0_extra + comp1 + list(sc.setup) + ([f"source {shlex.quote(venv)}/bin/activate"] if venv else [])
+    setup = comp0_extra + comp1 + list(slurm_cfg.setup) + ([f"source {shlex.quote(venv)}/bin/activate"] if venv else [])
     # a long run is cut into many time slices: keep requeueing it (submitit's default stops after 3)
     ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm", slurm_max_num_timeout=10_000)
-    extra = {k: v for k, v in (("account", sc.account), ("qos", sc.qos), ("constraint", sc.constraint)) if v}
+    extra = {
+        k: v
+        for k, v in (("account", slurm_cfg.account), ("qos", slurm_cfg.qos), ("constraint", slurm_cfg.constraint))
+        if v
+    }
     ranks = 1 + cfg.cluster.n_trainers + (0 if het else cfg.cluster.n_generators)
-    nodes = sc.train_nodes + (0 if het else sc.gen_nodes)
+    nodes = slurm_cfg.train_nodes + (0 if het else slurm_cfg.gen_nodes)
     params = dict(
         name=f"areal-{cfg.run_name}",
-        timeout_min=max(1, math.ceil(slurm_time_minutes(sc.time))),
+        timeout_min=max(1, math.ceil(slurm_time_minutes(slurm_cfg.time))),
         nodes=nodes,
         tasks_per_node=1,
-        cpus_per_task=-(-ranks // nodes) * sc.cpus_per_task,
+        cpus_per_task=-(-ranks // nodes) * slurm_cfg.cpus_per_task,
         slurm_setup=setup,
         slurm_additional_parameters=extra,
-        slurm_signal_delay_s=max(sc.signal_s, 1),
+        slurm_signal_delay_s=max(slurm_cfg.signal_s, 1),
     )
-    if sc.partition:
-        params["slurm_partition"] = sc.partition
-    if sc.gpus_per_node:
-        params["slurm_gpus_per_node"] = sc.gpus_per_node
-    if sc.mem:
-        params["slurm_mem"] = sc.mem
+    if slurm_cfg.partition:
+        params["slurm_partition"] = slurm_cfg.partition
+    if slurm_cfg.gpus_per_node:
+        params["slurm_gpus_per_node"] = slurm_cfg.gpus_per_node
+    if slurm_cfg.mem:
+        params["slurm_mem"] = slurm_cfg.mem
     if array_parallelism:
         params["slurm_array_parallelism"] = array_parallelism
     ex.update_parameters(**params)

@@ -147,28 +147,28 @@ def reward_pool_for(cfg, cpus: frozenset[int] | None = None) -> RewardPool | Emu
     For code the isolation is checked here, at start-up: the run stops with one line (SandboxUnavailable)
     when reward.sandbox asks for isolation this machine cannot give.
     """
-    rc = cfg.reward
+    reward_cfg = cfg.reward
     if cfg.rollout.engine == "emulated":
         return EmulatedRewards(cfg.emulation.p_correct, cfg.trainer.seed)
     args = check_reward_fn(cfg)
     names = reward_fn_names(cfg)
-    timeout_s = rc.timeout_s
+    timeout_s = reward_cfg.timeout_s
     parts = []
     for name in names:
         if name == "math":
             parts.append(MathAnswer(cfg.data.answer_key))
         elif name == "code":
-            iso = isolation(rc.sandbox)
+            iso = isolation(reward_cfg.sandbox)
             log = logger.warning if iso.name != "bwrap" else logger.info
             log("code reward isolation: %s (%s)", iso.name, iso.description)
-            limits = Limits(wall_s=rc.timeout_s, memory_mb=rc.code_memory_mb)
+            limits = Limits(wall_s=reward_cfg.timeout_s, memory_mb=reward_cfg.code_memory_mb)
             parts.append(CodeTests(iso.name, limits, cfg.data.answer_key))
-            timeout_s = rc.timeout_s + SANDBOX_SLACK_S
+            timeout_s = reward_cfg.timeout_s + SANDBOX_SLACK_S
         else:
             parts.append(UserReward(name, args[name]))
-    if len(parts) == 1 and not isinstance(rc.fn, list):
+    if len(parts) == 1 and not isinstance(reward_cfg.fn, list):
         scorer = parts[0]
     else:
-        weights = tuple(float(w) for w in rc.weights) or (1.0,) * len(parts)
-        scorer = WeightedRewards(tuple(rc.names()), tuple(parts), weights)
-    return RewardPool(rc.num_workers, timeout_s, scorer=scorer, cpus=cpus)
+        weights = tuple(float(w) for w in reward_cfg.weights) or (1.0,) * len(parts)
+        scorer = WeightedRewards(tuple(reward_cfg.names()), tuple(parts), weights)
+    return RewardPool(reward_cfg.num_workers, timeout_s, scorer=scorer, cpus=cpus)

@@ -66,7 +66,7 @@ class RunDir:
     """Every path of one run, as submitit's JobPaths is for a job. Ask it; never join folder names by hand.
 
     Names and read-only listings only: what writes or deletes (a new run, a start, pruning) is in
-    rundir_actions. Cheap to build from a path (`RunDir(path)`), so modules that are handed a path wrap it.
+    rundir.actions. Cheap to build from a path (`RunDir(path)`), so modules that are handed a path wrap it.
     """
 
     def __init__(self, root: os.PathLike | str | RunDir):

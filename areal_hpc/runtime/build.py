@@ -25,63 +25,67 @@ from areal_hpc.workflow.warm_start import warm_start_example, warm_start_targets
 
 
 def _emulation_kwargs(cfg: Config) -> dict:
-    ec = cfg.emulation
+    emulation_cfg = cfg.emulation
     return dict(
-        preset_name=ec.preset,
-        cost_overrides=dict(ec.cost),
-        time_scale=ec.time_scale,
-        payload_mb=ec.payload_mb,
+        preset_name=emulation_cfg.preset,
+        cost_overrides=dict(emulation_cfg.cost),
+        time_scale=emulation_cfg.time_scale,
+        payload_mb=emulation_cfg.payload_mb,
         run=settings_of(cfg),  # no teacher: distillation needs real engines
     )
 
 
 def build_generation_engine(cfg: Config, model_dir: Path, seed: int) -> GenerationEngine:
-    rc = cfg.rollout
-    if rc.engine == "emulated":
-        kw = _emulation_kwargs(cfg) | dict(model_path=str(model_dir), seed=seed, max_num_seqs=rc.max_num_seqs)
+    rollout_cfg = cfg.rollout
+    if rollout_cfg.engine == "emulated":
+        kw = _emulation_kwargs(cfg) | dict(model_path=str(model_dir), seed=seed, max_num_seqs=rollout_cfg.max_num_seqs)
         kw |= dict(len_median=cfg.emulation.len_median, len_sigma=cfg.emulation.len_sigma)
-        return make_generation_engine("emulated", temperature=rc.temperature, top_p=rc.top_p, **kw)
-    extra = {"kv_cache_gib": rc.kv_cache_gib} if rc.engine == "vllm" else {}
-    if rc.weight_bits:
-        extra["weight_bits"] = rc.weight_bits
+        return make_generation_engine("emulated", temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, **kw)
+    extra = {"kv_cache_gib": rollout_cfg.kv_cache_gib} if rollout_cfg.engine == "vllm" else {}
+    if rollout_cfg.weight_bits:
+        extra["weight_bits"] = rollout_cfg.weight_bits
     return make_generation_engine(
-        rc.engine,
+        rollout_cfg.engine,
         model_path=str(model_dir),
-        temperature=rc.temperature,
-        top_p=rc.top_p,
+        temperature=rollout_cfg.temperature,
+        top_p=rollout_cfg.top_p,
         dtype=cfg.model.dtype,
         seed=seed,
         device=cfg.cluster.device,
-        max_num_seqs=rc.max_num_seqs,
+        max_num_seqs=rollout_cfg.max_num_seqs,
         **extra,
     )
 
 
 def objective(cfg: Config) -> Objective:
     """The policy objective the ppo section names."""
-    pc = cfg.ppo
+    ppo_cfg = cfg.ppo
     return Objective(
-        eps_clip=pc.eps_clip,
-        eps_clip_high=pc.eps_clip_high,
-        dual_clip=pc.dual_clip,
-        behav_cap=pc.behav_imp_weight_cap or None,
-        behav_weight=pc.behav_weight,
-        importance=pc.importance,
-        kl_coef=pc.kl_coef,
-        kl_estimator=pc.kl_estimator,
-        entropy_coef=pc.entropy_coef,
-        surrogate=pc.objective,
-        seq_reject_low=pc.seq_reject_low,
-        seq_reject_high=pc.seq_reject_high,
+        eps_clip=ppo_cfg.eps_clip,
+        eps_clip_high=ppo_cfg.eps_clip_high,
+        dual_clip=ppo_cfg.dual_clip,
+        behav_cap=ppo_cfg.behav_imp_weight_cap or None,
+        behav_weight=ppo_cfg.behav_weight,
+        importance=ppo_cfg.importance,
+        kl_coef=ppo_cfg.kl_coef,
+        kl_estimator=ppo_cfg.kl_estimator,
+        entropy_coef=ppo_cfg.entropy_coef,
+        surrogate=ppo_cfg.objective,
+        seq_reject_low=ppo_cfg.seq_reject_low,
+        seq_reject_high=ppo_cfg.seq_reject_high,
     )
 
 
 def lora_spec(cfg: Config) -> LoraSpec | None:
     """The adapter trainer.lora_* asks for; None trains every weight."""
-    tc = cfg.trainer
-    if tc.engine == "emulated":  # the payload stands for the adapter; its bytes are in the cost model's sync_s
+    trainer_cfg = cfg.trainer
+    if trainer_cfg.engine == "emulated":  # the payload stands for the adapter; its bytes are in the cost model's sync_s
         return None
-    return LoraSpec(tc.lora_rank, tc.lora_alpha, tuple(tc.lora_targets)) if tc.lora_rank else None
+    return (
+        LoraSpec(trainer_cfg.lora_rank, trainer_cfg.lora_alpha, tuple(trainer_cfg.lora_targets))
+        if trainer_cfg.lora_rank
+        else None
+    )
 
 
 def check_model_fits(cfg: Config, model_dir: Path) -> None:
@@ -185,18 +189,20 @@ def warm_start(trainer: TrainEngine, tokenizer, dataset: MathDataset, cfg: Confi
     Every trainer rank runs the same steps on the same examples (same seed), so data-parallel
     trainers stay identical.
     """
-    tc = cfg.trainer
-    examples = dataset.train[: tc.warm_start_examples]
+    trainer_cfg = cfg.trainer
+    examples = dataset.train[: trainer_cfg.warm_start_examples]
     targets = dict(zip((p.prompt_id for p in examples), warm_start_targets(examples, cfg)))
     rng = random.Random(cfg.trainer.seed)
     loss = float("nan")
     pace = bar_interval()  # in a file, a redraw every 20 s: each one stays in the log
-    for _ in tqdm(range(tc.warm_start_steps), desc="warm start", disable=not progress, leave=False, mininterval=pace):
-        batch = rng.sample(examples, min(tc.warm_start_batch, len(examples)))
+    for _ in tqdm(
+        range(trainer_cfg.warm_start_steps), desc="warm start", disable=not progress, leave=False, mininterval=pace
+    ):
+        batch = rng.sample(examples, min(trainer_cfg.warm_start_batch, len(examples)))
         seqs, masks = [], []
         for p in batch:
             seq, mask = warm_start_example(p, targets[p.prompt_id], cfg, rng, tokenizer)
             seqs.append(np.asarray(seq))
             masks.append(np.asarray(mask))
-        loss = trainer.supervised_step(seqs, masks, tc.warm_start_lr)
+        loss = trainer.supervised_step(seqs, masks, trainer_cfg.warm_start_lr)
     return loss

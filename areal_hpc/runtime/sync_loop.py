@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +13,12 @@ from tqdm import tqdm
 
 from areal_hpc.algo import mismatch
 from areal_hpc.config import Config
-from areal_hpc.data import check_fits_context, load_run_dataset
+from areal_hpc.data import load_run_dataset
+from areal_hpc.data.order import PromptOrder, batch_draws
 from areal_hpc.data.record import record_dataset
 from areal_hpc.episode_counts import episode_metrics, episode_stats, group_counts
 from areal_hpc.evaluation import heldout_evaluation, heldout_figures
-from areal_hpc.model import ensure_model, load_tokenizer
+from areal_hpc.model import load_tokenizer
 from areal_hpc.reward import reward_pool_for
 from areal_hpc.rundir import RunDir, RunDirError
 from areal_hpc.rundir.actions import create
@@ -27,7 +27,6 @@ from areal_hpc.runtime.build import (
     adapter_base,
     build_generation_engine,
     build_train_engine,
-    check_lora_targets,
     lora_spec,
     warm_start,
     write_lora_contract,
@@ -35,16 +34,15 @@ from areal_hpc.runtime.build import (
 from areal_hpc.runtime.generation.adapters import AdapterLoader
 from areal_hpc.runtime.reporting.generated import GeneratedEpisodes
 from areal_hpc.runtime.reporting.metrics import MetricsLogger
+from areal_hpc.runtime.startup_checks import check_start, record_start
 from areal_hpc.runtime.training.train_step import train_version
 from areal_hpc.store import Ledger, write_shard
 from areal_hpc.store.shards import read_columns
-from areal_hpc.trackers import require_trackers
 from areal_hpc.types import SampleId
 from areal_hpc.utils import bar_interval, seed_everything
 from areal_hpc.workflow import load_workflow, runner_settings
 from areal_hpc.workflow.batch import EpisodeStart, run_episodes
 from areal_hpc.workflow.samples import episode_counts, to_trajectories
-from areal_hpc.workflow.warm_start import check_warm_start
 
 
 @dataclass
@@ -65,28 +63,26 @@ class RunSummary:
 
 def run_sync(cfg: Config) -> RunSummary:
     """Run the synchronous learning loop described by `cfg` and return before/after accuracy."""
-    t0 = time.time()
-    require_trackers(cfg.logging.trackers)  # a missing tracker package: one line before the run dir is written
-    check_warm_start(cfg)  # rows lacking what the warm start trains on: likewise
+    root = Path(cfg.store.run_dir).resolve()
+    model_dir = check_start(cfg, root, resume=False)  # the launchers' checks: one line before the run dir is written
+    t0 = time.time()  # as the asynchronous runs' wall time, from after the start-up checks
     seed_everything(cfg.trainer.seed)
     torch.set_num_threads(cfg.cluster.threads_per_rank)
     try:
-        run_dir = create(RunDir(Path(cfg.store.run_dir).resolve()), cfg)
+        run_dir = create(RunDir(root), cfg)
     except RunDirError as err:
         raise FileExistsError(str(err)) from None
-    model_dir = ensure_model(cfg.model)
+    record_start(run_dir, cfg)
     tokenizer = load_tokenizer(model_dir)
     dataset = load_run_dataset(cfg, tokenizer)
     record_dataset(run_dir, cfg.data)  # a fresh run dir: RUN_DIR/dataset.json
-    check_fits_context(dataset, cfg, model_dir)
-    check_lora_targets(cfg, model_dir)
 
     rc, tc = cfg.rollout, cfg.trainer
-    workflow, settings = load_workflow(rc.workflow), runner_settings(cfg, tokenizer, model_dir)
+    workflow, settings = load_workflow(cfg.workflow.fn), runner_settings(cfg, tokenizer, model_dir)
     gen = build_generation_engine(cfg, model_dir, seed=tc.seed)
     spec = lora_spec(cfg)  # LoRA: the adapter is merged into the engine's base weights at each load
-    adapt_later = bool(spec and tc.warm_start_steps)  # every weight is warm-started, then the adapter trains
-    trainer = build_train_engine(cfg, model_dir, full=adapt_later)
+    lora_after_warm_start = bool(spec and tc.warm_start_steps)  # every weight is warm-started, then the adapter trains
+    trainer = build_train_engine(cfg, model_dir, full=lora_after_warm_start)
     adapters = AdapterLoader(spec, run_dir, model_dir, cfg.model.dtype) if spec else None
 
     def publish() -> None:
@@ -109,7 +105,7 @@ def run_sync(cfg: Config) -> RunSummary:
         warm = before
         if tc.warm_start_steps:
             warm_start(trainer, tokenizer, dataset, cfg, progress)
-            if adapt_later:
+            if lora_after_warm_start:
                 trainer = adapt_after_warm_start(cfg, run_dir, trainer, writer=True)
         if spec:
             write_lora_contract(cfg, run_dir, trainer, adapter_base(cfg, run_dir, model_dir), writer=True)
@@ -118,19 +114,13 @@ def run_sync(cfg: Config) -> RunSummary:
             warm = evaluate()
         metrics.log(0, {**warm, "reward_mean": math.nan, "wall_s": time.time() - t0})
 
-        order = list(range(len(dataset.train)))
-        random.Random(cfg.data.seed).shuffle(order)
-        cursor = 0
+        order = PromptOrder(len(dataset.train), cfg.data.seed)  # rank 0's order, epoch after epoch
         t_rl = time.time()
         last_eval = warm
         bar = tqdm(range(1, tc.versions + 1), desc="RL", disable=not progress, mininterval=bar_interval())
         generated = GeneratedEpisodes()  # reward failures and logged numbers, per version
         for step in bar:
-            # dataset cursor: B prompts, wrapping around the shuffled training set
-            problems = []
-            for _ in range(rc.batch_prompts):
-                problems.append(dataset.train[order[cursor % len(order)]])
-                cursor += 1
+            problems = [dataset.train[i] for i in batch_draws(order, step, rc.batch_prompts)]
             samples = [
                 (SampleId((step - 1) * rc.batch_prompts + g, s), p)
                 for g, p in enumerate(problems)

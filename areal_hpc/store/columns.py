@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from areal_hpc import count_schema
 from areal_hpc.types import EpisodeCounts, Trajectory
 
 # The columns' dtypes, as the store keeps them: explicit little-endian, so checksummed bytes are the same everywhere.
@@ -39,21 +40,10 @@ DTYPES = {**TOKEN_DTYPES, **SEQ_DTYPES}
 # the Trajectory fields kept one value per sequence (all but the per-token arrays)
 SEQ_COLUMNS = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name not in TOKEN_COLUMNS)
 # one row per episode (EpisodeCounts), keyed by (group_id, sample_idx): an episode that left several transcripts
-# (branch()) is counted once, whichever of them a trainer is dealt
-EPISODE_DTYPES: dict[str, np.dtype] = {
-    "group_id": np.dtype("<i8"),
-    "sample_idx": np.dtype("<i8"),
-    "turns": np.dtype("<i4"),
-    "tool_calls": np.dtype("<i4"),
-    "tool_errors": np.dtype("<i4"),
-    "tool_s": np.dtype("<f4"),
-    "reward_timeouts": np.dtype("<i4"),
-    "reward_errors": np.dtype("<i4"),
-}
-EPISODE_COUNTS = tuple(EPISODE_DTYPES)[2:]
-if tuple(f.name for f in dataclasses.fields(EpisodeCounts)) != tuple(EPISODE_DTYPES):
-    raise ImportError("areal_hpc.store.columns: EPISODE_DTYPES disagrees with the EpisodeCounts dataclass")
+# (branch()) is counted once, whichever of them a trainer is dealt. Its counts are the schema's stored ones.
 _KEY = np.dtype([("group_id", "<i8"), ("sample_idx", "<i8")])
+EPISODE_DTYPES: dict[str, np.dtype] = {k: _KEY[k] for k in _KEY.names} | count_schema.DTYPES
+EPISODE_COUNTS = count_schema.STORED
 
 
 def no_episodes() -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5s
 
+from areal_hpc import count_schema
 from areal_hpc.rundir import parse_shard_name, shard_name
 from areal_hpc.store.columns import (
     DTYPES,
@@ -46,8 +47,13 @@ if set(TRAJ_FIELDS) != {*STORED_AS_GIVEN, *DERIVED_FIELDS} or tuple(TOKEN_FIELDS
     raise ImportError("areal_hpc.store.shards: TRAJ_FIELDS/TOKEN_FIELDS disagree with the Trajectory dataclass")
 # The episode table's datasets, in the HDF5 group "episodes" (EpisodeCounts, keyed by group_id and sample_idx)
 EPISODE_FIELDS = {f"episodes/{k}": dt for k, dt in EPISODE_DTYPES.items()}
+# The counts schema 4 was first written with: every schema-4 shard has them. A count added to count_schema.COUNTS
+# since is a further dataset after them (ADDED_EPISODE_FIELDS): new shards write it, a shard without it reads it
+# at its unset value, so adding a count needs no new schema version.
+FIRST_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_s", "reward_timeouts", "reward_errors")
+ADDED_EPISODE_FIELDS = tuple(f"episodes/{k}" for k in EPISODE_COUNTS if k not in FIRST_COUNTS)
 # Schemas 2 and 3 kept the counts per trajectory instead, on each episode's first (0 on its others).
-LEGACY_COUNTS = {k: EPISODE_DTYPES[k] for k in EPISODE_COUNTS}
+LEGACY_COUNTS = {k: EPISODE_DTYPES[k] for k in FIRST_COUNTS}
 # The datasets each schema version stores after offsets, in checksum order: shards of every version still read (a
 # resumed run, an old run's analysis), with a field its schema lacks at the Trajectory's default, and an episode
 # table made from the per-trajectory counts (schema 1: EpisodeCounts' defaults).
@@ -56,14 +62,13 @@ SCHEMA_FIELDS: dict[int, tuple[str, ...]] = {
     1: _FIRST,
     2: (*_FIRST, *LEGACY_COUNTS),
     3: (*_FIRST, *LEGACY_COUNTS, "row_index"),
-    4: (*TRAJ_FIELDS, *EPISODE_FIELDS),
+    4: (*TRAJ_FIELDS, "episodes/group_id", "episodes/sample_idx", *(f"episodes/{k}" for k in FIRST_COUNTS)),
 }
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Trajectory) if f.name in TRAJ_FIELDS}
-_EPISODE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EpisodeCounts) if f.name in EPISODE_COUNTS}
 # Published shards are immutable and temporaries private, so HDF5 file locks buy nothing and fail with
 # errno 38 on some shared filesystems: files are opened with locking=False.
 # Fixed order for the checksums; the summary checksum lets the scheduler verify without token data.
-SUMMARY_ORDER = ("offsets", *SCHEMA_FIELDS[SCHEMA_VERSION])
+SUMMARY_ORDER = ("offsets", *SCHEMA_FIELDS[SCHEMA_VERSION], *ADDED_EPISODE_FIELDS)
 CHECKSUM_ORDER = (*TOKEN_FIELDS, *SUMMARY_ORDER)
 _DTYPES = {**TOKEN_FIELDS, "offsets": OFFSETS_DTYPE, **TRAJ_FIELDS, **LEGACY_COUNTS, **EPISODE_FIELDS}
 REQUIRED_ATTRS = ("schema_version", "run_id", "checksum", "summary_checksum", "n_trajectories")
@@ -271,7 +276,8 @@ def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
                 raise CorruptShardError(path, f"bad schema_version {attrs['schema_version']!r}") from None
             if schema not in SCHEMA_FIELDS:
                 raise CorruptShardError(path, f"schema_version {schema}, expected 1 to {SCHEMA_VERSION}")
-            summary_order = ("offsets", *SCHEMA_FIELDS[schema])
+            added = _added_episode_fields(path, f) if schema == SCHEMA_VERSION else ()
+            summary_order = ("offsets", *SCHEMA_FIELDS[schema], *added)
             order = (*TOKEN_FIELDS, *summary_order) if full else summary_order
             run_id = attrs["run_id"]
             run_id = run_id.decode() if isinstance(run_id, bytes) else str(run_id)
@@ -318,14 +324,25 @@ def _read_verified(path: Path, full: bool) -> tuple[dict[str, np.ndarray], str]:
         raise CorruptShardError(path, f"checksum mismatch (stored {stored}, computed {actual})")
     if schema < 4:
         arrays |= _legacy_episodes(arrays)
+    for name in [f for f in ADDED_EPISODE_FIELDS if f not in arrays]:  # counts added after the shard was written
+        unset = count_schema.UNSET[name.removeprefix("episodes/")]
+        arrays[name] = np.full(len(arrays["episodes/group_id"]), unset, dtype=_DTYPES[name])
     if (problem := episode_problem(arrays, _episodes(arrays))) is not None:
         raise CorruptShardError(path, problem)
     return arrays, run_id
 
 
+def _added_episode_fields(path: Path, f: h5py.File) -> tuple[str, ...]:
+    """The counts added since schema 4 began that this shard holds; CorruptShardError on a column of the episode
+    table that this version does not know (a count from a newer version)."""
+    if unknown := sorted(f"episodes/{k}" for k in f["episodes"] if f"episodes/{k}" not in EPISODE_FIELDS):
+        raise CorruptShardError(path, f"episode table column {unknown[0]!r} unknown to this version")
+    return tuple(name for name in ADDED_EPISODE_FIELDS if name in f)
+
+
 def _legacy_episodes(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The episode table of a schema 1-3 shard: per (group_id, sample_idx), the sum of its trajectories' counts
-    (they sat on its first, 0 on the others), or EpisodeCounts' defaults where the schema kept none."""
+    (they sat on its first, 0 on the others), or the counts' unset values where the schema kept none."""
     (keys,) = episode_keys(arrays)
     _, rows, inverse = np.unique(keys, return_index=True, return_inverse=True)
     order = np.argsort(rows)  # the episodes in the order they first appear
@@ -338,7 +355,7 @@ def _legacy_episodes(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             np.add.at(sums, inverse.ravel(), arrays.pop(k))
             out[f"episodes/{k}"] = sums[order].astype(dt)
         else:
-            out[f"episodes/{k}"] = np.full(len(rows), _EPISODE_DEFAULTS[k], dtype=dt)
+            out[f"episodes/{k}"] = np.full(len(rows), count_schema.UNSET[k], dtype=dt)
     return out
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from areal_hpc.plugins import PluginError, check_signature, resolve
-from areal_hpc.workflow.builtin import BUILTIN, multi_turn, single_turn, tool
+from areal_hpc.workflow.builtin import BUILTIN, WITH_THEIR_FEATURE, multi_turn, single_turn, tool
 from areal_hpc.workflow.episode import Episode
 from areal_hpc.workflow.failures import EpisodeFailed, FailureBudget, TooManyFailures
 from areal_hpc.workflow.records import Completion, EpisodeFailure, Segment, ToolResult
@@ -34,15 +32,13 @@ __all__ = [
 
 
 def load_workflow(name: str) -> Workflow:
-    """rollout.workflow: a built-in by name, or an `async def f(episode)` by import path (one line if unusable)."""
+    """workflow.fn: a built-in by name, or an `async def f(episode)` by import path (one line if unusable)."""
     if name in BUILTIN:
         return BUILTIN[name]
-    if name == "agent":
-        from areal_hpc.workflow.agent import agent
-
-        return agent
-    fn = resolve(name, "rollout.workflow")
-    check_signature(fn, name, "rollout.workflow", ("episode",), is_async=True)
+    if name in WITH_THEIR_FEATURE:
+        return resolve(WITH_THEIR_FEATURE[name][0], "workflow.fn")
+    fn = resolve(name, "workflow.fn")
+    check_signature(fn, name, "workflow.fn", ("episode",), is_async=True)
     return fn
 
 
@@ -57,23 +53,20 @@ def runner_settings(cfg, tokenizer, model_dir) -> RunnerSettings:
         chat=chat_enabled(tokenizer, cfg.data.chat_template, cfg.data.system_prompt),
         tool_memory_mb=cfg.workflow.tool_memory_mb,
         sandbox=cfg.workflow.tool_sandbox,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        model_name=Path(cfg.model.path).name or "policy",
+        config=cfg,
     )
 
 
 def check_user_code(cfg) -> None:
-    """Import reward.fn and rollout.workflow and check their signatures: one line (PluginError) if either is
+    """Import reward.fn and workflow.fn and check their signatures: one line (PluginError) if either is
     unusable. Every rank runs it at start-up, before any engine loads, as do the launchers."""
     from areal_hpc.reward import check_reward_fn
 
     check_reward_fn(cfg)
-    load_workflow(cfg.rollout.workflow)
-    if cfg.rollout.workflow == "agent":
-        from areal_hpc.workflow.agent import check_agent_config
-
+    load_workflow(cfg.workflow.fn)
+    if cfg.workflow.fn in WITH_THEIR_FEATURE:
+        check_settings = resolve(WITH_THEIR_FEATURE[cfg.workflow.fn][1], "workflow.fn")
         try:
-            check_agent_config(cfg.workflow)
+            check_settings(cfg.workflow)
         except ValueError as e:
             raise PluginError(str(e)) from None

@@ -23,11 +23,18 @@ class EpisodeStart:
     greedy: bool = False
 
 
-def rejected_too_often(key: Hashable, times: int) -> RuntimeError:
-    return RuntimeError(
-        f"rollout.workflow rejected {times} episodes in a row of {key} (it returned None each time); return a "
-        "reward (0.0) for episodes that should count"
-    )
+def count_rejection(rejected: dict, key: Hashable, ep: FinishedEpisode, name: str | None = None) -> None:
+    """A try of `key` came back without a reward and runs again: a rejection (not a failure) is counted in
+    `rejected`, and RuntimeError stops the run at the MAX_REJECTED-th of one key (`name`: how the line says it).
+    The one retry rule of the sync loop, evaluation and the generators."""
+    if ep.failure is not None:  # FailureBudget counts failures
+        return
+    rejected[key] = rejected.get(key, 0) + 1
+    if rejected[key] >= MAX_REJECTED:  # a workflow that rejects every try never ends
+        raise RuntimeError(
+            f"workflow.fn rejected {MAX_REJECTED} episodes in a row of {name or key} (it returned None each time); "
+            "return a reward (0.0) for episodes that should count"
+        )
 
 
 def run_episodes(
@@ -42,7 +49,7 @@ def run_episodes(
     """Every episode to its end, in the order of `starts`; with `retry` a rejected or failed episode runs again
     (else it comes back with reward None, and its failure). Failures count against the runner's budget, which
     raises TooManyFailures. Between engine steps the episodes waiting on a reward or a tool go on."""
-    runner = EpisodeRunner(workflow, tokenizer, pool, engine.add, settings)
+    runner = EpisodeRunner(workflow, tokenizer, pool, engine.add, settings, withdraw=engine.interrupt)
     by_key = {s.key: s for s in starts}
     if len(by_key) != len(starts):
         raise ValueError("run_episodes: episode keys must be unique")
@@ -53,15 +60,10 @@ def run_episodes(
     def more() -> bool:
         """Start again what was rejected, keep what finished; False once every key has its episode."""
         finished = runner.poll(engine_idle=not (engine.num_running or engine.num_waiting))
-        if runner.abandoned:  # an agent's call cancelled mid-flight holds no slot
-            engine.interrupt(runner.take_abandoned())
         for ep in finished:
             if ep.reward is None and retry:
                 carried.setdefault(ep.key, []).append(ep.stats)
-                if ep.failure is None:  # a rejection: a workflow that rejects every try never ends
-                    rejected[ep.key] = rejected.get(ep.key, 0) + 1
-                    if rejected[ep.key] >= MAX_REJECTED:
-                        raise rejected_too_often(ep.key, MAX_REJECTED)
+                count_rejection(rejected, ep.key, ep)
                 s = by_key[ep.key]
                 runner.start(s.key, s.row, s.prompt_ids, s.greedy)
             else:
@@ -76,8 +78,8 @@ def run_episodes(
         # the engine empty: every episode waits for a reward or a tool
         run_to_end(engine, runner.deliver, more, lambda: time.sleep(0.001))
     finally:
-        # what episodes still have in the engine (on an error), and calls cancelled alone at the end, leave it
-        left = runner.cancel() + runner.take_abandoned()
+        # what episodes still have in the engine (on an error) leaves it
+        left = runner.cancel()
         if left:
             engine.interrupt(left)
         runner.close()

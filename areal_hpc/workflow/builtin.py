@@ -1,4 +1,4 @@
-"""The built-in workflows (rollout.workflow by name): single_turn, multi_turn (feedback and retry), tool (Python)."""
+"""The built-in workflows (workflow.fn by name): single_turn, multi_turn (feedback and retry), tool (Python)."""
 
 from __future__ import annotations
 
@@ -61,4 +61,6 @@ async def tool(ep: Episode) -> float:
 
 
 BUILTIN = {"single_turn": single_turn, "multi_turn": multi_turn, "tool": tool}
-# "agent" (workflow/agent.py) is looked up by load_workflow: it brings the endpoint's imports along
+# built-ins that live with their feature, by import path (resolved on use: they bring their feature's imports
+# along, and their package stands above this one): the workflow and the start-up check of its settings
+WITH_THEIR_FEATURE = {"agent": ("areal_hpc.agents.workflow:agent", "areal_hpc.agents.workflow:check_agent_config")}

@@ -22,7 +22,7 @@ class EngineRequests:
         self.submit = submit
         self.loop = loop
         self.waiting: dict[RequestId, asyncio.Future] = {}
-        self.abandoned: list[RequestId] = []  # calls cancelled alone: the caller takes them out of the engine
+        self.cancelled_alone: list[RequestId] = []  # calls cancelled on their own: the runner withdraws them
         self._count = 0  # request ids are unique for the runner's life
 
     async def sample(self, key: Hashable, tokens: list[int], budget: int, greedy: bool, stop: list[str]) -> GenOutput:
@@ -31,10 +31,10 @@ class EngineRequests:
         fut = self.waiting[rid] = self.loop.future()
         self.submit([GenRequest(rid, tokens, budget, greedy=greedy, stop=stop)])
         try:
-            return await self.loop.parked(fut)
+            return await self.loop.wait_woken(fut)
         except asyncio.CancelledError:  # a call cancelled on its own (an agent's, its episode going on or ending)
             if self.waiting.pop(rid, None) is not None:
-                self.abandoned.append(rid)
+                self.cancelled_alone.append(rid)
             raise
 
     def deliver(self, out: GenOutput) -> None:
@@ -51,8 +51,8 @@ class EngineRequests:
             del self.waiting[rid]
         return rids
 
-    def take_abandoned(self) -> list[RequestId]:
-        out, self.abandoned = self.abandoned, []
+    def take_cancelled_alone(self) -> list[RequestId]:
+        out, self.cancelled_alone = self.cancelled_alone, []
         return out
 
 
@@ -76,7 +76,7 @@ class RewardBatches:
             self._since = time.monotonic()
         fut = self.loop.future()
         self._waiting.append((completion, row, fut))
-        return await self.loop.parked(fut)
+        return await self.loop.wait_woken(fut)
 
     def flush(self, force: bool) -> None:
         n = len(self._waiting)
@@ -116,7 +116,7 @@ class ToolThreads:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tool")
         job = self._pool.submit(sandboxed_python, code, wall_s, memory_mb, sandbox)
-        return await self.loop.parked(self.loop.from_thread(job))
+        return await self.loop.wait_woken(self.loop.from_thread(job))
 
     def close(self) -> None:
         if self._pool is not None:

@@ -127,6 +127,12 @@ class Episode:
         self.stats.add_tool_call(result, t0, time.time())
         return result
 
+    def service(self, make):
+        """What a workflow keeps for all the episodes of this episode's runner (the agent workflow's endpoint):
+        `make(services)` at the first call, the same object after, closed (its `close()`) when the runner closes.
+        `services` (a RunnerServices) is what it may use of the runner: settings, tokenizer, thread bridges."""
+        return self._runner.service(make)
+
     def decode(self, ids: list[int]) -> str:
         """Token ids as text (special tokens skipped), as a Completion's `text` is made."""
         return self._text.decode(ids)

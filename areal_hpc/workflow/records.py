@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
+
+from areal_hpc import count_schema
 
 
 @dataclass
@@ -50,7 +52,7 @@ class EpisodeFailure:
     kind: str  # one of FAILURE_KINDS
     what: str  # "RuntimeError: the tool is down", or what came back
     where: str = ""  # the user's file:line that raised ("" when unknown: a command agent, a time-out)
-    source: str = "workflow"  # rollout.workflow's code, or the agent (workflow.agent / agent_command)
+    source: str = "workflow"  # workflow.fn's code, or the agent (workflow.agent / agent_command)
 
     def __str__(self) -> str:
         at = f" at {self.where}" if self.where else ""
@@ -60,17 +62,16 @@ class EpisodeFailure:
 FAILURE_KINDS = ("raised", "timed out", "bad result")
 
 
+# an episode's counts, one field per count of the schema (count_schema.COUNTS: turns, tool calls, ...), from 0
+EpisodeCountFields = make_dataclass(
+    "EpisodeCountFields", count_schema.record_fields(), namespace={"__module__": __name__}
+)
+
+
 @dataclass
-class EpisodeStats:
-    turns: int = 0  # generate calls
-    tool_calls: int = 0
-    tool_errors: int = 0  # tool calls that timed out or exited non-zero
-    tool_s: float = 0.0
-    reward_timeouts: int = 0
-    reward_errors: int = 0
-    branches: int = 0  # transcripts given up for a rewritten history (the agent endpoint counts them)
-    # tries of this episode whose agent or workflow failed (raised, timed out, a bad result) and ran again
-    agent_failures: int = 0
+class EpisodeStats(EpisodeCountFields):
+    """What an episode did: its counts (EpisodeCountFields), and what it logged along the way."""
+
     failure_kinds: dict[str, int] = field(default_factory=dict)  # those failures by kind (FAILURE_KINDS)
     reward_span: tuple[float, float] | None = None  # first reward call to the last answer (the timeline's span)
     tool_spans: list[tuple[float, float]] = field(default_factory=list)  # each tool call's start and end
@@ -80,10 +81,8 @@ class EpisodeStats:
 
     def add_failures(self, other: EpisodeStats) -> None:
         """Count a rejected try's failures on the episode that ran in its place (its other counts do not carry)."""
-        self.reward_timeouts += other.reward_timeouts
-        self.reward_errors += other.reward_errors
-        self.branches += other.branches
-        self.agent_failures += other.agent_failures
+        for name in count_schema.FAILURES:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         for kind, n in other.failure_kinds.items():
             self.failure_kinds[kind] = self.failure_kinds.get(kind, 0) + n
 

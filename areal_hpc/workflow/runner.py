@@ -7,6 +7,7 @@ import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from areal_hpc.plugins import user_frame
 from areal_hpc.types import GenOutput, GenRequest, RequestId
@@ -25,11 +26,12 @@ from areal_hpc.workflow.records import EpisodeFailure, FinishedEpisode, ToolResu
 from areal_hpc.workflow.stepped_loop import SteppedLoop
 from areal_hpc.workflow.text import EpisodeText, render_turn
 
-__all__ = ["EpisodeRunner", "FinishedEpisode", "RunnerSettings", "Workflow", "render_turn"]
+__all__ = ["EpisodeRunner", "FinishedEpisode", "RunnerServices", "RunnerSettings", "Workflow", "render_turn"]
 
 log = logging.getLogger("areal_hpc.workflow")
 
 Workflow = Callable[[Episode], Awaitable[float | None]]
+Service = TypeVar("Service")
 
 
 def workflow_at(fn) -> str:
@@ -47,19 +49,41 @@ class RunnerSettings:
     tool_memory_mb: int = 1024
     sandbox: str = "bwrap"  # workflow.tool_sandbox: the isolation tool calls run under
     tool_threads: int = 4  # tool calls waiting at once (each a sandboxed python3 process)
-    temperature: float = 1.0  # rollout.temperature and top_p: what the agent endpoint serves, never another
-    top_p: float = 1.0
-    model_name: str = "policy"  # what the agent endpoint lists as its model
+    config: object = None  # the run's whole Config: a runner-wide service builds its own settings from it
+
+
+@dataclass(frozen=True)
+class RunnerServices:
+    """What a workflow's runner-wide service (`Episode.service`: the agent workflow's endpoint) may use of the
+    runner: its settings, its tokenizer, and the two bridges between another thread and the episodes' loop."""
+
+    settings: RunnerSettings
+    tokenizer: object
+    call_in_loop: Callable[..., None]  # from any thread: fn(*args) runs on the episodes' loop at its next pass
+    wait: Callable[[concurrent.futures.Future], Awaitable]  # await a thread's job; cancelling the awaiter cancels it
 
 
 class EpisodeRunner:
     """Episodes as tasks on a loop that runs one pass per `poll()`, between two engine steps (SteppedLoop says
     why). A generate call becomes a GenRequest handed to `submit` (the caller puts it into the engine);
     `deliver()` hands back the engine's output and wakes the episode. Episodes keep their own transcripts and
-    counts; the runner offers them the raw calls: `sample`, `score`, `run_python` (and `wait`, `shared`)."""
+    counts; the runner offers them the raw calls: `sample`, `score`, `run_python` (and `service`).
 
-    def __init__(self, workflow: Workflow, tokenizer, pool, submit: Callable[[list[GenRequest]], None], settings):
+    A call cancelled on its own while its episode goes on or ends (an agent's, as its session closes) is
+    abandoned: the runner hands its request to `withdraw` (the caller takes it out of the engine) at the next
+    poll or cancel. Without `withdraw`, it runs to its end in the engine and its output is dropped."""
+
+    def __init__(
+        self,
+        workflow: Workflow,
+        tokenizer,
+        pool,
+        submit: Callable[[list[GenRequest]], None],
+        settings,
+        withdraw: Callable[[list[RequestId]], None] | None = None,
+    ):
         self.workflow = workflow
+        self.withdraw = withdraw
         self.settings: RunnerSettings = settings
         self.text = EpisodeText(tokenizer, settings.chat)
         self.loop = SteppedLoop()
@@ -72,7 +96,7 @@ class EpisodeRunner:
         self.failures = FailureBudget(wc.max_failure_share, wc.failure_window)  # every episode's, held out too
         self.broken: EndpointLost | None = None
         self._logged: set[tuple[str, str]] = set()  # (kind, where) of the failures logged
-        self._shared: dict[str, object] = {}  # what a workflow keeps per runner (`shared`), closed with it
+        self._services: dict[Callable, object] = {}  # make -> the runner-wide service it made, closed with it
 
     # -- the caller's side -----------------------------------------------------------------------
     def start(self, key: Hashable, row: dict, prompt_ids: list[int], greedy: bool = False) -> None:
@@ -93,20 +117,13 @@ class EpisodeRunner:
         """
         self.loop.run_ready(len(self.tasks))
         self.rewards.flush(force=engine_idle)
+        self._withdraw_abandoned()
         if self.broken is not None:
             raise self.broken
         if self.failures.over is not None:
             raise TooManyFailures(self.failures.over)
         done, self.finished = self.finished, []
         return done
-
-    @property
-    def abandoned(self) -> list[RequestId]:
-        return self.requests.abandoned
-
-    def take_abandoned(self) -> list[RequestId]:
-        """The requests of calls cancelled alone since the last take: for the caller to interrupt in the engine."""
-        return self.requests.take_abandoned()
 
     def cancel(self, keys: list[Hashable] | None = None) -> list[RequestId]:
         """Stop these episodes (None: all); the request ids they have in the engine, for the caller to interrupt."""
@@ -116,14 +133,22 @@ class EpisodeRunner:
         rids = self.requests.drop(set(keys))
         self.loop.run_once()  # let the cancellations run (finally blocks, awaited futures)
         self.rewards.discard_unwanted()
+        self._withdraw_abandoned()  # and calls cancelled alone before these episodes ended
         return rids
 
     def close(self) -> None:
+        self.withdraw = None  # the caller's engine may be closed already: nothing leaves it any more
         self.cancel()
-        for thing in self._shared.values():
-            thing.close()
+        for service in self._services.values():
+            service.close()
         self.tools.close()
         self.loop.close()
+
+    def _withdraw_abandoned(self) -> None:
+        """Calls abandoned since the last time hold no engine slot: the caller withdraws them."""
+        abandoned = self.requests.take_cancelled_alone()
+        if abandoned and self.withdraw is not None:
+            self.withdraw(abandoned)
 
     # -- an episode's life ----------------------------------------------------------------------
     async def _run(self, ep: Episode, seq: int) -> None:
@@ -179,22 +204,17 @@ class EpisodeRunner:
         """`code` under python3 in the sandbox, on a tool thread."""
         return await self.tools.run_python(code, wall_s)
 
-    # -- for built-in workflows that keep something per runner (the agent workflow's endpoint) -------
-    def call_in_loop(self, fn, *args) -> None:
-        """From another thread: run fn(*args) on the episodes' loop at the next poll."""
-        self.loop.call_in_loop(fn, *args)
+    def service(self, make: Callable[[RunnerServices], Service]) -> Service:
+        """The runner-wide service `make` makes (Episode.service): made once, at the first call."""
+        if make not in self._services:
+            services = RunnerServices(self.settings, self.text.tokenizer, self.loop.call_in_loop, self._wait)
+            self._services[make] = make(services)
+        return self._services[make]
 
-    def shared(self, name: str, make: Callable[[], object]):
-        """What a workflow keeps for all its episodes on this runner: made once by `make()`, closed (its
-        `close()`) when the runner closes."""
-        if name not in self._shared:
-            self._shared[name] = make()
-        return self._shared[name]
-
-    async def wait(self, job: concurrent.futures.Future):
-        """The result of work running on another thread (an agent on the endpoint's loop); cancelling the episode
-        cancels the job."""
+    async def _wait(self, job: concurrent.futures.Future):
+        """The result of work running on another thread (an agent on the endpoint's process); cancelling the
+        episode that awaits it cancels the job."""
         try:
-            return await self.loop.parked(self.loop.from_thread(job))
+            return await self.loop.wait_woken(self.loop.from_thread(job))
         finally:
             job.cancel()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from areal_hpc.store.columns import EPISODE_COUNTS
-from areal_hpc.types import EpisodeCounts, GenOutput, SampleId, Trajectory
-from areal_hpc.workflow.records import EpisodeStats, FinishedEpisode, Segment
+from areal_hpc.count_schema import STORED
+from areal_hpc.types import EpisodeCounts, SampleId, Trajectory
+from areal_hpc.workflow.records import FinishedEpisode, Segment
 
 
 def to_trajectories(
@@ -22,8 +22,8 @@ def to_trajectories(
 
 
 def episode_counts(ep: FinishedEpisode, sample: SampleId) -> EpisodeCounts:
-    """The episode's row of a shard's episode table: its turns, tool calls and reward failures."""
-    return EpisodeCounts(sample.group_id, sample.sample, **{k: getattr(ep.stats, k) for k in EPISODE_COUNTS})
+    """The episode's row of a shard's episode table: its stored counts (count_schema.STORED)."""
+    return EpisodeCounts(sample.group_id, sample.sample, **{k: getattr(ep.stats, k) for k in STORED})
 
 
 def _one(segments: list[Segment], ep: FinishedEpisode, sample: SampleId, prompt_id: int, gen_rank: int) -> Trajectory:
@@ -55,15 +55,3 @@ def ids_and_mask(segments: list[Segment]) -> tuple[list[int], list[int]]:
     supervised examples are built from."""
     ids = [i for s in segments for i in s.ids]
     return ids, [int(s.trained) for s in segments for _ in s.ids]
-
-
-def output_trajectory(out: GenOutput, prompt_id: int, reward: float, gen_rank: int = 0) -> Trajectory:
-    """One engine output of a request made outside a runner (tests, benchmarks: its id from
-    rollout.sample_request) as the trajectory of a one-turn episode: the prompt untrained, the answer trained."""
-    sample = getattr(out.request_id, "episode", None)
-    if not isinstance(sample, SampleId):
-        raise ValueError(f"request {out.request_id} is not a training sample's: make its id with sample_request")
-    answer = Segment(list(out.output_ids), True, list(out.output_logprobs), list(out.output_versions))
-    segments = [Segment(list(out.prompt_ids), False), answer]
-    ep = FinishedEpisode(out.request_id, reward, segments, EpisodeStats(), out.finish_reason, 0.0, 0.0)
-    return to_trajectories(ep, sample, prompt_id, gen_rank)[0]

@@ -29,7 +29,7 @@ class SteppedLoop:
     def __init__(self):
         self._loop = asyncio.new_event_loop()
         self._due = False  # something an episode waits for arrived: the next run_ready() makes a pass
-        self._parked = 0  # coroutines awaiting a future of ours (`parked`): whatever wakes them sets _due
+        self._woken_waiters = 0  # coroutines awaiting a future of ours (`wait_woken`): whatever wakes them sets _due
         self._last = 0.0
 
     def task(self, coro: Coroutine) -> asyncio.Task:
@@ -44,18 +44,18 @@ class SteppedLoop:
         """Something an episode waits for is here (a future of ours was resolved): the next run_ready() runs."""
         self._due = True
 
-    async def parked(self, fut: asyncio.Future):
+    async def wait_woken(self, fut: asyncio.Future):
         """Await a future that is resolved with a `wake()`: no idle pass needs to run for this waiter."""
-        self._parked += 1
+        self._woken_waiters += 1
         try:
             return await fut
         finally:
-            self._parked -= 1
+            self._woken_waiters -= 1
 
     def run_ready(self, tasks: int) -> None:
         """One pass if something arrived, or if some of the `tasks` running wait for something of their own and
         IDLE_S passed since the last pass."""
-        waits_elsewhere = tasks > self._parked
+        waits_elsewhere = tasks > self._woken_waiters
         if self._due or (waits_elsewhere and time.monotonic() - self._last > self.IDLE_S):
             self.run_once()
 
@@ -83,7 +83,7 @@ class SteppedLoop:
             pass
 
     def from_thread(self, job: concurrent.futures.Future) -> asyncio.Future:
-        """A future of this loop with the result (or exception) of work on another thread; await it `parked`."""
+        """A future of this loop with the result (or exception) of work on another thread (await it: `wait_woken`)."""
         done = self.future()
         job.add_done_callback(lambda j: self.call_in_loop(_settle, done, j))
         return done

@@ -48,7 +48,7 @@ def warm_start_segments(p: Problem, target: str, cfg, rng: random.Random, tokeni
     def text(t: str, trained: bool) -> Segment:
         return Segment(list(tokenizer.encode(t, add_special_tokens=False)), trained)
 
-    workflow = cfg.rollout.workflow if cfg.data.kind == "arithmetic" else ""
+    workflow = cfg.workflow.fn if cfg.data.kind == "arithmetic" else ""
     if workflow not in ("tool", "agent") or rng.random() >= cfg.workflow.warm_start_tool_share:
         return [text(target, True)]
     expression = p.row["question"].rstrip("=")

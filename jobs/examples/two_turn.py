@@ -1,4 +1,4 @@
-"""An example workflow, kept outside the package: rollout.workflow=jobs/examples/two_turn.py:two_turn."""
+"""An example workflow, kept outside the package: workflow.fn=jobs/examples/two_turn.py:two_turn."""
 
 from areal_hpc.workflow import Episode
 

@@ -178,7 +178,7 @@ def test_a_hanging_reward_then_sigterm_stops_at_the_last_version_with_a_summary(
 
 def test_b_a_hanging_tool_then_kill9_of_its_generator_leaves_nothing(tmp_path, model_path):
     (tmp_path / "hang.py").write_text(HANGING_TOOL)
-    proc, run = _start(tmp_path, model_path, f"rollout.workflow={tmp_path / 'hang.py'}:hang", "logging.eval_prompts=2")
+    proc, run = _start(tmp_path, model_path, f"workflow.fn={tmp_path / 'hang.py'}:hang", "logging.eval_prompts=2")
     try:
         _wait(proc, "a tool sandbox", lambda: _sandbox(run))
         generator = int(RunDir(run).rank_pid(1).read_text())  # generator 0 runs the held-out episodes too
@@ -198,7 +198,7 @@ def test_b_a_hanging_tool_then_kill9_of_its_generator_leaves_nothing(tmp_path, m
 
 def test_c_kill9_of_the_launcher_leaves_nothing(tmp_path, model_path):
     (tmp_path / "hang.py").write_text(HANGING_TOOL)
-    proc, run = _start(tmp_path, model_path, f"rollout.workflow={tmp_path / 'hang.py'}:hang", "logging.eval_prompts=2")
+    proc, run = _start(tmp_path, model_path, f"workflow.fn={tmp_path / 'hang.py'}:hang", "logging.eval_prompts=2")
     try:
         _wait(proc, "a tool sandbox", lambda: _sandbox(run))
         t_kill = time.time()

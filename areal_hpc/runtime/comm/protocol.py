@@ -6,14 +6,15 @@ Every control message goes to or from rank 0 over MPI as a small pickled dict; b
 generator -> scheduler
   WANT        {"k": n}                         n more prompts wanted (free group slots not yet asked for)
   GROUPS_DONE {"shard": name, "groups": [{"indices": [...], "prompt_id", "group_id", "n_tokens",
-               "gen_tokens", "version_start", "uniform": r|None, "episodes", "turns", "tool_calls",
-               "reward_timeouts", "reward_errors", "branches", "agent_failures",
+               "gen_tokens", "version_start", "uniform": r|None, <GROUP_COUNTS>: n,
                "failure_kinds": {kind: n}, "logged": {name: (sum, n)}}, ...]}
                                                finished, rewarded groups now in a shard file; "uniform":
                                                the reward all n samples got when equal, else None (rank 0
                                                may reject the group, and counts such groups); the
-                                               counts of its episodes and the numbers they logged (sum
-                                               over n episodes), added up by rank 0 whatever becomes of it
+                                               counts of its episodes (count_schema.GROUP_COUNTS: how
+                                               many, and a sum per count the schema sends) and the
+                                               numbers they logged (sum over n episodes), added up by
+                                               rank 0 whatever becomes of it
   EVAL_RESULT {"tag": str, "version": v|None, "version_end": w, "acc": float|None, "reward_mean": float|None,
                "tool_share": float|None, "reward_timeouts": n, "reward_errors": n, "agent_failures": f,
                "cut": c}
@@ -70,6 +71,8 @@ from __future__ import annotations
 import time
 from enum import IntEnum
 
+from areal_hpc.count_schema import GROUP_COUNTS
+
 
 class Tag(IntEnum):
     WANT = 1
@@ -122,11 +125,11 @@ FIELDS: dict[Tag, tuple[str, ...]] = {
     Tag.BYE: ("interrupted",),
     Tag.STOP: ("stop_eval_s",),
 }
-# The keys of each entry of GROUPS_DONE's "groups".
+# The keys of each entry of GROUPS_DONE's "groups": the group, its episodes' counts (episode_counts.group_counts)
 GROUP_FIELDS = (
     ("indices", "prompt_id", "group_id", "n_tokens", "gen_tokens", "version_start", "uniform")
-    + ("episodes", "turns", "tool_calls", "reward_timeouts", "reward_errors", "branches", "agent_failures")
-    + ("failure_kinds", "logged")  # rollout.group_counts
+    + GROUP_COUNTS
+    + ("failure_kinds", "logged")
 )
 
 

@@ -103,14 +103,15 @@ class Generator(RoleLoop):
         self.engine = build_generation_engine(cfg, model_dir, seed=cfg.trainer.seed + 1000 * self.rank)
         tokenizer = load_tokenizer(model_dir)
         self.runner = EpisodeRunner(
-            load_workflow(cfg.rollout.workflow),
+            load_workflow(cfg.workflow.fn),
             tokenizer,
             self.pool,
             self._submit,
             runner_settings(cfg, tokenizer, model_dir),
+            withdraw=self._leave_engine,  # an agent's call cancelled mid-flight holds no slot
         )
         dataset = load_run_dataset(cfg, tokenizer)
-        self.train = dataset.train
+        self.train_problems = dataset.train
         self.weights = self._weights(cfg, sync_group, model_dir)
         meter = EngineMeter(self.run_dir, self.rank, self.engine.capacity)
         self.spans = _Spans(self.timeline, meter, idle_since=time.time())
@@ -120,17 +121,19 @@ class Generator(RoleLoop):
             GroupBook(rc.n_samples, self.rank),
             ShardBuffer(st.shard_max_groups, st.shard_max_wait_s, next_seq(self.run_dir.rollouts, self.rank)),
         )
-        lc = cfg.logging
+        logging_cfg = cfg.logging
         self.evals = HeldoutEvals(
-            dataset.heldout[: lc.eval_prompts],
+            dataset.heldout[: logging_cfg.eval_prompts],
             self.runner,
-            lc.eval_n_samples,
-            lc.eval_temperature == 0,  # else avg@k at the engine's temperature
+            logging_cfg.eval_n_samples,
+            logging_cfg.eval_temperature == 0,  # else avg@k at the engine's temperature
             lambda body: self.mail.send(0, Tag.EVAL_RESULT, body),
             lambda t0, t1: self.timeline.add("eval", t0, t1),
-            lc.eval_threshold,
+            logging_cfg.eval_threshold,
         )
-        self.evals.bound(lc.eval_timeout_s, self._drop, lambda body: self.mail.send(0, Tag.EVAL_PROGRESS, body))
+        self.evals.bound(
+            logging_cfg.eval_timeout_s, self._drop, lambda body: self.mail.send(0, Tag.EVAL_PROGRESS, body)
+        )
         # start-up's objects live as long as the rank: frozen, full collections skip them (their 200-400 ms pauses
         # stalled every request in flight: an agent endpoint's p99 latency, benchmarks/agent_endpoint.py)
         gc.freeze()
@@ -217,7 +220,7 @@ class Generator(RoleLoop):
 
     def _grant(self, prompts: list) -> None:
         """n episodes per granted prompt; their first requests reach the engine at the next poll."""
-        for key, p in self.core.grant([(gid, self.train[idx]) for idx, gid in prompts], time.time()):
+        for key, p in self.core.grant([(gid, self.train_problems[idx]) for idx, gid in prompts], time.time()):
             self.runner.start(key, p.row, p.prompt_ids)
 
     def _submit(self, reqs: list[GenRequest]) -> None:
@@ -239,8 +242,6 @@ class Generator(RoleLoop):
     def _poll_episodes(self) -> bool:
         """Run the episodes that can go on (their next requests reach the engine); file the ones that ended."""
         done = self.runner.poll(engine_idle=not (self.engine.num_running or self.engine.num_waiting))
-        if self.runner.abandoned:  # an agent's call cancelled mid-flight holds no slot
-            self._leave_engine(self.runner.take_abandoned())
         for ep in done:
             if isinstance(ep.key, EvalId):
                 self.evals.episode_done(ep.key.index, ep)

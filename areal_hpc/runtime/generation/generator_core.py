@@ -10,7 +10,7 @@ from areal_hpc.episode_counts import group_counts, group_summary
 from areal_hpc.runtime.generation.admission import Admission
 from areal_hpc.types import EpisodeCounts, GenRequest, RequestId, SampleId, Trajectory
 from areal_hpc.workflow import FinishedEpisode
-from areal_hpc.workflow.batch import MAX_REJECTED, rejected_too_often
+from areal_hpc.workflow.batch import count_rejection
 from areal_hpc.workflow.samples import episode_counts, to_trajectories
 
 Span = tuple[str, float, float]  # a timeline span: (name, start, end)
@@ -97,11 +97,7 @@ class GroupBook:
         if g is None:
             return None
         g.rejected_stats.append(ep.stats)
-        if ep.failure is not None:
-            return g.problem
-        g.rejected[key.sample] = g.rejected.get(key.sample, 0) + 1
-        if g.rejected[key.sample] >= MAX_REJECTED:
-            raise rejected_too_often(f"prompt {g.problem.prompt_id}", MAX_REJECTED)
+        count_rejection(g.rejected, key.sample, ep, f"prompt {g.problem.prompt_id}")
         return g.problem
 
     def ended(self, key: SampleId, ep: FinishedEpisode) -> tuple[list[Span], Records] | None:

@@ -1,4 +1,5 @@
-"""Rank 0: grants prompts under the staleness bound, dispatches batches through the ledger, coordinates checkpoints."""
+"""Rank 0: grants prompts under the staleness bound, dispatches batches through the ledger, coordinates checkpoints
+and the stop (runtime/rank0/phases.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import threading
 import time
 
 from areal_hpc.config import Config
-from areal_hpc.data import load_run_dataset
 from areal_hpc.data.record import record_dataset
-from areal_hpc.model import load_tokenizer
 from areal_hpc.rundir import RunDir
 from areal_hpc.rundir.actions import prune_checkpoints
 from areal_hpc.runtime.comm.layout import Layout
 from areal_hpc.runtime.comm.protocol import Tag
 from areal_hpc.runtime.comm.role_loop import Handler, RoleLoop
+from areal_hpc.runtime.rank0.phases import CheckpointRound, Phase, StopSequence
+from areal_hpc.runtime.rank0.prompt_count import count_train_prompts
 from areal_hpc.runtime.rank0.resume import (
     clean_temporaries,
     load_scheduler_state,
@@ -25,7 +26,6 @@ from areal_hpc.runtime.rank0.resume import (
     unconsumed_groups,
 )
 from areal_hpc.runtime.rank0.scheduler_core import BatchPlan, ReadyGroup, SchedulerCore, fair_shares
-from areal_hpc.runtime.reporting.learning_signal import WARNING as NO_SIGNAL
 from areal_hpc.runtime.reporting.run_report import RunReport
 from areal_hpc.store import Ledger
 from areal_hpc.utils import atomic_write_text
@@ -41,14 +41,14 @@ class Scheduler(RoleLoop):
     def __init__(self, cfg: Config, run_dir: RunDir, comm, layout: Layout, resume: bool, stop_flag):
         super().__init__(cfg, run_dir, comm, layout, resume)
         self.stop_flag = stop_flag  # set by a signal handler (SIGTERM/SIGUSR1 from Slurm, Ctrl-C)
-        rc = cfg.rollout
+        rollout_cfg = cfg.rollout
         self.core = SchedulerCore(
-            n_prompts=len(load_run_dataset(cfg, load_tokenizer(cfg.model.path)).train),
-            batch_prompts=rc.batch_prompts,
-            eta=rc.eta,
+            n_prompts=count_train_prompts(cfg),
+            batch_prompts=rollout_cfg.batch_prompts,
+            eta=rollout_cfg.eta,
             n_trainers=layout.n_trainers,
             n_minibatches=cfg.ppo.n_minibatches,
-            max_running=rc.max_running or None,
+            max_running=rollout_cfg.max_running or None,
             seed=cfg.data.seed,
             reject_uniform=cfg.ppo.drop_uniform_groups,
         )
@@ -62,24 +62,15 @@ class Scheduler(RoleLoop):
         # through the drain while a generator that has loaded could run it)
         self.loading: dict[int, int] = {}
         self.next_group_id = 0
-        self.started = False  # trainer 0 has published the starting weights
-
+        self.phases = StopSequence(list(range(1, layout.world_size)), layout.generator_ranks)
         self.batch: BatchPlan | None = None  # in flight on the trainers
         self.train_done: dict[int, dict] = {}  # trainer rank -> its TRAIN_DONE body for the batch in flight
-        self.ckpt_pending: int | None = None
-        self.ckpt_acks = 0
-        self.last_ckpt = -1
+        self.checkpoints = CheckpointRound(layout.n_trainers)
         self.pruner: threading.Thread | None = None  # deleting checkpoints older than trainer.keep_checkpoints
-        self.stopping = False
-        self.stop_reason = ""
-        self.stop_asked = False  # stopping on a request (a signal, Ctrl-C, the stop file), not at the end
-        self.byes = 0
-        self.said_bye: set[int] = set()  # a stop request during the final evaluation goes only to the others
         self._stop_file_checked = 0.0
         # the longest version (trained to trained) and checkpoint (asked to complete) seen: against slurm.signal_s
         self.version_s = self.ckpt_s = 0.0
         self._t_trained: float | None = None
-        self._t_ckpt = 0.0
 
     def handlers(self) -> dict[Tag, Handler]:
         return {
@@ -89,7 +80,7 @@ class Scheduler(RoleLoop):
             Tag.TRAIN_DONE: self._on_train_done,
             Tag.SYNC_DONE: lambda src, body: self.report.sync_done(body),
             Tag.WEIGHTS_OK: self._on_weights_ok,
-            Tag.EVAL_RESULT: lambda src, body: self.report.eval_result(body),
+            Tag.EVAL_RESULT: self._on_eval_result,
             Tag.EVAL_PROGRESS: lambda src, body: self.report.eval_progress(body),
             Tag.CKPT_DONE: self._on_ckpt_done,
             Tag.BYE: self._on_bye,
@@ -104,14 +95,14 @@ class Scheduler(RoleLoop):
         clean_temporaries(self.run_dir)
         state = load_scheduler_state(self.run_dir, n)
         removed = self.ledger.truncate_after(n - 1)  # batches recorded after the checkpoint were not kept
-        for line in quarantine_corrupt_shards(self.run_dir, self.ledger.consumed()):
+        quarantined = quarantine_corrupt_shards(self.run_dir, self.ledger.consumed())
+        for line in quarantined:
             log.warning("%s", line)
-            self.report.quarantined.append(line)
         stored, max_gid = unconsumed_groups(self.run_dir, self.ledger.consumed(), skip_uniform=self.core.reject_uniform)
         reused, stale = self.core.restore(n, state["core"], stored)
         self.next_group_id = max(state["next_group_id"], max_gid + 1)
         self.report.open(n, resumed=True, state=state)
-        self.report.dropped_on_resume += stale
+        self.report.resumed_with(dropped=stale, quarantined=quarantined)
         log.info(
             "resumed from checkpoint v%d: ledger versions %s dropped, %d stored groups reused, %d dropped",
             n,
@@ -133,25 +124,12 @@ class Scheduler(RoleLoop):
     def _on_groups_done(self, src: int, body: dict) -> None:
         for g in body["groups"]:
             g = dict(g)
-            self.report.tokens_generated += g.pop("gen_tokens")
-            self.report.generated.add(g)  # its episodes' counts, whether the group is kept or not
+            self.report.group_generated(g)  # takes out its episodes' counts, whether the group is kept or not
             uniform = g.pop("uniform")  # the reward all its samples got, or None
             self.core.group_done(ReadyGroup(shard=body["shard"], **g), uniform is not None)
-            self._watch_signal(uniform)
-
-    def _watch_signal(self, uniform: float | None) -> None:
-        """Groups that all score alike teach nothing: a long streak is a warning on the terminal, a longer one
-        with no version trained stops the run with one line and a non-zero exit (trainer.max_uniform_batches)."""
-        watch = self.report.uniform
-        verdict = watch.group(uniform)
-        if self.cfg.distill.teacher and not self.cfg.ppo.drop_uniform_groups:
-            return  # every group trains on the teacher's per-token term: groups that score alike still teach
-        if verdict == "stop" and not self.stopping:
-            self.report.failure = watch.stop_line(self.cfg.trainer.max_uniform_batches)
-            log.error("%s", self.report.failure)
-            self._begin_stop("no learning signal (trainer.max_uniform_batches)")
-        elif verdict in ("warn", "clear"):
-            self.report.signal_warning(watch.warning_line() if verdict == "warn" else None)
+            running = self.phases.phase in (Phase.STARTING, Phase.RUNNING)
+            if self.report.learning_signal(uniform, can_fail=running):
+                self._begin_stop("no learning signal (trainer.max_uniform_batches)")
 
     def _on_ready(self, src: int, body: dict) -> None:
         if src != self.layout.trainer0:
@@ -159,11 +137,9 @@ class Scheduler(RoleLoop):
         v = body["version"]
         if v != self.core.version:
             raise RuntimeError(f"trainer 0 is at version {v} but the scheduler restored version {self.core.version}")
-        self.report.raw_gbps = math.nan if body["raw_gbps"] is None else body["raw_gbps"]
-        self._publish(v, {"wall_s": time.time() - self.report.t0})
-        self.report.got(v, "train")  # the starting weights: nothing trained, the row only waits for the sync
-        self.report.t_rl = time.time()
-        self.started = True
+        self._publish(v, starting=True)
+        self.report.rl_started(v, body["raw_gbps"])
+        self.phases.started()
         if v >= self.cfg.trainer.versions:
             self._begin_stop(f"already at version {v} (trainer.versions={self.cfg.trainer.versions})")
         if not self.resume:
@@ -171,20 +147,20 @@ class Scheduler(RoleLoop):
             self._start_checkpoint(v)
         self.report.write_progress()
 
-    def _publish(self, v: int, row: dict) -> None:
+    def _publish(self, v: int, starting: bool = False) -> None:
         """Trainer 0 is sending weights v now: tell generators to take them."""
         self.core.version_trained(v)
         for g in self.layout.generator_ranks:
             self.mail.send(g, Tag.NEW_VERSION, {"version": v})
             if self.cfg.rollout.weight_update == "drain":
                 self.loading[g] = v
-        self.report.published(v, row)
+        self.report.published(v, starting)
 
     def _on_train_done(self, src: int, body: dict) -> None:
         self.train_done[src] = body
         if src == self.layout.trainer0:
             v = body["version"]
-            self._publish(v, {})
+            self._publish(v)
             every = self.cfg.logging.eval_every
             if every and v % every == 0:
                 self._request_eval(f"v{v}")
@@ -196,7 +172,6 @@ class Scheduler(RoleLoop):
         self.train_done = {}
         self.batch = None
         self.report.trained(v, parts)
-        self.report.uniform.version_trained()
         now = time.time()
         if self._t_trained is not None:
             self.version_s = max(self.version_s, now - self._t_trained)
@@ -208,28 +183,32 @@ class Scheduler(RoleLoop):
             self._begin_stop(f"trained {v} versions")
         self.report.write_progress()
 
-    def _request_eval(self, tag: str) -> None:
-        if self.cfg.logging.eval_prompts and self.layout.n_generators:
-            self.mail.send(self.layout.generator_ranks[0], Tag.EVAL, {"tag": tag})
+    def _request_eval(self, tag: str) -> bool:
+        """Ask generator 0 for a held-out evaluation; False when the run has none (no prompts or generators)."""
+        if not (self.cfg.logging.eval_prompts and self.layout.n_generators):
+            return False
+        self.mail.send(self.layout.generator_ranks[0], Tag.EVAL, {"tag": tag})
+        return True
+
+    def _on_eval_result(self, src: int, body: dict) -> None:
+        self.report.eval_result(body)
+        if body["tag"] == "final":
+            self.phases.final_eval_ended()
 
     def _on_bye(self, src: int, body: dict) -> None:
-        self.byes += 1
-        self.said_bye.add(src)
-        self.report.aborted_requests += body["interrupted"]
+        self.report.rank_stopped(body)
+        self.phases.said_bye(src)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _start_checkpoint(self, v: int) -> None:
-        if self.last_ckpt == v or self.ckpt_pending is not None:
-            return
-        self.ckpt_pending, self.ckpt_acks, self._t_ckpt = v, 0, time.time()
-        for t in self.layout.trainer_ranks:
-            self.mail.send(t, Tag.CHECKPOINT, {"version": v})
+        if self.checkpoints.begin(v, time.time()):
+            for t in self.layout.trainer_ranks:
+                self.mail.send(t, Tag.CHECKPOINT, {"version": v})
 
     def _on_ckpt_done(self, src: int, body: dict) -> None:
-        self.ckpt_acks += 1
-        if self.ckpt_acks < self.layout.n_trainers:
+        v = self.checkpoints.trainer_done()
+        if v is None:
             return
-        v = self.ckpt_pending
         state = {
             "version": v,
             "core": self.core.state_dict(),
@@ -237,9 +216,9 @@ class Scheduler(RoleLoop):
             **self.report.state_dict(v),
         }
         save_scheduler_state(self.run_dir, v, state)
-        self.last_ckpt, self.ckpt_pending = v, None
+        took = self.checkpoints.complete(time.time())
         log.info("checkpoint v%d complete", v)
-        self.ckpt_s = max(self.ckpt_s, time.time() - self._t_ckpt)
+        self.ckpt_s = max(self.ckpt_s, took)
         self._check_signal_budget()
         self._start_prune()
 
@@ -247,16 +226,15 @@ class Scheduler(RoleLoop):
         """Once per start, under Slurm: a version plus a checkpoint took longer than slurm.signal_s, so the time
         limit's signal would come too late to save the version in flight."""
         sc, need = self.cfg.slurm, self.version_s + self.ckpt_s
-        # progress.json has one warning: this one takes it from a no-learning-signal warning (that one is logged)
-        held = self.report.warning and not self.report.warning.startswith(NO_SIGNAL)
-        if held or not (os.environ.get("SLURM_JOB_ID") and sc.requeue) or need <= sc.signal_s:
+        if not (os.environ.get("SLURM_JOB_ID") and sc.requeue) or need <= sc.signal_s:
             return
-        self.report.warning = (
+        line = (
             f"a version plus a checkpoint took {need:.0f} s ({self.version_s:.0f} + {self.ckpt_s:.0f}), more than "
             f"slurm.signal_s={sc.signal_s}: the time limit would lose the version in flight; areal-hpc resume with "
             f"slurm.signal_s={math.ceil(1.25 * need / 60) * 60}"
         )
-        log.warning(self.report.warning)
+        if self.report.take_warning(line):
+            log.warning(line)
 
     def _start_prune(self) -> None:
         """Older checkpoints go in a thread: deleting tens of GB can take seconds on a shared filesystem,
@@ -298,7 +276,7 @@ class Scheduler(RoleLoop):
             self.mail.send(g, Tag.GRANT, {"prompts": prompts})
 
     def _dispatch(self) -> None:
-        if self.batch is not None or self.ckpt_pending is not None:
+        if self.batch is not None or self.checkpoints.pending is not None:
             return
         plan = self.core.next_batch()
         if plan is None:
@@ -313,9 +291,8 @@ class Scheduler(RoleLoop):
             self.mail.send(t, Tag.BATCH, body)
 
     # -- stopping -------------------------------------------------------------------------------
-    def _begin_stop(self, reason: str) -> None:
-        if not self.stopping:
-            self.stopping, self.stop_reason = True, reason
+    def _begin_stop(self, reason: str, requested: bool = False) -> None:
+        if self.phases.stop(reason, requested):
             log.info("stopping: %s", reason)
 
     def _asked_to_stop(self, now: float) -> bool:
@@ -328,61 +305,60 @@ class Scheduler(RoleLoop):
         return self.stop_flag() or stop_file
 
     def _check_stop(self) -> None:
-        if self.stopping:
-            return
         now = time.time()
         limit = self.cfg.trainer.max_wall_s
         if self._asked_to_stop(now):
-            self._begin_stop("stop requested")
-            self.stop_asked = True  # the final evaluation is bounded by logging.stop_eval_s
-        elif self.started and limit and now - self.report.t_rl >= limit:
+            self._begin_stop("stop requested", requested=True)  # the final evaluation gets logging.stop_eval_s
+        elif self.phases.phase is Phase.RUNNING and limit and self.report.rl_elapsed(now) >= limit:
             self._begin_stop(f"wall-time limit of {limit:g} s")
+
+    def _settle(self) -> None:
+        """Stopping: once no batch is on the trainers, checkpoint the version rank 0 is at (a stop always leaves
+        one); once that is complete, ask for the final evaluation and tell every rank to STOP."""
+        if self.batch is not None or self.train_done or self.checkpoints.pending is not None:
+            return
+        if not self.checkpoints.holds(self.core.version):
+            self._start_checkpoint(self.core.version)
+            return
+        self._join_pruner()  # the final checkpoint's pruning ends before the run reports it finished
+        # on a stop request the final evaluation gets logging.stop_eval_s at most (0: none), and the one running is cut
+        budget = self.phases.final_eval_budget(self.cfg.logging.stop_eval_s)
+        eval_asked = budget != 0 and self._request_eval("final")
+        for r in self.phases.other_ranks:
+            self.mail.send(r, Tag.STOP, {"stop_eval_s": budget})
+        self.phases.checkpointed(eval_asked)
 
     # -- the loop -------------------------------------------------------------------------------
     def tick(self) -> bool:
-        if self.started and not self.stopping:
+        """One turn of rank 0's phase (runtime/rank0/phases.py): grant and dispatch while running; a stop
+        request ends the running phase, or cuts a final evaluation that is running."""
+        phase = self.phases.phase
+        if phase is Phase.RUNNING:
             self._grant()
             self._dispatch()
-        self._check_stop()
-        if self.stopping and self.batch is None and not self.train_done and self.ckpt_pending is None:
-            self._start_checkpoint(self.core.version)  # a stop always leaves a checkpoint of where it stopped
+        if phase in (Phase.STARTING, Phase.RUNNING):
+            self._check_stop()
+        elif phase is Phase.FINAL_EVAL and not self.phases.requested and self._asked_to_stop(time.time()):
+            for g in self.phases.cut_final_eval():  # a stop request during the final evaluation ends it now
+                self.mail.send(g, Tag.STOP, {"stop_eval_s": 0.0})
+        if self.phases.phase is Phase.STOPPING:
+            self._settle()
         return False
 
     def finished(self) -> bool:
-        """Stopping, nothing training, and the checkpoint of the current version complete."""
-        return (
-            self.stopping
-            and self.batch is None
-            and not self.train_done
-            and self.ckpt_pending is None
-            and self.last_ckpt == self.core.version
-        )
+        """Every other rank has said BYE after its STOP."""
+        return self.phases.done
 
     def run(self) -> dict:
         start = self._restore() if self.resume else 0
         if self.resume:
-            self.last_ckpt = start  # never rewrite the checkpoint we resumed from
+            self.checkpoints.resumed_from(start)
         else:
             self.report.open(0, resumed=False)
         self.core.version_trained(start)
         self.loop()
-        self._join_pruner()  # the final checkpoint's pruning ends before the run reports it finished
-        # final evaluation at the last weights, then drain: STOP to all, keep receiving until every BYE. On a stop
-        # request the final evaluation gets logging.stop_eval_s at most (0: none), and the one running is cut
-        stop_eval_s = self.cfg.logging.stop_eval_s if self.stop_asked else None
-        if stop_eval_s != 0:
-            self._request_eval("final")
-        for r in range(1, self.layout.world_size):
-            self.mail.send(r, Tag.STOP, {"stop_eval_s": stop_eval_s})
-        while self.byes < self.layout.world_size - 1:
-            if not self.stop_asked and self._asked_to_stop(time.time()):
-                self.stop_asked = True  # a stop request during the final evaluation ends it now
-                for g in set(self.layout.generator_ranks) - self.said_bye:
-                    self.mail.send(g, Tag.STOP, {"stop_eval_s": 0.0})
-            if not self.drain():
-                self.mail.backoff.sleep()
         self.mail.flush()
-        summary = self.report.finish(self.stop_reason)
+        summary = self.report.finish(self.phases.reason)
         if self.report.failure:  # a verdict, not a crash: the run ended cleanly, and the launcher names why it failed
             atomic_write_text(self.run_dir.rank_error(self.rank), self.report.failure + "\n")
         self.timeline.close()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import bisect
-import random
 from dataclasses import asdict, dataclass, field
 
 from areal_hpc.algo.packing import balance_across_ranks
 from areal_hpc.algo.staleness import StalenessGate
+from areal_hpc.data.order import PromptOrder
 
 
 @dataclass
@@ -88,25 +88,16 @@ class SchedulerCore:
             raise ValueError(f"scheduler needs at least one training prompt, got {self.n_prompts}")
         if self.gate is None:
             self.gate = StalenessGate(self.batch_prompts, self.eta, self.max_running)
-        self._order_epoch = -1
-        self._order: list[int] = []
+        self._order = PromptOrder(self.n_prompts, self.seed)  # the sync loop draws in the same order
 
     @property
     def version(self) -> int:
         return self.gate.version
 
-    def _prompt_at(self, position: int) -> int:
-        epoch, offset = divmod(position, self.n_prompts)
-        if self._order_epoch != epoch:  # one shuffle per epoch, not per granted prompt
-            self._order = list(range(self.n_prompts))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
-            self._order_epoch = epoch
-        return self._order[offset]
-
     def grant(self, k: int) -> list[int]:
         """Admit up to k prompts now; returns their dataset indices (may be empty)."""
         n = self.gate.admit(k)
-        out = [self._prompt_at(self.cursor + i) for i in range(n)]
+        out = [self._order.at(self.cursor + i) for i in range(n)]
         self.cursor += n
         return out
 
@@ -119,10 +110,6 @@ class SchedulerCore:
         self.gate.finish(1)
         bisect.insort(self.ready, group, key=lambda g: g.version_start)  # after groups of the same version
         return True
-
-    def group_lost(self) -> None:
-        """A granted prompt will never finish (its generator died): free its slot."""
-        self.gate.drop(1)
 
     def next_batch(self) -> BatchPlan | None:
         """The next training batch if B fresh-enough groups are ready, else None."""

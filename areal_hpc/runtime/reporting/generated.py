@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from areal_hpc.episode_counts import GROUP_COUNTS
+from areal_hpc.count_schema import GENERATED, GROUP_COUNTS, PER_EPISODE
 
 
 class GeneratedEpisodes:
-    """Adds up the counts each GROUPS_DONE group carries (rollout.group_counts): over the run (summary.json,
-    progress.json) and since the last metrics row, with the mean of each logged number per row."""
+    """Adds up the counts each GROUPS_DONE group carries (episode_counts.group_counts): over the run (summary.json,
+    progress.json) and since the last metrics row, with the mean of each logged number per row. The schema's
+    "generated" counts (count_schema) are summed per row and over the run; its per-episode ones averaged."""
 
     def __init__(self, total: dict | None = None):
         self.total = dict.fromkeys(GROUP_COUNTS, 0) | {"failure_kinds": {}} | (total or {})
@@ -30,17 +31,15 @@ class GeneratedEpisodes:
 
     def row(self) -> dict:
         """The next metrics row's columns (episodes since the previous row), and a fresh start for the next."""
-        row = {
-            "episodes_generated": self.since["episodes"],
-            "reward_timeouts": self.since["reward_timeouts"],
-            "reward_errors": self.since["reward_errors"],
-            "branches": self.since["branches"],
-            "agent_failures": self.since["agent_failures"],
-        }
+        row = self._sums(self.since)
         row |= {name: total / n for name, (total, n) in sorted(self.logged.items()) if n}
         self.since = dict.fromkeys(GROUP_COUNTS, 0)
         self.logged = {}
         return row
+
+    def totals(self) -> dict:
+        """The run's sums so far (progress.json): episodes_generated and each "generated" count."""
+        return self._sums(self.total)
 
     def summary(self) -> dict:
         """summary.json's (and progress.json's) keys for the training episodes of the whole run. `after_last_row`:
@@ -48,14 +47,12 @@ class GeneratedEpisodes:
         that each count is the sum of its metrics.csv column plus its entry there."""
         t, n = self.total, max(self.total["episodes"], 1)
         return {
-            "after_last_row": {"episodes_generated": self.since["episodes"]}
-            | {k: self.since[k] for k in ("reward_timeouts", "reward_errors", "branches", "agent_failures")},
-            "episodes_generated": t["episodes"],
-            "reward_timeouts": t["reward_timeouts"],
-            "reward_errors": t["reward_errors"],
-            "branches": t["branches"],
-            "agent_failures": t["agent_failures"],
+            "after_last_row": self._sums(self.since),
+            **self.totals(),
             "agent_failures_by_kind": dict(t["failure_kinds"]),  # raised, timed out, bad result
-            "turns_per_episode": t["turns"] / n if t["episodes"] else None,
-            "tool_calls_per_episode": t["tool_calls"] / n if t["episodes"] else None,
+            **{f"{k}_per_episode": t[k] / n if t["episodes"] else None for k in PER_EPISODE},
         }
+
+    @staticmethod
+    def _sums(counts: dict) -> dict:
+        return {"episodes_generated": counts["episodes"]} | {k: counts[k] for k in GENERATED}

@@ -89,6 +89,6 @@ def tracker_settings(cfg) -> TrackerSettings:
     """The trackers' names for the run and its resolved config (as written to config.yaml) as dotted parameters."""
     from areal_hpc.config import to_yaml
 
-    lc = cfg.logging
+    logging_cfg = cfg.logging
     params = flat_params(yaml.safe_load(to_yaml(cfg)))
-    return TrackerSettings(cfg.run_name, lc.experiment, lc.mlflow_uri, params)
+    return TrackerSettings(cfg.run_name, logging_cfg.experiment, logging_cfg.mlflow_uri, params)

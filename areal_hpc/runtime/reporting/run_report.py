@@ -1,4 +1,4 @@
-"""Rank 0's account of the run: one metrics row per version, assembled from its parts, and progress/summary files."""
+"""Rank 0's account of the run: its totals, progress.json and summary.json, and metrics.csv's rows (version_rows.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import math
 import os
 import time
 
-from areal_hpc.algo import mismatch
 from areal_hpc.config import Config
 from areal_hpc.episode_counts import episode_metrics
 from areal_hpc.rundir import RunDir
@@ -18,22 +17,17 @@ from areal_hpc.runtime.reporting.generated import GeneratedEpisodes
 from areal_hpc.runtime.reporting.learning_signal import WARNING, UniformGroups
 from areal_hpc.runtime.reporting.metrics import MetricsLogger
 from areal_hpc.runtime.reporting.throughput import Throughput
+from areal_hpc.runtime.reporting.version_rows import VersionRows, eval_columns, sync_columns, trainers_columns
 from areal_hpc.utils import atomic_write_text
 
 log = logging.getLogger("areal_hpc.scheduler")
-
-# stats a trainer reports per token of loss, averaged over trainers weighted by their loss tokens
-_PER_LOSS_TOKEN = ("clip_frac", "ratio_mean", "behav_w_mean", "capped_frac", "entropy")
-# where the objective has them
-_OBJECTIVE_TERMS = ("kl", "distill_kl", "entropy_bonus", "seq_ratio_mean", "truncated_frac", "seq_rejected_frac")
 
 
 class RunReport:
     """Collects what the ranks report and writes metrics.csv (with TensorBoard), progress.json and summary.json.
 
-    A version's row has parts that arrive in any order from different ranks (the trainers' stats, trainer
-    0's sync, each generator's weight load, a held-out evaluation); it is written once every part it
-    waits for is in, rows in version order.
+    The fields are the run's totals; the Scheduler changes them only through the methods below. A version's
+    row is assembled apart (VersionRows) and written once every part it waits for is in.
     """
 
     def __init__(self, cfg: Config, run_dir: RunDir, layout: Layout, core: SchedulerCore):
@@ -71,9 +65,7 @@ class RunReport:
         self.eval_tool_share: dict[str, float] = {}  # evaluation tag -> share of its episodes that called a tool
         self.eval_cut: dict[str, int] = {}  # evaluation tag -> episodes cut unfinished (eval_timeout_s, a stop)
         self.eval_running: dict | None = None  # the running evaluation's last EVAL_PROGRESS (the progress bar shows it)
-        self.rows: dict[int, dict] = {}  # version -> metrics row being assembled
-        self.row_wait: dict[int, set] = {}  # version -> parts the row still waits for
-        self.row_got: dict[int, set] = {}  # version -> parts that arrived
+        self.rows = VersionRows(layout.n_generators)
 
     def open(self, start_version: int, resumed: bool, state: dict | None = None) -> None:
         """Start writing; a resumed run continues the checkpoint's counters and keeps its earlier rows."""
@@ -111,7 +103,7 @@ class RunReport:
             "dropped_on_resume": self.dropped_on_resume,
             "generated": self.generated.total,
             "uniform_groups": self.uniform.summary(),
-            "rows": {str(v): r for v, r in self.rows.items() if v <= upto and "train" in self.row_got.get(v, ())},
+            "rows": self.rows.trained_rows(upto),
         }
 
     def _restore_evals(self, n: int, state: dict) -> None:
@@ -138,28 +130,71 @@ class RunReport:
             self.eval_rewards.setdefault(f"v{n}", prev.get("heldout_reward_mean_final"))
             self.eval_versions.setdefault(f"v{n}", n)
 
+    # -- what the Scheduler tells it ---------------------------------------------------------------
+    def resumed_with(self, dropped: int, quarantined: list[str]) -> None:
+        """A resume dropped these stored groups as stale and moved these corrupt shards out (one line each)."""
+        self.dropped_on_resume += dropped
+        self.quarantined += quarantined
+
+    def rl_started(self, v: int, raw_gbps: float | None) -> None:
+        """Trainer 0 published the starting weights v (READY): RL time starts now."""
+        self.raw_gbps = math.nan if raw_gbps is None else raw_gbps
+        self.got(v, "train")  # the starting weights: nothing trained, the row only waits for the sync
+        self.t_rl = time.time()
+
+    def rl_elapsed(self, now: float) -> float:
+        """Seconds of RL time (trainer.max_wall_s counts these)."""
+        return now - (self.t_rl or self.t0)
+
+    def group_generated(self, group: dict) -> None:
+        """A GROUPS_DONE group: its generated tokens and its episodes' counts, taken out of the entry."""
+        self.tokens_generated += group.pop("gen_tokens")
+        self.generated.add(group)
+
+    def learning_signal(self, uniform: float | None, can_fail: bool) -> bool:
+        """A group's common reward (None: its rewards differ). Groups that all score alike teach nothing: a long
+        streak is a warning on the terminal; a longer one with no version trained makes the run fail with one
+        line and a non-zero exit (trainer.max_uniform_batches), when `can_fail`. True then: the run must stop."""
+        verdict = self.uniform.group(uniform)
+        if self.cfg.distill.teacher and not self.cfg.ppo.drop_uniform_groups:
+            return False  # every group trains on the teacher's per-token term: groups that score alike still teach
+        if verdict == "stop" and can_fail:
+            self.failure = self.uniform.stop_line(self.cfg.trainer.max_uniform_batches)
+            log.error("%s", self.failure)
+            return True
+        if verdict in ("warn", "clear"):
+            self.signal_warning(self.uniform.warning_line() if verdict == "warn" else None)
+        return False
+
+    def take_warning(self, line: str) -> bool:
+        """progress.json's one warning becomes `line`, unless a warning other than no-learning-signal holds it
+        (that one is logged anyway); True when it did."""
+        if self.warning and not self.warning.startswith(WARNING):
+            return False
+        self.warning = line
+        return True
+
+    def rank_stopped(self, body: dict) -> None:
+        """A rank's BYE: the requests it interrupted for new weights (and resumed)."""
+        self.aborted_requests += body["interrupted"]
+
     # -- the parts of a row -----------------------------------------------------------------------
     def expect(self, v: int, parts: set) -> None:
         """The metrics row of version v waits for these parts (sync, weight acks, eval)."""
-        self.row_wait.setdefault(v, set()).update(parts - self.row_got.setdefault(v, set()))
+        self.rows.expect(v, parts)
 
     def got(self, v: int, part: str, values: dict | None = None) -> None:
-        self.rows.setdefault(v, {}).update(values or {})
-        self.row_got.setdefault(v, set()).add(part)
-        self.row_wait.setdefault(v, set()).discard(part)
+        self.rows.part_arrived(v, part, values)
         self.flush_rows()
 
-    def published(self, v: int, values: dict) -> None:
+    def published(self, v: int, starting: bool = False) -> None:
         """Trainer 0 is sending weights v: the row waits for the sync and every generator's load."""
-        self.rows.setdefault(v, {}).update(values)
+        self.rows.add(v, {"wall_s": time.time() - self.t0} if starting else {})
         self.expect(v, {"sync"} | {f"load{g}" for g in self.layout.generator_ranks})
 
     def sync_done(self, body: dict) -> None:
-        gbps = body["bytes"] / max(body["sync_s"], 1e-9) / 1e9
-        row = {"sync_s": body["sync_s"], "sync_bytes": body["bytes"], "sync_gbps": gbps}
-        if body["checksum"] is not None:
-            row["checksum_trainer"] = body["checksum"]
-        self.sync_gbps.append(gbps)
+        row = sync_columns(body)
+        self.sync_gbps.append(row["sync_gbps"])
         self.sync_s.append(body["sync_s"])
         self.sync_bytes = body["bytes"]
         self.got(body["version"], "sync", row)
@@ -208,82 +243,35 @@ class RunReport:
                 *(tag, body["version"], acc, body["reward_mean"]),
             )
         if tag.startswith("v"):
-            row = {}
-            if acc is not None:
-                # the weights its tokens came from: an evaluation that spans a weight load ends on the newer
-                row = {
-                    "heldout_acc": acc,
-                    "heldout_reward_mean": body["reward_mean"],
-                    "heldout_tool_share": body["tool_share"],
-                    "heldout_version": body["version"],
-                    "heldout_version_end": body["version_end"],
-                    "heldout_cut": body["cut"],
-                }
-            self.got(int(tag[1:]), "eval", row)
+            self.got(int(tag[1:]), "eval", eval_columns(body))
 
     def trained(self, v: int, parts: list[dict]) -> None:
         """Every trainer's TRAIN_DONE of version v is in."""
         s = [p["stats"] for p in parts]
-        n = sum(x["samples"] for x in s)
-        tokens = sum(x["tokens"] for x in s)
-        self.tokens_consumed += tokens
-        self.samples_consumed += n
+        cols = trainers_columns(s)
+        self.tokens_consumed += cols["tokens"]
+        self.samples_consumed += cols["samples"]
         now = time.time()
-        self.throughput.trained(v, tokens, now)
+        self.throughput.trained(v, cols["tokens"], now)
+        self.uniform.version_trained()
         elapsed = now - (self.t_rl or self.t0)
-        w = sum(x.get("loss_tokens", 0) for x in s) or 1
         row = {
             "wall_s": now - self.t0,
-            "reward_mean": sum(x["reward_sum"] for x in s) / max(n, 1),
-            "samples": n,
-            "tokens": tokens,
-            "gen_tokens": sum(x["gen_tokens"] for x in s),
-            "staleness_mean": sum(x["staleness_sum"] for x in s) / max(n, 1),
-            "staleness_max": max(x["staleness_max"] for x in s),
-            "interrupted": sum(x["interrupted"] for x in s),
-            "groups_kept": sum(x["groups_kept"] for x in s),
+            **cols,
             "dropped_stale": self.core.dropped_stale,
             "rejected_uniform": self.core.rejected,
-            "t_train": max(x["t_train"] for x in s),
-            "loss": sum(x.get("loss", 0.0) for x in s),
-            "grad_norm": s[0].get("grad_norm", math.nan),
-            # share of the token positions the trainers' forwards computed that were padding
-            "pad_frac": sum(x.get("fwd_padding", 0) for x in s) / max(sum(x.get("fwd_positions", 0) for x in s), 1),
             "consumed_tokens_per_s": self.throughput.start_rate(now - elapsed, now),  # this start's tokens and time
             "gen_tokens_per_s": self.tokens_generated / max(elapsed, 1e-9),
         }
-        for k in _PER_LOSS_TOKEN:
-            row[k] = sum(x.get(k, 0.0) * x.get("loss_tokens", 0) for x in s) / w
-        for k in _OBJECTIVE_TERMS:  # only the terms this objective has
-            if any(k in x for x in s):
-                row[k] = sum(x.get(k, 0.0) * x.get("loss_tokens", 0) for x in s) / w
-        # the training-inference gap: each trainer's sums merged, then the figures (docs/algorithm.md)
-        row |= mismatch.row_columns(s)
-        for k in ("train_tokens_computed", "train_tokens_unshared"):  # trainers that count them: prefix sharing
-            if any(k in x for x in s):
-                row[k] = sum(x.get(k, 0) for x in s)
-        if "lr" in s[0]:
-            row["lr"] = s[0]["lr"]
-        if any("overlong_penalty" in x for x in s):
-            row["overlong_penalty"] = sum(x.get("overlong_penalty", 0.0) * x["samples"] for x in s) / max(n, 1)
         # reward time-outs and errors, and the numbers episodes logged: over every episode generated since the
         # previous row (a group rejected as uniform because its reward failed counts too)
-        self.got(v, "train", row | episode_metrics(s, n) | self.generated.row())
+        self.got(v, "train", row | episode_metrics(s, cols["samples"]) | self.generated.row())
 
     def flush_rows(self, force: bool = False) -> None:
-        """Write finished rows in version order: a row is complete once trained and every awaited part arrived."""
-        for v in sorted(self.rows):
-            done = "train" in self.row_got.get(v, set()) and not self.row_wait.get(v)
-            if not (done or force):
-                break
-            row = self.rows.pop(v)
-            self.row_wait.pop(v, None)
-            self.row_got.pop(v, None)
+        """Write complete rows in version order (every row with `force`)."""
+        for v, row in self.rows.take_complete(force):
             if self.resumed and v == self.start_version:
                 continue  # the checkpoint's version republished: its row is already in metrics.csv
-            gens = [row.get(f"checksum_gen{i}") for i in range(self.layout.n_generators)]
-            if "checksum_trainer" in row and all(g is not None for g in gens):
-                row["weights_match"] = int(all(g == row["checksum_trainer"] for g in gens))
             self.metrics.log(v, row)
 
     # -- progress and summary ---------------------------------------------------------------------
@@ -313,11 +301,9 @@ class RunReport:
             "elapsed_s": now - self.t0,
             "dropped_stale": self.core.dropped_stale,
             "rejected_uniform": self.core.rejected,
-            "reward_timeouts": self.generated.total["reward_timeouts"],
-            "reward_errors": self.generated.total["reward_errors"],
+            **self.generated.totals(),  # training episodes: the schema's "generated" counts (count_schema)
             "heldout_reward_timeouts": self.heldout_failures[0],
             "heldout_reward_errors": self.heldout_failures[1],
-            "agent_failures": self.generated.total["agent_failures"],
             "heldout_agent_failures": self.heldout_failures[2],
             "warning": self.warning,
             "eval": self.eval_running,  # {"tag", "done", "total", "reward_timeouts"} while an evaluation runs

@@ -85,23 +85,23 @@ class Trainer(RoleLoop):
 
     def __init__(self, cfg: Config, run_dir: Path, comm, layout: Layout, sync_group, model_dir: Path, resume: bool):
         super().__init__(cfg, run_dir, comm, layout, resume)
-        tc = cfg.trainer
+        trainer_cfg = cfg.trainer
         # LoRA with a warm start: every weight is warm-started first, then the adapter trains on the result
-        self.adapt_later = bool(tc.lora_rank and tc.warm_start_steps and not resume)
-        self.base_dir = adapter_base(cfg, self.run_dir, model_dir) if tc.lora_rank else model_dir
+        self.adapt_later = bool(trainer_cfg.lora_rank and trainer_cfg.warm_start_steps and not resume)
+        self.base_dir = adapter_base(cfg, self.run_dir, model_dir) if trainer_cfg.lora_rank else model_dir
         # the default torch group = the trainers
         self.engine = build_train_engine(cfg, model_dir if self.adapt_later else self.base_dir, full=self.adapt_later)
         self.model_dir = model_dir
         self.sync_group = sync_group
-        sc = cfg.sync
+        sync_cfg = cfg.sync
         self.sender = (
             WeightSender(
-                sc.method,
+                sync_cfg.method,
                 sync_group,
                 self.run_dir,
-                sc.bucket_mb,
-                sc.checksum,
-                sc.keep_versions,
+                sync_cfg.bucket_mb,
+                sync_cfg.checksum,
+                sync_cfg.keep_versions,
                 cfg.cluster.device,
                 DTYPES[cfg.model.dtype],  # the trainer's weights are fp32 masters; generators hold model.dtype
             )

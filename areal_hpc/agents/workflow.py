@@ -7,18 +7,20 @@ import logging
 import shlex
 import shutil
 
-from areal_hpc.agents.endpoint import Endpoint, EndpointSettings
-from areal_hpc.agents.protocol import RunSampling
+from areal_hpc.agents.endpoint import Endpoint
 from areal_hpc.agents.running import ENDED, STOPPED, AgentOutcome, load_agent
+from areal_hpc.agents.session import AgentSession
 from areal_hpc.agents.transcript import tool_parser_class
+from areal_hpc.workflow.episode import Episode
 from areal_hpc.workflow.failures import EndpointLost, EpisodeFailed
 from areal_hpc.workflow.records import EpisodeFailure
+from areal_hpc.workflow.runner import RunnerServices
 
 log = logging.getLogger("areal_hpc.workflow")
 
 
 def check_agent_config(wc) -> None:
-    """The start-up check (config_checks has checked the settings' form): the agent imports and has the
+    """The start-up check (config checks have checked the settings' form): the agent imports and has the
     signature, or the command's program exists; the tool parser exists. One line (ValueError) if not."""
     if wc.agent:
         load_agent(wc)
@@ -37,33 +39,37 @@ def check_agent_config(wc) -> None:
 
 
 class AgentEndpoint:
-    """The runner's endpoint (one per episode runner, closed with it)."""
+    """The runner's endpoint (one per episode runner, closed with it: Episode.service)."""
 
-    def __init__(self, runner, wc):
-        s = runner.settings
-        sampling = RunSampling(s.temperature, s.top_p, s.max_new_tokens, s.model_name)
-        settings = EndpointSettings(sampling, wc.endpoint_host, wc.max_request_kb, wc.tool_parser, s.max_context)
-        self.endpoint = Endpoint(runner.text.tokenizer, settings, wc, runner.call_in_loop)
+    def __init__(self, services: RunnerServices):
+        s = services.settings
+        if s.config is None:
+            raise ValueError("workflow.fn=agent needs the run's config in its runner's settings (`config`)")
+        self.endpoint = Endpoint(services.tokenizer, s.config, s.max_context, services.call_in_loop)
+        self.wait = services.wait
         self.stopping = False  # its process was ended by the job's stop signal (said once)
         # vLLM's parsers log a traceback for every answer that does not parse (returned as content, as meant)
         logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
         log.info("agent endpoint at %s", self.endpoint.base_url)
 
+    async def run_agent(self, session: AgentSession, row: dict) -> AgentOutcome:
+        """The episode's agent, run to its outcome on the endpoint's process (cancelled with the episode)."""
+        return await self.wait(self.endpoint.start_agent(session, row))
+
     def close(self) -> None:
         self.endpoint.shutdown()
 
 
-async def agent(ep) -> float | None:
-    """rollout.workflow=agent: the episode's session is opened, the agent runs against it, and its result
+async def agent(ep: Episode) -> float | None:
+    """workflow.fn=agent: the episode's session is opened, the agent runs against it, and its result
     becomes the episode's reward: a float as it is, a string scored by reward.fn with the row, None rejects
     the episode. An agent that fails (raises, hangs past workflow.agent_timeout_s, returns or prints something
     else) costs its episode only: it fails (EpisodeFailed), is counted against workflow.max_failure_share, and
     runs again."""
-    runner = ep._runner  # noqa: SLF001 (a built-in workflow: the endpoint lives as long as the runner)
-    shared: AgentEndpoint = runner.shared("agent-endpoint", lambda: AgentEndpoint(runner, ep.config))
+    shared: AgentEndpoint = ep.service(AgentEndpoint)
     session = shared.endpoint.open(ep)
     try:
-        outcome: AgentOutcome = await runner.wait(shared.endpoint.start_agent(session, ep.row))
+        outcome = await shared.run_agent(session, ep.row)
     except RuntimeError as e:  # the job cancelled on the endpoint's side (its loop shutting down): as before, a try
         raise EpisodeFailed(EpisodeFailure("raised", f"it stopped: {e}", source="agent")) from None
     finally:
