@@ -1,1 +1,1 @@
-"""runtime/generation"""
+"""A generator rank: its loop, its pure bookkeeping, how many prompts it asks for, LoRA adapters it merges."""

@@ -1,1 +1,1 @@
-"""runtime/rank0"""
+"""Rank 0: the scheduler, its pure core and phases, the prompt count, resume from a checkpoint."""

@@ -1,1 +1,1 @@
-"""runtime/reporting"""
+"""Rank 0's account of the run: per-version rows, run totals, metrics and trackers, throughput, signal."""
