@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_hpc.store.shards import EPISODE_FIELDS, OFFSETS_DTYPE, TOKEN_FIELDS, TRAJ_FIELDS
+from areal_hpc.store.shard_schema import EPISODE_FIELDS, OFFSETS_DTYPE, TOKEN_FIELDS, TRAJ_FIELDS
 
 # Bytes a shard stores per token (input_ids, behav_logprobs, versions, loss_mask: 13) and per trajectory (its
 # per-trajectory columns and its offset: 88, and its episode's row when it is the episode's only transcript: 40),

@@ -17,7 +17,8 @@ import numpy as np
 
 from areal_hpc.disk_estimate import TOKEN_BYTES, TRAJ_BYTES  # each trajectory its own episode here
 from areal_hpc.store import list_shards, read_shard, read_shard_summary, write_shard
-from areal_hpc.store.shards import OFFSETS_DTYPE, Compression
+from areal_hpc.store.shard_schema import OFFSETS_DTYPE
+from areal_hpc.store.shards import Compression
 from areal_hpc.types import Trajectory
 
 RESULTS = Path(__file__).resolve().parent / "results" / "store_io.json"

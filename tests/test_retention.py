@@ -147,7 +147,8 @@ def test_disk_estimate_counts_store_compression(demo_run, tmp_path):
     import h5py
 
     from areal_hpc.disk_estimate import COMPRESSION_RATIOS, TOKEN_BYTES, TRAJ_BYTES
-    from areal_hpc.store.shards import TOKEN_FIELDS, parse_shard_name, read_shard, write_shard
+    from areal_hpc.store.shard_schema import TOKEN_FIELDS
+    from areal_hpc.store.shards import parse_shard_name, read_shard, write_shard
 
     def token_bytes(paths):  # what the token datasets take on disk, after the filter
         out = 0

@@ -326,9 +326,13 @@ def check_fits_context(ds: MathDataset, cfg, model_dir) -> None:
         check_context(model_dir, ds.longest_prompt, mnt, "the longest in the dataset")
 
 
-def check_prompts_fit(cfg, model_dir) -> None:
-    """The start-up check the launchers run once, before any rank starts work."""
+def check_prompts_fit(cfg, model_dir):
+    """The start-up check the launchers run once, before any rank starts work; returns the dataset it checked
+    (None for the emulated engine, which checks nothing), so a caller that needs it does not tokenize it again."""
     from areal_hpc.model import load_tokenizer
 
-    if cfg.rollout.engine != "emulated":
-        check_fits_context(load_run_dataset(cfg, load_tokenizer(model_dir)), cfg, model_dir)
+    if cfg.rollout.engine == "emulated":
+        return None
+    dataset = load_run_dataset(cfg, load_tokenizer(model_dir))
+    check_fits_context(dataset, cfg, model_dir)
+    return dataset

@@ -88,13 +88,14 @@ def lora_spec(cfg: Config) -> LoraSpec | None:
     )
 
 
-def check_model_fits(cfg: Config, model_dir: Path) -> None:
+def check_model_fits(cfg: Config, model_dir: Path) -> MathDataset | None:
     """The start-up check the launchers run once, before any rank starts work: the prompts fit the model's
     context, trainer.lora_targets name layers the model has, and distill.teacher shares its tokenizer (one line
-    each)."""
-    check_prompts_fit(cfg, model_dir)
+    each). Returns the dataset whose prompts it checked (None when it checked none)."""
+    dataset = check_prompts_fit(cfg, model_dir)
     check_lora_targets(cfg, model_dir)
     check_teacher(cfg.distill.teacher, model_dir)
+    return dataset
 
 
 def check_lora_targets(cfg: Config, model_dir: Path) -> None:

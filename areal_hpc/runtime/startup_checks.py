@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from areal_hpc.config import Config
+from areal_hpc.data import MathDataset
 from areal_hpc.engines import require_installed
 from areal_hpc.model import ensure_model
 from areal_hpc.model.record import model_mismatch, record_model, record_teacher, teacher_mismatch
@@ -22,12 +23,12 @@ class StartRefused(ValueError):
     """A start of a run whose run dir records another model or teacher: one line."""
 
 
-def check_start(cfg: Config, run_root: Path, resume: bool) -> Path:
+def check_start(cfg: Config, run_root: Path, resume: bool) -> tuple[Path, MathDataset | None]:
     """Every start-up check, each failing with one line, in this order: the engines' and trackers' packages,
     the user's code (reward.fn, workflow.fn), the run's recorded model and teacher (a start of a run that
     started before keeps them), then a resume's checkpoint or a fresh start's warm-start rows, then the model
     folder (built here, once, never by several ranks at once) and whether the task fits it. Nothing is written
-    in the run dir; returns the model folder."""
+    in the run dir; returns the model folder and the dataset whose prompts were checked (None: none were)."""
     require_installed(cfg.rollout.engine, cfg.trainer.engine)
     require_trackers(cfg.logging.trackers)
     check_user_code(cfg)
@@ -40,8 +41,8 @@ def check_start(cfg: Config, run_root: Path, resume: bool) -> Path:
     else:  # a resumed run's weights are past the warm start
         check_warm_start(cfg)  # rows lacking what the warm start trains on
     model_dir = ensure_model(cfg.model)
-    check_model_fits(cfg, model_dir)  # the prompts fit the context, LoRA targets exist, the teacher's tokenizer
-    return model_dir
+    dataset = check_model_fits(cfg, model_dir)  # the prompts fit the context, LoRA targets, the teacher's tokenizer
+    return model_dir, dataset
 
 
 def record_start(run: RunDir, cfg: Config) -> None:

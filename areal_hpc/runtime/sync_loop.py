@@ -64,7 +64,7 @@ class RunSummary:
 def run_sync(cfg: Config) -> RunSummary:
     """Run the synchronous learning loop described by `cfg` and return before/after accuracy."""
     root = Path(cfg.store.run_dir).resolve()
-    model_dir = check_start(cfg, root, resume=False)  # the launchers' checks: one line before the run dir is written
+    model_dir, checked = check_start(cfg, root, resume=False)  # the launchers' checks, before the run dir is written
     t0 = time.time()  # as the asynchronous runs' wall time, from after the start-up checks
     seed_everything(cfg.trainer.seed)
     torch.set_num_threads(cfg.cluster.threads_per_rank)
@@ -74,7 +74,7 @@ def run_sync(cfg: Config) -> RunSummary:
         raise FileExistsError(str(err)) from None
     record_start(run_dir, cfg)
     tokenizer = load_tokenizer(model_dir)
-    dataset = load_run_dataset(cfg, tokenizer)
+    dataset = checked if checked is not None else load_run_dataset(cfg, tokenizer)  # the checks tokenized it
     record_dataset(run_dir, cfg.data)  # a fresh run dir: RUN_DIR/dataset.json
 
     rc, tc = cfg.rollout, cfg.trainer

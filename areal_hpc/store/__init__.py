@@ -3,8 +3,8 @@
 from areal_hpc.store.episodes import EpisodeView, TextSegment, Transcript, load_episodes
 from areal_hpc.store.ledger import Ledger, LedgerError
 from areal_hpc.store.loader import load_trajectories
+from areal_hpc.store.shard_schema import SCHEMA_VERSION
 from areal_hpc.store.shards import (
-    SCHEMA_VERSION,
     CorruptShardError,
     ShardSummary,
     list_shards,

@@ -20,7 +20,7 @@ TOKEN_DTYPES: dict[str, np.dtype] = {
 }
 TOKEN_COLUMNS = tuple(TOKEN_DTYPES)
 # one value per sequence: the Trajectory's other fields and three of its properties (gen_len, version_start,
-# version_end), in the store's checksum order (store.shards.SCHEMA_FIELDS: what each shard schema version stored)
+# version_end), in the store's checksum order (store.shard_schema.SCHEMA_FIELDS: what each shard schema version stored)
 SEQ_DTYPES: dict[str, np.dtype] = {
     "prompt_id": np.dtype("<i8"),
     "group_id": np.dtype("<i8"),

@@ -12,7 +12,8 @@ import pandas as pd
 from areal_hpc.rundir import RunDir
 from areal_hpc.store.columns import EPISODE_COUNTS, EPISODE_DTYPES, episode_owners
 from areal_hpc.store.ledger import Ledger
-from areal_hpc.store.shards import TRAJ_FIELDS, CorruptShardError, ShardSummary, list_shards, read_shard_summary
+from areal_hpc.store.shard_schema import TRAJ_FIELDS
+from areal_hpc.store.shards import CorruptShardError, ShardSummary, list_shards, read_shard_summary
 
 COLUMNS = (
     *TRAJ_FIELDS,
