@@ -18,9 +18,9 @@ import numpy as np
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-GPU costs. A decode step takes the longer of reading the weights and every running sequence's
-    KV cache (memory) and its matrix products (compute); on GPUs memory wins, on CPUs compute does.
-    Prefill and training are compute-bound."""
+    """Per-GPU costs (a generator over several GPUs: tensor_parallel). A decode step takes the longer of reading
+    the weights and every running sequence's KV cache (memory) and its matrix products (compute); on GPUs memory
+    wins, on CPUs compute does. Prefill and training are compute-bound."""
 
     name: str
     weight_bytes: float  # bf16 weights, read once per decode step
@@ -107,6 +107,29 @@ PREFILL_MFU = 0.50
 TRAIN_MFU = 0.35  # long packed sequences, ZeRO with activation checkpointing
 TRAIN_FLOPS_PER_PARAM = 8  # forward 2 + backward 4 + the proximal-logprob forward 2
 LOAD_S = 0.5  # a generator swapping in received weights and resetting its prefix cache
+# A generator over N devices (tensor parallel, cluster.devices_per_generator) splits its weights, KV cache and
+# matrix products N ways, each device at this efficiency; its per-step overhead stays whole. Assumed, not
+# measured (no GPU has run this path here): Megatron-LM's split adds two all-reduces per layer to each step; at
+# 10-20 us each on NVLink (NCCL's small-message latency), the 7B preset's 56 add 0.6-1.1 ms to the 3.3 ms a
+# TP 2 step spends reading its half of the weights, 0.75-0.85 of perfect scaling. Smaller models fare worse.
+# benchmarks/gpu_check.sh's TP 1 against TP 2 tokens/s is the figure to replace it with.
+TP_EFFICIENCY = 0.8
+
+
+def tensor_parallel(cost: CostModel, devices: int) -> CostModel:
+    """`cost` (one device's) for a generator over `devices` devices: decode's reads and products and the prefill
+    run on all of them at TP_EFFICIENCY each. A weight sync is unchanged: the version's bytes still reach the
+    generator's node once and each device loads its share."""
+    if devices == 1:
+        return cost
+    speedup = devices * TP_EFFICIENCY
+    return replace(
+        cost,
+        name=f"{cost.name}-tp{devices}",
+        mem_bytes_per_s=cost.mem_bytes_per_s * speedup,
+        seq_step_s=cost.seq_step_s / speedup,
+        prefill_tokens_per_s=cost.prefill_tokens_per_s * speedup,
+    )
 
 
 def derive(model: ModelShape, gpu: Gpu) -> CostModel:
@@ -156,6 +179,7 @@ class RunSettings:
     head_prepass: bool = False  # ppo.importance=sequence: GSPO's second pass of the output layer
     lora_rank: int = 0  # trainer.lora_rank: the adapter alone is published
     lora_targets: tuple[str, ...] = ()
+    gen_devices: int = 1  # cluster.devices_per_generator: each generator's engine over this many (tensor_parallel)
 
     def train_flops_per_token(self, shape: ModelShape) -> float:
         """Forward and backward (2 + 4) and the forwards the settings add, per token trained."""
@@ -177,17 +201,20 @@ def settings_of(cfg, teacher_params: float = 0.0) -> RunSettings:
         head_prepass=pc.importance == "sequence",
         lora_rank=tc.lora_rank,
         lora_targets=tuple(tc.lora_targets),
+        gen_devices=cfg.cluster.devices_per_generator,
     )
 
 
 def for_run(cost: CostModel, shape: ModelShape, run: RunSettings) -> CostModel:
-    """`cost` (the preset's shape) under a run's settings: a PPO version's time scales with its FLOPs, and with
-    LoRA a sync moves the adapter's bytes instead of the weights' (the load into the generator stays)."""
+    """`cost` (the preset's shape) under a run's settings: a PPO version's time scales with its FLOPs, with
+    LoRA a sync moves the adapter's bytes instead of the weights' (the load into the generator stays), and a
+    generator over several devices steps faster (tensor_parallel)."""
     factor = run.train_flops_per_token(shape) / (TRAIN_FLOPS_PER_PARAM * shape.params)
     sync_s = cost.sync_s
     if run.lora_rank:
         load_s = max(0.0, cost.sync_s - cost.weight_bytes / cost.net_bytes_per_s)
         sync_s = load_s + run.sync_bytes(shape) / cost.net_bytes_per_s
+    cost = tensor_parallel(cost, run.gen_devices)
     return replace(cost, train_tokens_per_s=cost.train_tokens_per_s / factor, sync_s=sync_s)
 
 

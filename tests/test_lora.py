@@ -165,8 +165,8 @@ def test_lora_trainer_trains_the_adapter_alone_references_the_base_and_resumes_e
 
 def test_a_generator_refuses_other_base_weights_than_the_trainers_in_one_line(tiny_model_dir, tmp_path):
     from areal_hpc.engines.torch_gen import TorchGenerationEngine
+    from areal_hpc.model.weights import weights_checksum
     from areal_hpc.rundir import RunDir
-    from areal_hpc.runtime.comm.weight_sync import weights_checksum
     from areal_hpc.runtime.generation.adapters import AdapterLoader, BaseMismatch
 
     spec = LoraSpec(4, 8.0)

@@ -21,10 +21,10 @@ from areal_hpc.algo.mismatch import FIGURES
 from areal_hpc.config import load_config
 from areal_hpc.launch.environment import rank_env
 from areal_hpc.launch.local import launch
+from areal_hpc.model.weights import weights_checksum
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.comm.layout import GENERATOR, SCHEDULER, TRAINER
 from areal_hpc.runtime.comm.timeline import load_timeline
-from areal_hpc.runtime.comm.weight_sync import weights_checksum
 from areal_hpc.runtime.cores import CoreSplit
 from areal_hpc.store import Ledger, list_shards, load_trajectories, read_shard_summary
 

@@ -10,7 +10,8 @@ from areal_hpc.engines.base import generate
 from areal_hpc.engines.torch_gen import TorchGenerationEngine
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.model import load_tokenizer
-from areal_hpc.runtime.comm.weight_sync import WeightReceiver, WeightSender, state_nbytes, weights_checksum
+from areal_hpc.model.weights import weights_checksum
+from areal_hpc.runtime.comm.weight_sync import WeightReceiver, WeightSender, state_nbytes
 from areal_hpc.types import GenRequest
 
 

@@ -86,6 +86,11 @@ def simulate_cmd(
             )
             click.echo(f"busy:        generators {r.gen_busy:.1%}, trainers {r.train_busy:.1%}")
             click.echo(
+                f"GPUs:        {r.gpus} ({sim.n_generators} generators x {sim.devices_per_generator}, "
+                f"{sim.n_trainers} trainers): "
+                f"{r.consumed_tokens_per_gpu_s:.0f} consumed tokens/s per GPU"
+            )
+            click.echo(
                 f"training:    {r.train_s_per_version:.2f} s per version; computed {r.train_tokens_computed:,} of "
                 f"the {r.train_tokens_unshared:,} token positions trained on ({r.prefix_saving:.1%} saved by prefix "
                 "sharing)"

@@ -216,6 +216,10 @@ class SyncConfig:
     # seconds a collective (the weight broadcast, the trainers' all-reduce) waits for the other ranks before
     # it fails; under Slurm cut to end a minute before the allocation does
     timeout_s: float = 1800.0
+    # seconds each step of one weight sync may take (trainer 0's send, a vLLM worker's receive + load) before the
+    # run stops with one line naming the step, the version and the ranks, and restarts (slurm.max_restarts).
+    # 0 = derived from the model's bytes: 60 s + 1 s per 50 MB, 4x for a world's first sync
+    limit_s: float = 0.0
 
 
 @dataclass

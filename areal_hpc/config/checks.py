@@ -114,6 +114,8 @@ _LOWER = {
     "trainer.checkpoint_every": (0, True),
     "trainer.keep_checkpoints": (0, True),
     "cluster.n_generators": (1, True),
+    "cluster.devices_per_generator": (1, True),
+    "sync.limit_s": (0, True),
     "cluster.n_trainers": (1, True),
     "cluster.threads_per_rank": (1, True),
     "cluster.hang_timeout_s": (0, True),
@@ -208,6 +210,13 @@ def validate(cfg: Config) -> Config:
     if bits and cfg.rollout.engine != "torch":
         raise ConfigError(
             f"config rollout.weight_bits={bits} needs rollout.engine=torch (the engine that rounds its weights); "
+            f"got {cfg.rollout.engine}"
+        )
+    devices = cfg.cluster.devices_per_generator
+    if devices > 1 and cfg.rollout.engine not in ("vllm", "emulated"):
+        # only vLLM splits one engine over several devices (tensor parallel); the emulated engine models it
+        raise ConfigError(
+            f"config cluster.devices_per_generator={devices} needs rollout.engine=vllm (or emulated); "
             f"got {cfg.rollout.engine}"
         )
     emulated = (cfg.rollout.engine == "emulated", cfg.trainer.engine == "emulated")

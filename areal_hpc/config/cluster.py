@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 class ClusterConfig:
     """The ranks: how many generators and trainers, their threads and device, and when a rank counts as hung."""
 
-    n_generators: int = 1  # generator ranks (one GPU each on cuda)
+    n_generators: int = 1  # generator ranks
+    # devices per generator: one vLLM engine over this many devices, tensor parallel (GPUs of one node on cuda;
+    # worker processes on cpu). rollout.engine=vllm (or emulated, which models it); the model's attention
+    # heads must divide by it
+    devices_per_generator: int = 1
     n_trainers: int = 1  # trainer ranks, data parallel (one GPU each on cuda)
     # torch CPU threads per rank (torch.set_num_threads); under Slurm give each rank as many CPUs
     # (slurm.cpus_per_task)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from areal_hpc.model.weights import weights_checksum
 from areal_hpc.store.columns import Batch
 from areal_hpc.types import GenOutput, GenRequest
 
@@ -134,6 +135,10 @@ class GenerationEngine(ABC):
     @abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights now loaded, in the trainer's names (receive buffers and checksums are built from it)."""
+
+    def weights_checksum(self) -> int:
+        """model.weights.weights_checksum of the weights loaded last, in the trainer's names (weights_match)."""
+        return weights_checksum(self.state_dict())
 
     @abstractmethod
     def close(self) -> None:

@@ -1,16 +1,19 @@
-"""Generation engine on vLLM, in-process and step-driven: continuous batching, processed logprobs, weight reload."""
+"""Generation engine on vLLM, step-driven: continuous batching, processed logprobs, weights through vLLM's API."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 from collections.abc import Hashable
 
 import torch
 
 from areal_hpc.engines.base import GenerationEngine, InFlight, generate
+from areal_hpc.engines.lora import model_skeleton
 from areal_hpc.model import load_causal_lm
 from areal_hpc.model import stop_token_ids as model_stop_ids
+from areal_hpc.model.weights import shared_names, tied_aliases, weights_checksum
 from areal_hpc.types import GenOutput, GenRequest
 
 # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; close() restores it
@@ -32,13 +35,13 @@ class VLLMGenerationEngine(GenerationEngine):
 
     vLLM batches continuously (a finished sequence frees its slot at once, up to `max_num_seqs`
     running) and shares the KV blocks of a prompt's n samples through the prefix cache. Logprobs are
-    vLLM's "processed" ones, after temperature: the distribution the trainer recomputes. Weights are
-    reloaded in place from the received tensors (vLLM copies them, so the caller's buffers can be
-    reused) and the prefix cache is reset, since cached blocks were computed by the old weights.
+    vLLM's "processed" ones, after temperature: the distribution the trainer recomputes.
 
-    `state_dict()` is a host mirror of the last weights loaded, in the trainer's (Hugging Face) names:
-    vLLM fuses q/k/v and gate/up, so its own parameters do not line up with the trainer's export. The
-    contract tests check that what vLLM computes after a reload equals transformers on those weights.
+    One engine spans `tensor_parallel` devices (worker processes on CPU, GPUs of one node on cuda). Weights reach
+    them only through vLLM's weight-transfer API: start_weight_update -> update_weights -> finish_weight_update
+    (version), with this project's engine (vllm_transfer) on CPU and vLLM's nccl engine on GPUs. Every worker
+    receives and loads what it holds; this process keeps no copy of the weights. Per-token versions are vLLM's own
+    (its weight_versions spans), checked against the versions this engine expects.
     """
 
     def __init__(
@@ -52,21 +55,31 @@ class VLLMGenerationEngine(GenerationEngine):
         device: str = "cpu",
         max_num_seqs: int = 256,
         stop_token_ids: list[int] | None = None,
+        tensor_parallel: int = 1,
     ):
         super().__init__(max_num_seqs, temperature, top_p)
         self.model_path = str(model_path)
+        self.dtype = dtype
         _vllm_env(device)
         # None: every EOS the model folder declares. vLLM also reads generation_config.json's own; the set is
         # given explicitly so it stops on exactly what the torch engine does (config.json's, the tokenizer's)
         self.stop_ids = list(stop_token_ids if stop_token_ids is not None else model_stop_ids(model_path))
         import vllm
+        from vllm.config import WeightTransferConfig
         from vllm.sampling_params import RequestOutputKind
+
+        from areal_hpc.engines import vllm_transfer
 
         self._vllm = vllm
         self._delta = RequestOutputKind.DELTA
-        self.mirror = load_causal_lm(model_path, dtype).state_dict()
+        skeleton = model_skeleton(model_path)  # names and shapes on the meta device: no memory
+        self.names = set(skeleton.state_dict())  # what a load may name
+        self.aliases = shared_names(skeleton)  # a tied output layer: sent once, loaded under both names
+        parallel = {}
+        if tensor_parallel > 1:  # worker processes; the engine core stays here (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+            parallel = dict(tensor_parallel_size=tensor_parallel, distributed_executor_backend="mp")
         self.llm = vllm.LLM(
-            model=model_path,
+            model=self.model_path,
             dtype=dtype,
             seed=seed,
             enforce_eager=True,  # no graph capture/compile: start-up in seconds, weights stay swappable
@@ -74,8 +87,19 @@ class VLLMGenerationEngine(GenerationEngine):
             logprobs_mode="processed_logprobs",
             kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
             max_num_seqs=max_num_seqs,
+            weight_transfer_config=WeightTransferConfig(backend=vllm_transfer.BACKEND if device == "cpu" else "nccl"),
+            worker_extension_cls=f"{vllm_transfer.__name__}.TransferWorkerExtension",
+            **parallel,
         )
+        self.tensor_parallel = tensor_parallel
         self.engine = self.llm.llm_engine
+        self._transfer = vllm_transfer
+        if device == "cpu":  # file updates work from here on; connect() adds trainer 0's group
+            self.llm.init_weight_transfer_engine({"init_info": {}})
+        self._checksum: int | None = None  # of the weights loaded last (None: the model folder's, computed on demand)
+        self.receive_s = 0.0  # the workers' receive + load seconds of the last update
+        self.versions_checked = 0  # output tokens whose version vLLM reported and this engine compared
+        self.versions_mismatched = 0  # ... and found different from the version loaded when they were sampled
         # OpenMP thread counts are per thread: stepping from another thread than this one must use the
         # count vLLM set up here, or its CPU attention refuses ("thread_num ... 2 vs. 1")
         self._threads = torch.get_num_threads()
@@ -83,10 +107,12 @@ class VLLMGenerationEngine(GenerationEngine):
         self._seqs: dict[str, InFlight] = {}  # vLLM's request id -> our record, for every request in vLLM
         self._prefilled: set[str] = set()  # vLLM ids whose prefill has been counted
         self._core = getattr(getattr(self.engine, "engine_core", None), "engine_core", None)  # in-process EngineCore
+        self.llm.update_weight_version("0")  # vLLM says "default" until told: the model folder is version 0
         # vLLM's first step builds what its kernels need (2-3 s for the tiny CPU model): here it is start-up,
         # overlapping the other ranks', instead of a stall in the first generation the runtime times
         generate(self, [GenRequest("warmup", [self.stop_ids[0] if self.stop_ids else 0], 1, greedy=True)])
         self.prefill_tokens = self.prefill_shared_tokens = 0  # the warm-up is not the runtime's work
+        self.versions_checked = 0
 
     @property
     def num_running(self) -> int:
@@ -100,35 +126,72 @@ class VLLMGenerationEngine(GenerationEngine):
         return len(self._seqs) - self.num_running
 
     # -- weights ---------------------------------------------------------------------------------
+    def connect(self, init_info: dict) -> None:
+        """Join trainer 0's group for this generator (collective with trainer 0: weight_sync.TransferGroup)."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, keep_kv: bool = False) -> None:
-        unknown = sorted(set(state_dict) - set(self.mirror))
+        """A state dict held by the caller (a LoRA merge, a test) goes in as a file in shared memory, which every
+        worker reads: the same API call as a publish, and nothing pickled through an RPC."""
+        from safetensors.torch import save_file
+
+        unknown = sorted(set(state_dict) - self.names)
         if unknown:
             raise RuntimeError(
-                f"update_weights: unexpected weight names {unknown[:3]}; the model has {len(self.mirror)} others"
+                f"update_weights: unexpected weight names {unknown[:3]}; the model has {len(self.names)} others"
             )
-        if self._seqs and not keep_kv:
-            raise RuntimeError("update_weights with requests in flight; interrupt them or let them finish first")
-        for k, v in state_dict.items():
-            self.mirror[k].copy_(v)
-        # tied weights appear under two names; vLLM loads each name it knows once. Between two steps the
-        # running requests' KV blocks stay where they are, so keep_kv needs nothing more here.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+        self._check_idle(keep_kv)
+        aliases = tied_aliases(state_dict)  # safetensors refuses two names on one tensor
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="areal-weights-", dir=shm)
+        os.close(fd)
+        try:
+            save_file({k: v.detach().contiguous() for k, v in state_dict.items() if k not in aliases}, path)
+            self.load({"path": path}, version, keep_kv)
+        finally:
+            os.unlink(path)
+
+    def load(self, update_info: dict, version: int, keep_kv: bool = False) -> None:
+        """One update through vLLM's API: every worker receives (from the file, or from trainer 0's group) and loads
+        its part, then vLLM stamps the tokens it samples from here on with `version`."""
+        self._check_idle(keep_kv)
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": update_info | {"version": version, "aliases": self.aliases}})
+        self.llm.finish_weight_update(weight_version=str(version))
+        per_worker = self.llm.collective_rpc(self._transfer.last_update)
+        crcs = {crc for crc, _ in per_worker}
+        if len(crcs) > 1:
+            raise RuntimeError(f"the workers of one generator received different weights for version {version}")
+        self._checksum, self.receive_s = crcs.pop(), max(s for _, s in per_worker)
         # blocks cached under the old weights must not serve new requests: reset when nothing holds blocks;
         # with requests in flight (keep_kv) the reset cannot run, and the version in each new request's cache
         # salt keeps it off blocks computed under older weights instead
         if not self.llm.reset_prefix_cache() and not keep_kv:
-            raise RuntimeError("vLLM could not reset its prefix cache after a weight reload (requests still running)")
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight load (requests still running)")
         self.version = version
 
+    def _check_idle(self, keep_kv: bool) -> None:
+        if self._seqs and not keep_kv:
+            raise RuntimeError("update_weights with requests in flight; interrupt them or let them finish first")
+
+    def weights_checksum(self) -> int:
+        """What the workers received last (computed there, bucket by bucket); before any load, the model folder's."""
+        if self._checksum is None:
+            self._checksum = weights_checksum(load_causal_lm(self.model_path, self.dtype).state_dict())
+        return self._checksum
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.mirror
+        raise NotImplementedError(
+            "the vLLM engine keeps no host copy of its weights: compare weights_checksum(), or vLLM's own "
+            "compute_weight_checksums() across engines"
+        )
 
     def close(self) -> None:
         if self._seqs:  # nothing may stay in vLLM holding KV blocks
             self.engine.abort_request(list(self._seqs))
             self._seqs.clear()
-        # vLLM 0.32's LLM has no shutdown(); the engine core's is the one that ends cleanly
+        # vLLM 0.32's LLM has no shutdown(); the engine core's is the one that ends cleanly (and its workers')
         self.engine.engine_core.shutdown()
         torch.set_num_threads = _TORCH_SET_NUM_THREADS
 
@@ -188,9 +251,22 @@ class VLLMGenerationEngine(GenerationEngine):
                 seq.versions.append(self.version)
             if o.finished:
                 self._prefilled.discard(o.request_id)
+                self._take_versions(seq, c.weight_versions)
                 done.append(self._seqs.pop(o.request_id).output("stop" if c.finish_reason == "stop" else "length"))
             elif seq.request.stop and self._hits_stop(seq):  # stop strings are ours: vLLM does not detokenize
                 self.engine.abort_request([o.request_id])
                 self._prefilled.discard(o.request_id)
                 done.append(self._seqs.pop(o.request_id).output("stop"))
         return done
+
+    def _take_versions(self, seq: InFlight, spans) -> None:
+        """vLLM's per-token versions of the tokens this request sampled (a resumed request's earlier tokens came from
+        an earlier request), compared with the versions this engine expected, then kept as vLLM reports them."""
+        base = len(seq.request.partial_ids)
+        for span in spans or ():
+            v = int(span.version)
+            for i in range(base + span.start, base + span.end):
+                self.versions_checked += 1
+                if seq.versions[i] != v:
+                    self.versions_mismatched += 1
+                    seq.versions[i] = v

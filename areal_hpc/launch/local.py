@@ -22,6 +22,7 @@ from areal_hpc.rundir import actions as rundir_actions
 from areal_hpc.rundir.lifetime import MARKER, sweep, tied_to_me
 from areal_hpc.runtime.comm.layout import Layout
 from areal_hpc.runtime.comm.liveness import silence_verdict
+from areal_hpc.runtime.cores import CoreSplit
 from areal_hpc.runtime.failures import PEER, read_failures
 from areal_hpc.utils import on_terminal
 
@@ -48,6 +49,24 @@ def mpirun_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
         str(run_dir),
     ]
     return cmd + (["--resume"] if resume else [])
+
+
+def crowded_generation(cfg: Config, cores: int) -> str | None:
+    """With cluster.pin_roles a generator's engine workers (one per device, tensor parallel) inherit its cores,
+    the generation half of the host's (runtime/cores.py): a warning when they hold fewer cores than those
+    workers' threads. The ranks are the same either way."""
+    cc = cfg.cluster
+    if not cc.pin_roles or cc.devices_per_generator == 1:
+        return None
+    half = len(CoreSplit.of(set(range(cores))).generation)
+    need = cc.n_generators * cc.devices_per_generator * cc.threads_per_rank
+    if need <= half:
+        return None
+    return (
+        f"cluster.pin_roles gives generation {half} of {cores} cores, and its {cc.n_generators} generator(s) x "
+        f"cluster.devices_per_generator={cc.devices_per_generator} workers x cluster.threads_per_rank="
+        f"{cc.threads_per_rank} want {need}: they share them"
+    )
 
 
 def prepare_run_dir(cfg: Config, resume: bool) -> RunDir:
@@ -122,6 +141,8 @@ def launch(cfg: Config, resume: bool = False, progress: bool = True, stop_grace_
     )
     stop_asked_at = None
     shown_warning = None  # progress.json's warning, printed once each time it changes
+    if progress and (crowded := crowded_generation(cfg, len(os.sched_getaffinity(0)))):
+        tqdm.write(f"warning: {crowded}", file=sys.stderr)
 
     def _as_interrupt(*_):
         raise KeyboardInterrupt

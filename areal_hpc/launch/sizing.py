@@ -26,30 +26,45 @@ def tasks_per_node(tasks: int, nodes: int) -> list[int]:
 
 
 def gpu_problems(cfg: Config) -> list[str]:
-    """Every rank that uses a GPU gets one of its own (a rank takes GPU local_rank mod gpus_per_node: more ranks
-    than GPUs on a node share one silently). Rank 0, the scheduler, uses none but holds local rank 0 of the
-    first training node."""
+    """Every rank that uses a GPU gets GPUs of its own (a rank takes GPU local_rank mod gpus_per_node, a
+    generator the cluster.devices_per_generator from local_rank x that: more than a node has share silently).
+    Rank 0, the scheduler, uses none but holds local rank 0 of the first training node. A generator's GPUs are
+    one engine's (tensor parallel): they must all be on its node."""
     sc, cc = cfg.slurm, cfg.cluster
     if cc.device != "cuda":
         return []
     if sc.gpus_per_node <= 0:
         return ["cluster.device=cuda but slurm.gpus_per_node=0: ask for the GPUs each node gives the job"]
+    devices = cc.devices_per_generator
     comps = (
-        ("training", 1 + cc.n_trainers, sc.train_nodes, "cluster.n_trainers", "slurm.train_nodes", 1),
-        ("generation", cc.n_generators, sc.gen_nodes, "cluster.n_generators", "slurm.gen_nodes", 0),
+        ("training", 1 + cc.n_trainers, sc.train_nodes, "cluster.n_trainers", "slurm.train_nodes", 1, 1),
+        ("generation", cc.n_generators, sc.gen_nodes, "cluster.n_generators", "slurm.gen_nodes", 0, devices),
     )
     problems = []
-    for name, tasks, nodes, ranks_key, nodes_key, cpu_ranks in comps:
+    for name, tasks, nodes, ranks_key, nodes_key, cpu_ranks, per_rank in comps:
+        if per_rank > sc.gpus_per_node:
+            problems.append(
+                f"cluster.devices_per_generator={per_rank} but slurm.gpus_per_node={sc.gpus_per_node}: a generator's "
+                f"GPUs would span nodes; use nodes with {per_rank} GPUs or fewer devices per generator"
+            )
         if tasks < nodes:
             problems.append(f"the {name} component has {tasks} task(s) for {nodes_key}={nodes}: lower {nodes_key}")
             continue
         spread = tasks_per_node(tasks, nodes)
         busiest = max([spread[0] - cpu_ranks] + spread[1:])
-        if busiest > sc.gpus_per_node:
+        if per_rank > sc.gpus_per_node or busiest * per_rank <= sc.gpus_per_node:
+            continue
+        each = f" x cluster.devices_per_generator={per_rank}" if per_rank > 1 else ""
+        if per_rank > 1 and tasks * per_rank > nodes * sc.gpus_per_node:
             problems.append(
-                f"{ranks_key}={tasks - cpu_ranks} on {nodes_key}={nodes} puts {busiest} GPU ranks on a node with "
-                f"slurm.gpus_per_node={sc.gpus_per_node}: they would share GPUs; at most {nodes * sc.gpus_per_node} "
-                f"fit, or add nodes"
+                f"{ranks_key}={tasks}{each} need {tasks * per_rank} GPUs but {nodes_key}={nodes} x "
+                f"slurm.gpus_per_node={sc.gpus_per_node} hold {nodes * sc.gpus_per_node}: add nodes or fewer generators"
+            )
+        else:
+            problems.append(
+                f"{ranks_key}={tasks - cpu_ranks}{each} on {nodes_key}={nodes} puts {busiest} GPU ranks on a node "
+                f"with slurm.gpus_per_node={sc.gpus_per_node}: they would share GPUs; at most "
+                f"{nodes * (sc.gpus_per_node // per_rank)} fit, or add nodes"
             )
     return problems
 

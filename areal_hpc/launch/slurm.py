@@ -68,8 +68,16 @@ def job_venv(cfg: Config) -> str:
     return cfg.slurm.venv or (sys.prefix if sys.prefix != sys.base_prefix else "")
 
 
-def component_options(sc: SlurmConfig) -> list[str]:
-    """The sbatch options each component of the job repeats (a het job's components do not share them)."""
+def component_options(sc: SlurmConfig, devices_per_task: int = 1) -> list[str]:
+    """The sbatch options each component of the job repeats (a het job's components do not share them).
+
+    `devices_per_task`: the devices each of the component's tasks drives (a generator's engine spans
+    cluster.devices_per_generator): its CPUs cover that many workers. GPUs come as the component's shape,
+    --gpus-per-node in both components, not --gpus-per-task: every rank then takes its GPUs of its node by
+    its local rank (a generator k its N GPUs from k x N: runtime/worker.py), one rule for trainers and
+    generators that does not depend on how a site binds GPUs to tasks; render's checks make the shape hold
+    every generator's N GPUs on one node (sizing.gpu_problems).
+    """
     opts = [
         f"--{k}={v}"
         for k, v in (
@@ -80,7 +88,7 @@ def component_options(sc: SlurmConfig) -> list[str]:
         )
         if v
     ]
-    opts.append(f"--cpus-per-task={sc.cpus_per_task}")
+    opts.append(f"--cpus-per-task={sc.cpus_per_task * devices_per_task}")
     if sc.gpus_per_node:
         opts.append(f"--gpus-per-node={sc.gpus_per_node}")
     if sc.mem:
@@ -104,6 +112,8 @@ def render_sbatch(cfg: Config, source: str = "") -> str:
         source=source or "<config>",
         n_trainers=cfg.cluster.n_trainers,
         n_generators=cfg.cluster.n_generators,
+        devices_per_generator=cfg.cluster.devices_per_generator,
+        gpus=slurm_cfg.gpus_per_node > 0,
         train_nodes=slurm_cfg.train_nodes,
         gen_nodes=slurm_cfg.gen_nodes,
         time=slurm_cfg.time,
@@ -111,7 +121,8 @@ def render_sbatch(cfg: Config, source: str = "") -> str:
         signal_s=slurm_cfg.signal_s,
         max_restarts=slurm_cfg.max_restarts,
         hang_timeout_s=int(math.ceil(cfg.cluster.hang_timeout_s)),
-        component_options=component_options(slurm_cfg),
+        train_options=component_options(slurm_cfg),
+        gen_options=component_options(slurm_cfg, cfg.cluster.devices_per_generator),
         setup=list(slurm_cfg.setup),
         venv=job_venv(cfg),
         config_yaml=to_yaml(resolved),
@@ -215,17 +226,21 @@ def request_problems(cfg: Config, het: bool = True) -> tuple[PartitionInfo | Non
             f"the job asks for {nodes} nodes (slurm.train_nodes={sc.train_nodes} + slurm.gen_nodes="
             f"{sc.gen_nodes}) but partition {part.name!r} has {part.nodes}"
         )
+    # a generator's task holds CPUs for each of its devices' workers; a homogeneous step (het=False) gives
+    # every task what a generator's needs
+    devices, cpus = cfg.cluster.devices_per_generator, sc.cpus_per_task
+    gen_what = f"slurm.cpus_per_task={cpus}" + (f" x cluster.devices_per_generator={devices}" if devices > 1 else "")
     comps = (
-        ("training", 1 + cfg.cluster.n_trainers, sc.train_nodes),
-        ("generation", cfg.cluster.n_generators, sc.gen_nodes),
+        ("training", 1 + cfg.cluster.n_trainers, sc.train_nodes, cpus, f"slurm.cpus_per_task={cpus}"),
+        ("generation", cfg.cluster.n_generators, sc.gen_nodes, cpus * devices, gen_what),
     )
     if not het:
-        comps = (("job", 1 + cfg.cluster.n_trainers + cfg.cluster.n_generators, nodes),)
-    for comp, tasks, n in comps if part is not None else ():
-        per_node = part.cpus_per_node // sc.cpus_per_task  # a task's CPUs must all be on one node
+        comps = (("job", 1 + cfg.cluster.n_trainers + cfg.cluster.n_generators, nodes, cpus * devices, gen_what),)
+    for comp, tasks, n, task_cpus, what in comps if part is not None else ():
+        per_node = part.cpus_per_node // task_cpus  # a task's CPUs must all be on one node
         if tasks > n * per_node:
             problems.append(
-                f"the {comp} component needs {tasks} tasks x slurm.cpus_per_task={sc.cpus_per_task} CPUs "
+                f"the {comp} component needs {tasks} tasks x {what} CPUs "
                 f"but {n} node(s) of {part.name!r} ({part.cpus_per_node} CPUs each) fit {n * per_node} such tasks"
             )
     if part is not None and sc.gpus_per_node > part.gpus_per_node:

@@ -29,11 +29,13 @@ def srun_command(cfg: Config, run_dir: Path, het: bool = True, python: str = sys
     """
     worker = [python, "-m", "areal_hpc.runtime.worker", str(run_dir), "--resume-auto"]
     cpus = f"--cpus-per-task={cfg.slurm.cpus_per_task}"
+    # a generator's task holds CPUs for each of its devices' workers (tensor parallel)
+    gen_cpus = f"--cpus-per-task={cfg.slurm.cpus_per_task * cfg.cluster.devices_per_generator}"
     # --overlap: this step shares CPUs with the submitit task that launches it
     srun = ["srun", f"--mpi={cfg.slurm.mpi}", "--kill-on-bad-exit=1", "--overlap"]
-    if not het:
+    if not het:  # one step, one task size: every task as large as a generator's
         world = 1 + cfg.cluster.n_generators + cfg.cluster.n_trainers
-        return [*srun, f"--ntasks={world}", cpus, *worker]
+        return [*srun, f"--ntasks={world}", gen_cpus, *worker]
     return [
         *srun,
         "--het-group=0",
@@ -45,7 +47,7 @@ def srun_command(cfg: Config, run_dir: Path, het: bool = True, python: str = sys
         ":",
         "--het-group=1",
         f"--ntasks={cfg.cluster.n_generators}",
-        cpus,
+        gen_cpus,
         *worker,
         "--group",
         "gen",
@@ -144,7 +146,7 @@ def make_executor(
             f"#SBATCH --nodes={slurm_cfg.gen_nodes}",
             f"#SBATCH --ntasks={cfg.cluster.n_generators}",
         ]
-        comp1 += [f"#SBATCH {opt}" for opt in component_options(slurm_cfg)]
+        comp1 += [f"#SBATCH {opt}" for opt in component_options(slurm_cfg, cfg.cluster.devices_per_generator)]
     venv = job_venv(cfg)
     setup = comp0_extra + comp1 + list(slurm_cfg.setup) + ([f"source {shlex.quote(venv)}/bin/activate"] if venv else [])
     # a long run is cut into many time slices: keep requeueing it (submitit's default stops after 3)
@@ -156,12 +158,14 @@ def make_executor(
     }
     ranks = 1 + cfg.cluster.n_trainers + (0 if het else cfg.cluster.n_generators)
     nodes = slurm_cfg.train_nodes + (0 if het else slurm_cfg.gen_nodes)
+    # the homogeneous step gives every rank a generator's CPUs (srun_command)
+    rank_cpus = slurm_cfg.cpus_per_task * (1 if het else cfg.cluster.devices_per_generator)
     params = dict(
         name=f"areal-{cfg.run_name}",
         timeout_min=max(1, math.ceil(slurm_time_minutes(slurm_cfg.time))),
         nodes=nodes,
         tasks_per_node=1,
-        cpus_per_task=-(-ranks // nodes) * slurm_cfg.cpus_per_task,
+        cpus_per_task=-(-ranks // nodes) * rank_cpus,
         slurm_setup=setup,
         slurm_additional_parameters=extra,
         slurm_signal_delay_s=max(slurm_cfg.signal_s, 1),

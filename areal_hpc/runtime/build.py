@@ -18,8 +18,9 @@ from areal_hpc.engines import GenerationEngine, TrainEngine, make_generation_eng
 from areal_hpc.engines.lora import LoraSpec, adapter_params, model_skeleton, target_modules
 from areal_hpc.model import DTYPES
 from areal_hpc.model.teacher import check_teacher, distill_spec
+from areal_hpc.model.weights import weights_checksum
 from areal_hpc.rundir import RunDir
-from areal_hpc.runtime.comm.weight_sync import cast_floating, weights_checksum
+from areal_hpc.runtime.comm.weight_sync import cast_floating
 from areal_hpc.utils import atomic_write_text, bar_interval
 from areal_hpc.workflow.warm_start import warm_start_example, warm_start_targets
 
@@ -41,7 +42,9 @@ def build_generation_engine(cfg: Config, model_dir: Path, seed: int) -> Generati
         kw = _emulation_kwargs(cfg) | dict(model_path=str(model_dir), seed=seed, max_num_seqs=rollout_cfg.max_num_seqs)
         kw |= dict(len_median=cfg.emulation.len_median, len_sigma=cfg.emulation.len_sigma)
         return make_generation_engine("emulated", temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, **kw)
-    extra = {"kv_cache_gib": rollout_cfg.kv_cache_gib} if rollout_cfg.engine == "vllm" else {}
+    extra = {}
+    if rollout_cfg.engine == "vllm":
+        extra = {"kv_cache_gib": rollout_cfg.kv_cache_gib, "tensor_parallel": cfg.cluster.devices_per_generator}
     if rollout_cfg.weight_bits:
         extra["weight_bits"] = rollout_cfg.weight_bits
     return make_generation_engine(

@@ -47,6 +47,10 @@ _REPEATING = {
 # weights that do not fit the model (torch's load_state_dict): the checkpoint or model folder, every time
 _NOT_LOADING = re.compile(r"Error\(s\) in loading state_dict|size mismatch for ")
 _PACKAGE = f"{os.sep}areal_hpc{os.sep}"
+# Testing hook: AREAL_HPC_FAULT="trainer@3" makes trainer rank 0 raise before training version 3, so the
+# shutdown-after-error path is exercised by a real run (kill -9 covers crashes without a message);
+# "stall-update@3" stalls a vLLM generator's workers inside the update of version 3 (the weight sync's limit)
+FAULT_ENV = "AREAL_HPC_FAULT"
 _KIND_PREFIX = "kind: "
 loop_started = threading.Event()
 """Set when this process's role loop starts (RoleLoop.loop): an error before it is a start-up error."""
@@ -70,6 +74,8 @@ def _chain(err: BaseException) -> list[BaseException]:
 
 def kind_of(err: BaseException, loop_started: bool, peer_errors: tuple[type, ...] = ()) -> str:
     """The kind of a rank's error; `peer_errors`: exception types that mean a failed exchange (MPI's)."""
+    if any(type(e).__name__ == "WeightSyncTimeout" for e in _chain(err)):
+        return OWN  # a weight sync's own limit names the stalled step: the cause, though a peer stalled
     for e in _chain(err):
         if isinstance(e, (ConnectionError, TimeoutError, *peer_errors)) or _PEER_WORDS.search(
             f"{type(e).__name__}: {e}"

@@ -42,8 +42,9 @@ def _redirect_output(path: Path) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
-def _pin_one_gpu() -> None:
-    """This rank sees one GPU, chosen by its local rank on the node, as cuda:0 (before CUDA starts).
+def _pin_gpus(count: int = 1) -> None:
+    """This rank sees `count` GPUs (a generator's cluster.devices_per_generator, its engine's tensor-parallel
+    group; one otherwise), from local rank x count on the node, the first as cuda:0 (before CUDA starts).
 
     Every engine and thread then means the same device by "cuda" (vLLM and DeepSpeed pick cuda:0 /
     cuda:LOCAL_RANK themselves; the current device is per thread). DeepSpeed insists LOCAL_RANK equals
@@ -60,7 +61,13 @@ def _pin_one_gpu() -> None:
     )
     if not gpus:
         raise RuntimeError("cluster.device=cuda but this node shows no GPU (no CUDA_VISIBLE_DEVICES, no /dev/nvidiaN)")
-    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[local % len(gpus)]
+    first = (local * count) % len(gpus)
+    if first + count > len(gpus):  # render's checks refuse such a shape under Slurm (launch/sizing.py)
+        raise RuntimeError(
+            f"local rank {local} with {count} GPUs (cluster.devices_per_generator) needs GPUs {first} to "
+            f"{first + count - 1} but this node shows {len(gpus)}"
+        )
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[first : first + count])
     os.environ["LOCAL_RANK"] = "0"
     if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
         os.environ["OMPI_COMM_WORLD_LOCAL_RANK"] = "0"
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(cfg.cluster.threads_per_rank)
         if cfg.cluster.device == "cuda" and role != SCHEDULER:
-            _pin_one_gpu()
+            _pin_gpus(cfg.cluster.devices_per_generator if role == GENERATOR else 1)
         # every collective gives up before the allocation ends, so a hang there still leaves time to restart
         timeout_s = collective_timeout(cfg.sync.timeout_s, comm.bcast(job_seconds_left() if rank == 0 else None))
         in_sync = role == GENERATOR or rank == layout.trainer0

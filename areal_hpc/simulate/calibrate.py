@@ -37,6 +37,7 @@ def sim_config(cfg: Config, cost: CostModel | None = None, **extra) -> SimConfig
     return SimConfig(
         n_generators=cfg.cluster.n_generators,
         n_trainers=cfg.cluster.n_trainers,
+        devices_per_generator=cfg.cluster.devices_per_generator,
         batch_prompts=rc.batch_prompts,
         n_samples=rc.n_samples,
         eta=rc.eta,

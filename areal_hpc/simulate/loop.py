@@ -67,6 +67,12 @@ class SimConfig:
     gen_slowdown: float = 0.0
     train_slowdown: float = 0.0
     seed: int = 0
+    devices_per_generator: int = 1  # counted in the GPUs; `cost` is already a whole generator's (tensor_parallel)
+
+    @property
+    def gpus(self) -> int:
+        """The run's GPUs: each generator's devices and one per trainer (rank 0, the scheduler, holds none)."""
+        return self.n_generators * self.devices_per_generator + self.n_trainers
 
     def train_tokens(self, answers: list[int]) -> int:
         """Token positions the trainer computes for a group with these answer lengths."""
@@ -384,6 +390,7 @@ class Simulation:
             train_tokens_computed=self.train_tokens[0],
             train_tokens_unshared=self.train_tokens[1],
             version_train_s=self.version_train_s,
+            gpus=c.gpus,
         )
 
 

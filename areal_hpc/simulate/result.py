@@ -26,6 +26,7 @@ class SimResult:
     train_tokens_computed: int = 0
     train_tokens_unshared: int = 0
     version_train_s: list[float] = field(default_factory=list)  # the trainers' time on each version
+    gpus: int = 0  # generators x their devices + trainers (SimConfig.gpus)
 
     @property
     def train_s_per_version(self) -> float:
@@ -51,6 +52,11 @@ class SimResult:
         return self.tokens_consumed / self.wall_s if self.wall_s > 0 else math.nan
 
     @property
+    def consumed_tokens_per_gpu_s(self) -> float:
+        """Consumed tokens/s per GPU of the run: what a device more per generator has to earn back."""
+        return self.consumed_tokens_per_s / self.gpus if self.gpus else math.nan
+
+    @property
     def gen_tokens_per_s(self) -> float:
         return self.gen_tokens / self.wall_s if self.wall_s > 0 else math.nan
 
@@ -62,6 +68,8 @@ class SimResult:
             "consumed_tokens_per_s": self.consumed_tokens_per_s,
             "steady_tokens_per_s": self.steady_tokens_per_s,
             "gen_tokens_per_s": self.gen_tokens_per_s,
+            "gpus": self.gpus,
+            "consumed_tokens_per_gpu_s": self.consumed_tokens_per_gpu_s,
             "gen_busy": self.gen_busy,
             "train_busy": self.train_busy,
             "staleness_mean": sum(k * v for k, v in self.staleness.items()) / n,

@@ -6,7 +6,8 @@ import sys
 import torch
 from mpi4py import MPI
 
-from areal_hpc.runtime.comm.weight_sync import SyncGroup, WeightReceiver, WeightSender, weights_checksum
+from areal_hpc.model.weights import weights_checksum
+from areal_hpc.runtime.comm.weight_sync import SyncGroup, WeightReceiver, WeightSender
 from areal_hpc.runtime.worker import exit_rank
 
 

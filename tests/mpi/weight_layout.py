@@ -7,13 +7,13 @@ import sys
 import torch
 from mpi4py import MPI
 
+from areal_hpc.model.weights import weights_checksum
 from areal_hpc.runtime.comm.weight_sync import (
     SyncGroup,
     WeightLayoutMismatch,
     WeightReceiver,
     WeightSender,
     cast_floating,
-    weights_checksum,
 )
 from areal_hpc.runtime.worker import exit_rank
 

@@ -7,7 +7,6 @@ import json
 import shutil
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,42 +14,20 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from areal_hpc.engines.lora import model_skeleton
+from areal_hpc.model import DTYPES
+from areal_hpc.model.weights import WeightSyncTimeout, shared_names, tied_aliases, weights_checksum, with_aliases
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.comm.torch_groups import store_over_mpi
 from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
 
 
-def weights_checksum(state_dict: dict[str, torch.Tensor]) -> int:
-    """crc32 over every tensor's bytes in name order: equal on both ends iff the weights are equal."""
-    crc = 0
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().to("cpu").contiguous()
-        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
-    return crc
-
-
-def tied_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, str]:
-    """alias -> kept name, for each name whose tensor is the same view as an earlier name's (a tied output layer).
-
-    Only the kept name travels: the first in the model's own order, the input embedding, which is the name vLLM
-    loads (it skips a tied lm_head). The receiver gives the alias the same tensor."""
-    first: dict[tuple, str] = {}
-    aliases = {}
-    for name, t in state_dict.items():
-        if t.numel() == 0:
-            continue
-        # the view, not the storage: ZeRO-1/2 parameters are distinct views into one flat buffer
-        key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-        if key in first:
-            aliases[name] = first[key]
-        else:
-            first[key] = name
-    return aliases
-
-
-def with_aliases(state_dict: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The state dict with every alias naming its kept tensor again (what the engines and checksums expect)."""
-    return state_dict | {alias: state_dict[kept] for alias, kept in aliases.items()}
+def published_layout(model_dir: Path, dtype: str) -> dict[str, torch.Tensor]:
+    """What trainer 0 publishes for this model, as meta tensors (names, shapes, model.dtype; no memory): a tied
+    output layer is left out, as it travels once under the input embedding's name."""
+    skeleton = model_skeleton(model_dir)
+    aliases = shared_names(skeleton)
+    return cast_floating({k: v for k, v in skeleton.state_dict().items() if k not in aliases}, DTYPES[dtype])
 
 
 def state_nbytes(state_dict: dict[str, torch.Tensor]) -> int:
@@ -147,6 +124,14 @@ class BucketPlan:
     def layout(self) -> list:
         return [[s.name, list(s.shape), str(s.dtype).removeprefix("torch.")] for s in self.slots]
 
+    def buckets(self) -> list:
+        """Per bucket [dtype name, numel, [[name, offset, shape], ...]]: what a vLLM worker needs to take a bucket
+        apart as it arrives (vllm_transfer.TransferInit.buckets)."""
+        out = [[str(b.dtype).removeprefix("torch."), b.numel(), []] for b in self.buffers]
+        for s in self.slots:
+            out[s.bucket][2].append([s.name, s.offset, list(s.shape)])
+        return out
+
     def pack(self, state_dict: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for s in self.slots:
@@ -167,6 +152,7 @@ class SyncGroup:
 
     def __init__(self, comm, backend: str, timeout_s: float):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = store_over_mpi(comm, timeout_s)
         prefix = dist.PrefixStore("weight_sync", self.store)
@@ -179,9 +165,13 @@ class SyncGroup:
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.pg.broadcast(tensor, 0).wait()
 
-    def broadcast_async(self, tensor: torch.Tensor):
-        """Post the broadcast and return its Work; the backend's own threads (gloo) or stream (NCCL) move it."""
-        return self.pg.broadcast(tensor, 0)
+    def post(self, tensor: torch.Tensor) -> list:
+        """Post the broadcast and return its Works; the backend's own threads (gloo) or stream (NCCL) move it."""
+        return [self.pg.broadcast(tensor, 0)]
+
+    @property
+    def peers(self) -> str:
+        return "the generators"
 
     def check_layout(self, layout: list, device: str = "cpu") -> None:
         """Collective, once at start-up: every generator compares trainer 0's layout with its own and raises
@@ -216,6 +206,15 @@ class SyncGroup:
             pass
 
 
+def sync_limit_s(limit_s: float, nbytes: int, first: bool) -> float:
+    """Seconds one step of a weight sync (send, receive + load) may take: sync.limit_s when set, else 60 s plus
+    1 s per 50 MB (gloo moves 1-4 GB/s between ranks here, a congested link or a slow filesystem 50 MB/s: a limit
+    only a stall passes). The first sync of a world gets 4x that: connections open and memory is first touched
+    in it, and a large model's first sync must not trip a limit made for the later ones."""
+    base = limit_s or 60.0 + nbytes / 50e6
+    return base * 4 if first else base
+
+
 def backend_for(sync_backend: str, device: str) -> str:
     if sync_backend != "auto":
         return sync_backend
@@ -242,9 +241,13 @@ class WeightSender:
         keep_versions: int,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
+        limit_s: float = 0.0,
     ):
         self.method, self.group, self.run_dir = method, group, Path(run_dir)
         self.bucket_bytes = bucket_mb << 20
+        self.limit_s = limit_s  # sync.limit_s: 0 = derived from the bytes sent (sync_limit_s)
+        self.published = 0  # publishes posted: the first gets the first sync's longer limit
+        self._failed: list[str] = []  # the waiter's one line when a send passed its limit
         self.checksum, self.keep_versions, self.device, self.dtype = checksum, keep_versions, device, dtype
         self.plan: BucketPlan | None = None
         self._pending: dict | None = None  # the publish in flight: its SYNC_DONE body, until delivered
@@ -273,17 +276,30 @@ class WeightSender:
             return previous
         self.plan_for(state_dict).pack(state_dict)
         crc = weights_checksum(self.plan.views()) if self.checksum else None
-        works = [self.group.broadcast_async(buf) for buf in self.plan.buffers]
+        works = [w for buf in self.plan.buffers for w in self.group.post(buf)]
+        limit = sync_limit_s(self.limit_s, self.plan.nbytes, first=not self.published)
+        self.published += 1
         self._pending = {"version": version, "bytes": self.plan.nbytes, "checksum": crc, "t_start": time.time()}
-        self._done_at = []
-        # Work.wait() releases the GIL: this thread only notes when the transfer ended
+        self._done_at, self._failed = [], []
+        # Work.wait() releases the GIL: this thread only notes when the transfer ended, or that it passed its limit
         self._waiter = threading.Thread(
-            target=lambda: ([w.wait() for w in works], self._done_at.append(time.time())),
-            name="weight-send",
-            daemon=True,
+            target=self._wait_for, args=(works, version, limit), name="weight-send", daemon=True
         )
         self._waiter.start()
         return previous
+
+    def _wait_for(self, works: list, version: int, limit: float) -> None:
+        deadline = time.time() + limit
+        try:
+            for w in works:
+                w.wait(datetime.timedelta(seconds=max(0.001, deadline - time.time())))
+        except Exception as err:  # gloo: "Operation timed out!"; a peer that died: a connection error
+            self._failed.append(
+                f"weight sync: send of version {version} from trainer 0 to {self.group.peers} passed its limit of "
+                f"{limit:.0f} s or failed ({str(err).splitlines()[0][:120]})"
+            )
+            return
+        self._done_at.append(time.time())
 
     def plan_for(self, state_dict: dict[str, torch.Tensor]) -> BucketPlan:
         """The bucket plan (built on first use): what the generators' receive buffers must match."""
@@ -299,6 +315,8 @@ class WeightSender:
         if self._waiter is not None:
             self._waiter.join()
             self._waiter = None
+            if self._failed:
+                raise WeightSyncTimeout(self._failed[0])
             if not self._done_at:
                 raise RuntimeError(f"weight broadcast of version {info['version']} failed (see the log)")
             info["t_end"] = self._done_at[0]

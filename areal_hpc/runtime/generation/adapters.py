@@ -11,7 +11,6 @@ from areal_hpc.engines import GenerationEngine
 from areal_hpc.engines.lora import AdapterMerger, LoraSpec, adapter_shapes
 from areal_hpc.model import DTYPES, load_causal_lm
 from areal_hpc.rundir import RunDir
-from areal_hpc.runtime.comm.weight_sync import weights_checksum
 
 
 class BaseMismatch(ValueError):
@@ -44,12 +43,14 @@ class AdapterLoader:
     def _start(self, engine: GenerationEngine) -> AdapterMerger:
         contract = json.loads(self.run_dir.lora_contract.read_text())
         base_dir = Path(contract["base_dir"])
+        base = load_causal_lm(base_dir, self.dtype).state_dict()
         if base_dir.resolve() != self.model_dir.resolve():  # loaded once, the same way as any new weights
-            engine.update_weights(load_causal_lm(base_dir, self.dtype).state_dict(), engine.version)
-        crc = weights_checksum(engine.state_dict())
+            engine.update_weights(base, engine.version)
+        crc = engine.weights_checksum()
         if crc != contract["base_checksum"]:
             raise BaseMismatch(
                 f"this generator's base weights (checksum {crc}) differ from the trainers' "
                 f"({contract['base_checksum']}, {base_dir}); both must load the same model folder and model.dtype"
             )
-        return AdapterMerger(engine.state_dict(), contract["layers"], contract["alpha"] / contract["rank"])
+        # the adapted layers' base weights, kept to merge each adapter into (the engine may hold no copy: vLLM)
+        return AdapterMerger(base, contract["layers"], contract["alpha"] / contract["rank"])

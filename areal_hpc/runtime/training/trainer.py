@@ -25,17 +25,15 @@ from areal_hpc.runtime.build import (
 from areal_hpc.runtime.comm.layout import Layout
 from areal_hpc.runtime.comm.protocol import Tag
 from areal_hpc.runtime.comm.role_loop import Handler, RoleLoop
+from areal_hpc.runtime.comm.transfer_groups import TransferGroups
 from areal_hpc.runtime.comm.weight_sync import WeightSender
+from areal_hpc.runtime.failures import FAULT_ENV
 from areal_hpc.runtime.training.train_step import train_version
 from areal_hpc.store.cache import ShardCache
 from areal_hpc.store.columns import TrajectoryColumns, gather
 from areal_hpc.store.ledger import version_entries
 
 log = logging.getLogger("areal_hpc.trainer")
-
-# Testing hook: AREAL_HPC_FAULT="trainer@3" makes trainer rank 0 raise before training version 3, so
-# the shutdown-after-error path is exercised by a real run (kill -9 covers crashes without a message).
-FAULT_ENV = "AREAL_HPC_FAULT"
 
 
 def share_stats(batch: TrajectoryColumns, version: int) -> dict:
@@ -104,6 +102,7 @@ class Trainer(RoleLoop):
                 sync_cfg.keep_versions,
                 cfg.cluster.device,
                 DTYPES[cfg.model.dtype],  # the trainer's weights are fp32 masters; generators hold model.dtype
+                sync_cfg.limit_s,
             )
             if self.index == 0
             else None
@@ -140,6 +139,10 @@ class Trainer(RoleLoop):
             plan = self.sender.plan_for(state)
             self.sync_group.check_layout(plan.layout, self.cfg.cluster.device)
             body["raw_gbps"] = self.sync_group.raw_bandwidth(plan.nbytes, self.cfg.cluster.device)
+            if self.cfg.rollout.engine == "vllm":  # vLLM's workers receive themselves, each in its generator's group
+                self.sender.group = TransferGroups(
+                    self.sync_group, self.cfg.cluster.devices_per_generator, self.sync_group.timeout_s
+                )
         self._announce_and_publish(Tag.READY, body, state)
 
     def _announce_and_publish(self, tag: Tag, body: dict, state: dict | None = None) -> None:
@@ -240,4 +243,6 @@ class Trainer(RoleLoop):
         self.mail.flush()
 
     def close(self) -> None:
+        if self.sender is not None and isinstance(self.sender.group, TransferGroups):
+            self.sender.group.close()
         self.timeline.close()
