@@ -164,7 +164,7 @@ def test_interrupt_then_resume_continues_with_new_version(tiny_model_dir, kind, 
     for _ in range(5):
         eng.step()
     with pytest.raises(RuntimeError, match="in flight"):
-        eng.update_weights(eng.state_dict(), version=1)  # weights never change under running requests
+        eng.update_weights(load_causal_lm(tiny_model_dir).state_dict(), version=1)  # never under running requests
     partial = {o.request_id: o for o in eng.interrupt()}
     assert eng.num_running == 0 and sorted(partial) == sorted(r.request_id for r in reqs)
     assert all(o.finish_reason == "abort" and len(o.output_ids) == 5 for o in partial.values())

@@ -77,7 +77,7 @@ def test_adapter_merged_on_the_generator_equals_peft_and_the_merged_model(kind, 
     spec = LoraSpec(4, 8.0)
     tr = TorchTrainEngine(str(tiny_model_dir), lora=spec)
     layers = sorted({k.rsplit(".lora_", 1)[0] for k in tr.weights()})
-    merger = AdapterMerger(eng.state_dict(), layers, spec.scale)
+    merger = AdapterMerger(load_causal_lm(tiny_model_dir).state_dict(), layers, spec.scale)  # the base folder's
 
     # a zero adapter (B = 0, PEFT's start) is exactly the base model
     eng.update_weights(merger.merged(tr.weights()), version=1)

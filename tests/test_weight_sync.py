@@ -21,11 +21,13 @@ class Loopback:
     def __init__(self):
         self.posted: list[torch.Tensor] = []
 
-    def broadcast_async(self, buf: torch.Tensor):
-        self.posted.append(buf.clone())
-        return self  # its Work: done at once
+    peers = "the loopback"
 
-    def wait(self) -> None:
+    def post(self, buf: torch.Tensor) -> list:
+        self.posted.append(buf.clone())
+        return [self]  # its Work: done at once
+
+    def wait(self, timeout=None) -> None:
         pass
 
     def broadcast(self, buf: torch.Tensor) -> None:

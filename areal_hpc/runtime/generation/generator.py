@@ -396,7 +396,8 @@ class Generator(RoleLoop):
             self.evals.asked.append("init")  # the model folder as it is, before any training
         self.loop()
         self.spans.end_generate()
-        self.mail.send(0, Tag.BYE, {"interrupted": self.weights.interrupted})
+        checked = {k: getattr(self.engine, k, 0) for k in ("versions_checked", "versions_mismatched")}
+        self.mail.send(0, Tag.BYE, {"interrupted": self.weights.interrupted} | checked)
         self.mail.flush()
 
     def close(self) -> None:

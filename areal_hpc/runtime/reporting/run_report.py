@@ -42,6 +42,8 @@ class RunReport:
         self.samples_consumed = 0
         self.tokens_generated = 0
         self.aborted_requests = 0  # requests generators interrupted for new weights (and resumed)
+        # output tokens whose version the engine reported itself (vLLM's weight_versions), and those that differed
+        self.engine_versions = [0, 0]
         self.prefill_tokens = 0  # tokens the generators' engines prefilled, resumed requests' second prefill included
         # version -> [prefilled, served from a prefix cache or a group's shared prefill] over its loads so far
         self.prefill_by_version: dict[int, list[int]] = {}
@@ -175,8 +177,11 @@ class RunReport:
         return True
 
     def rank_stopped(self, body: dict) -> None:
-        """A rank's BYE: the requests it interrupted for new weights (and resumed)."""
+        """A rank's BYE: the requests it interrupted for new weights (and resumed), the tokens whose versions its
+        engine reported and how many of those differed from the versions expected."""
         self.aborted_requests += body["interrupted"]
+        self.engine_versions[0] += body.get("versions_checked", 0)
+        self.engine_versions[1] += body.get("versions_mismatched", 0)
 
     # -- the parts of a row -----------------------------------------------------------------------
     def expect(self, v: int, parts: set) -> None:
@@ -374,6 +379,8 @@ class RunReport:
             "prefill_tokens": self.prefill_tokens,
             "prefill_shared_tokens": sum(c[1] for c in self.prefill_by_version.values()),
             "aborted_requests": self.aborted_requests,
+            "engine_versions_checked": self.engine_versions[0],
+            "engine_versions_mismatched": self.engine_versions[1],
             # the cores rank 0 may run on (the job's share of the host): the simulator's calibration needs it
             "host_cpus": len(os.sched_getaffinity(0)),
         }
