@@ -87,15 +87,16 @@ class VLLMGenerationEngine(GenerationEngine):
             logprobs_mode="processed_logprobs",
             kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
             max_num_seqs=max_num_seqs,
-            weight_transfer_config=WeightTransferConfig(backend=vllm_transfer.BACKEND if device == "cpu" else "nccl"),
+            # on GPUs too for now: host-staged over gloo, then each worker's load_weights copies to its GPU
+            # (vLLM's nccl engine, GPU to GPU, is the next step: docs/cluster.md)
+            weight_transfer_config=WeightTransferConfig(backend=vllm_transfer.BACKEND),
             worker_extension_cls=f"{vllm_transfer.__name__}.TransferWorkerExtension",
             **parallel,
         )
         self.tensor_parallel = tensor_parallel
         self.engine = self.llm.llm_engine
         self._transfer = vllm_transfer
-        if device == "cpu":  # file updates work from here on; connect() adds trainer 0's group
-            self.llm.init_weight_transfer_engine({"init_info": {}})
+        self.llm.init_weight_transfer_engine({"init_info": {}})  # file updates from here on; connect() adds the group
         self._checksum: int | None = None  # of the weights loaded last (None: the model folder's, computed on demand)
         self.receive_s = 0.0  # the workers' receive + load seconds of the last update
         self.versions_checked = 0  # output tokens whose version vLLM reported and this engine compared

@@ -301,6 +301,13 @@ class WeightSender:
             return
         self._done_at.append(time.time())
 
+    def use_transfer_groups(self, groups) -> None:
+        """Send over vLLM's transfer groups (transfer_groups.TransferGroups) from now on: gloo, from host buffers."""
+        self.group = groups
+        if self.plan is not None and self.device != "cpu":
+            self.plan = BucketPlan(self.plan.views(), self.bucket_bytes, "cpu", self.dtype)
+        self.device = "cpu"
+
     def plan_for(self, state_dict: dict[str, torch.Tensor]) -> BucketPlan:
         """The bucket plan (built on first use): what the generators' receive buffers must match."""
         if self.plan is None:

@@ -6,7 +6,7 @@ import gc
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,37 +17,20 @@ from areal_hpc.evaluation.heldout import HeldoutEvals
 from areal_hpc.model import load_tokenizer
 from areal_hpc.model.weights import weights_checksum
 from areal_hpc.reward import reward_pool_for
-from areal_hpc.runtime.build import build_generation_engine, lora_spec
+from areal_hpc.runtime.build import build_generation_engine
 from areal_hpc.runtime.comm.layout import Layout
 from areal_hpc.runtime.comm.protocol import Tag
 from areal_hpc.runtime.comm.role_loop import Handler, RoleLoop
 from areal_hpc.runtime.comm.timeline import EngineMeter, Timeline
-from areal_hpc.runtime.comm.transfer_groups import worker_init_info
-from areal_hpc.runtime.comm.weight_sync import BucketPlan, WeightReceiver, published_layout, sync_limit_s
+from areal_hpc.runtime.comm.weight_sync import sync_limit_s
 from areal_hpc.runtime.failures import FAULT_ENV
-from areal_hpc.runtime.generation.adapters import AdapterLoader
 from areal_hpc.runtime.generation.generator_core import Admission, GeneratorCore, GroupBook, ShardBuffer
+from areal_hpc.runtime.generation.weight_intake import WeightIntake
 from areal_hpc.store import next_seq, write_shard
 from areal_hpc.types import EvalId, GenRequest, SampleId
 from areal_hpc.workflow import EpisodeRunner, FinishedEpisode, load_workflow, runner_settings
 
 log = logging.getLogger("areal_hpc.generator")
-
-
-@dataclass
-class _Weights:
-    """Where this generator's weights stand: received and not loaded yet (`staged`), loaded at least once, and
-    the engine's counters at the last WEIGHTS_OK (each WEIGHTS_OK reports what was prefilled since)."""
-
-    receiver: WeightReceiver | None  # None when the engine receives itself
-    adapters: AdapterLoader | None  # with LoRA an adapter arrives each version, merged here into the base weights
-    staged: tuple[int, dict] | None = None  # (version, state dict; {} when the engine receives it itself)
-    direct: bool = False  # the engine receives itself (vLLM's workers, through its weight-transfer API)
-    queued: list[int] = field(default_factory=list)  # direct, over the group: versions sent, in order, not loaded
-    loaded: bool = False
-    prefilled: int = 0  # engine.prefill_tokens at the last WEIGHTS_OK
-    prefill_shared: int = 0  # engine.prefill_shared_tokens at the last WEIGHTS_OK
-    interrupted: int = 0  # requests a recompute load interrupted after they had started
 
 
 @dataclass
@@ -118,7 +101,7 @@ class Generator(RoleLoop):
         )
         dataset = load_run_dataset(cfg, tokenizer)
         self.train_problems = dataset.train
-        self.weights = self._weights(cfg, sync_group, model_dir)
+        self.weights = WeightIntake.open(cfg, self.engine, self.run_dir, model_dir, sync_group)
         # the chaos suite's hook: AREAL_HPC_FAULT="stall-update@V" stalls a vLLM worker inside the update of version V,
         # in the run's first world only (a restarted world resumes, and must get past it)
         fault = os.environ.get(FAULT_ENV, "")
@@ -149,34 +132,12 @@ class Generator(RoleLoop):
         # stalled every request in flight: an agent endpoint's p99 latency, benchmarks/agent_endpoint.py)
         gc.freeze()
 
-    def _weights(self, cfg: Config, sync_group, model_dir: Path) -> _Weights:
-        """The receive side of weight sync, its buffers shaped like the engine's weights (or the adapter's); an
-        engine that receives itself (vLLM's workers) gets the address and bucket layout instead, and no buffers."""
-        sc, spec = cfg.sync, lora_spec(cfg)
-        adapters = AdapterLoader(spec, self.run_dir, model_dir, cfg.model.dtype) if spec else None
-        direct = hasattr(self.engine, "connect") and adapters is None  # LoRA: the adapter comes here, merged here
-        if direct:  # names, shapes and dtypes only: the plan's buffers are on the meta device
-            receiver = None
-            plan = BucketPlan(published_layout(model_dir, cfg.model.dtype), sc.bucket_mb << 20, "meta")
-        else:
-            template = adapters.template() if adapters else self.engine.state_dict()
-            receiver = WeightReceiver(sc.method, sync_group, self.run_dir, template, sc.bucket_mb, cfg.cluster.device)
-            plan = receiver.plan
-        self.weight_bytes = plan.nbytes if plan is not None else 0
-        if sync_group is not None:  # paired with trainer 0's layout check and measurement at start-up
-            sync_group.check_layout(plan.layout, cfg.cluster.device)
-            sync_group.raw_bandwidth(plan.nbytes, cfg.cluster.device)
-            if direct:  # paired with trainer 0's TransferGroups
-                self.engine.connect(
-                    worker_init_info(sync_group, plan, cfg.cluster.devices_per_generator, sync_group.timeout_s)
-                )
-        return _Weights(receiver, adapters, direct=direct)
-
     # -- weights --------------------------------------------------------------------------------
     def _receive(self, version: int) -> None:
         w = self.weights
         if w.direct:  # vLLM's workers receive at the load itself
-            self._stage_direct(version)
+            if (skipped := w.stage_direct(version, self.cfg.sync.method)) is not None:
+                self._weights_ok(skipped, None, None)
             return
         self.spans.end_generate()
         crc = None
@@ -194,18 +155,6 @@ class Generator(RoleLoop):
         if w.staged is not None:  # never loaded: a newer version is here first
             self._weights_ok(w.staged[0], crc, None)
         w.staged = (version, sd)
-
-    def _stage_direct(self, version: int) -> None:
-        """A version the engine will take itself: over the group every version in turn (trainer 0 sent each), from
-        disk only the newest (an older file that waits is skipped, as on the other path)."""
-        w = self.weights
-        if self.cfg.sync.method == "broadcast":
-            w.queued.append(version)
-            w.staged = (w.queued[0], {})
-            return
-        if w.staged is not None:
-            self._weights_ok(w.staged[0], None, None)
-        w.staged = (version, {})
 
     def _weights_ok(self, version: int, checksum: int | None, load_s: float | None) -> None:
         """Tell rank 0 weights `version` arrived: loaded in load_s seconds, or (None) skipped for newer ones;
@@ -268,7 +217,7 @@ class Generator(RoleLoop):
             w.queued.pop(0)
             if w.queued:
                 w.staged = (w.queued[0], {})
-            update["limit_s"] = sync_limit_s(sc.limit_s, self.weight_bytes, first=not w.loaded)
+            update["limit_s"] = sync_limit_s(sc.limit_s, w.nbytes, first=not w.loaded)
             if self.fault_stall_version == version:
                 update["stall_s"] = 3600.0  # the chaos suite's stalled update: trainer 0's send limit must end it
         else:

@@ -139,9 +139,9 @@ class Trainer(RoleLoop):
             plan = self.sender.plan_for(state)
             self.sync_group.check_layout(plan.layout, self.cfg.cluster.device)
             body["raw_gbps"] = self.sync_group.raw_bandwidth(plan.nbytes, self.cfg.cluster.device)
-            if self.cfg.rollout.engine == "vllm":  # vLLM's workers receive themselves, each in its generator's group
-                self.sender.group = TransferGroups(
-                    self.sync_group, self.cfg.cluster.devices_per_generator, self.sync_group.timeout_s
+            if self.cfg.rollout.engine == "vllm" and self.engine.lora is None:  # vLLM's workers receive themselves
+                self.sender.use_transfer_groups(
+                    TransferGroups(self.sync_group, self.cfg.cluster.devices_per_generator, self.sync_group.timeout_s)
                 )
         self._announce_and_publish(Tag.READY, body, state)
 
