@@ -62,7 +62,8 @@ def test_a_tensor_parallel_vllm_generator_learns_the_demo_through_areal_hpc_run(
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     s = _learned_and_audited(tmp_path / "run")
-    print(f"\n[tp2 run] acc {s['acc_start']:.2f} -> {s['acc_final']:.2f}; {s['engine_versions_checked']} tokens checked")
+    checked = s["engine_versions_checked"]
+    print(f"\n[tp2 run] acc {s['acc_start']:.2f} -> {s['acc_final']:.2f}; {checked} token versions checked")
 
 
 @pytest.mark.slow

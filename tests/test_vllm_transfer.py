@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from test_runtime import _mpirun
 
-from areal_hpc.engines.base import generate
 from areal_hpc.engines.torch_train import TorchTrainEngine
 from areal_hpc.model import load_causal_lm, load_tokenizer
 from areal_hpc.model.weights import WeightSyncTimeout, weights_checksum
