@@ -160,7 +160,7 @@ def old_tree() -> Path:
     """A git worktree of the old engine's commit (made once; reused while it is at that commit)."""
     if not (OLD_TREE / "areal_hpc").is_dir():
         subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=True)
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(OLD_TREE), OLD_COMMIT], check=True)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--quiet", "--detach", str(OLD_TREE), OLD_COMMIT], check=True)
     head = subprocess.run(["git", "-C", str(OLD_TREE), "rev-parse", "HEAD"], capture_output=True, text=True)
     if not head.stdout.startswith(OLD_COMMIT):
         raise SystemExit(f"{OLD_TREE} is not a worktree at {OLD_COMMIT}: remove it and run again")
@@ -182,7 +182,7 @@ def run_child(spec: dict, timeout: float = 600) -> dict:
 def build_models(args) -> dict[str, tuple[str, dict]]:
     from areal_hpc.model import build_tiny_model
 
-    big = dict(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_layers=args.layers, num_heads=12)
+    big = dict(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_layers=args.layers, num_heads=args.heads)
     models = {}
     for name, shape in (("tiny", TINY), (f"{args.hidden}x{args.layers}", big)):
         path = RESULTS / f"vllm_weight_path_model_{shape['hidden_size']}x{shape['num_layers']}"
@@ -262,8 +262,9 @@ def print_table(s: dict, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=768, help="the larger model's width (intermediate 4x, 12 heads)")
+    ap.add_argument("--hidden", type=int, default=768, help="the larger model's width (intermediate 4x)")
     ap.add_argument("--layers", type=int, default=8, help="the larger model's layers (768 x 8: 75M parameters)")
+    ap.add_argument("--heads", type=int, default=12, help="the larger model's attention heads")
     ap.add_argument("--repeats", type=int, default=2, help="rounds; old and new (TP 1 and TP 2) alternate")
     ap.add_argument("--updates", type=int, default=3, help="weight updates per engine")
     ap.add_argument("--requests", type=int, default=64)

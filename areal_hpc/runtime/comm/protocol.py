@@ -53,8 +53,11 @@ scheduler -> trainer
   CHECKPOINT  {"version": v}
 any -> scheduler
   HEARTBEAT   {}                               still here (from the role loop, every cluster.hang_timeout_s / 4)
-  BYE         {"interrupted": n}               answer to STOP: this rank sends nothing more (generators:
-                                               how many requests they aborted for new weights; trainers: 0)
+  BYE         {"interrupted": n, "versions_checked": n, "versions_mismatched": n}
+                                               answer to STOP: this rank sends nothing more (generators: how
+                                               many requests they aborted for new weights, how many tokens'
+                                               versions their engine stamped itself and how many of those
+                                               differed from the version expected; trainers: 0)
 scheduler -> any
   STOP        {"stop_eval_s": s|None}          finish: answer BYE and exit (rank 0 drains until every BYE);
                                                s: a stop request's bound on the final evaluation (generators)
@@ -122,7 +125,7 @@ FIELDS: dict[Tag, tuple[str, ...]] = {
     Tag.BATCH: ("version", "share"),
     Tag.CHECKPOINT: ("version",),
     Tag.HEARTBEAT: (),
-    Tag.BYE: ("interrupted",),
+    Tag.BYE: ("interrupted", "versions_checked", "versions_mismatched"),
     Tag.STOP: ("stop_eval_s",),
 }
 # The keys of each entry of GROUPS_DONE's "groups": the group, its episodes' counts (episode_counts.group_counts)

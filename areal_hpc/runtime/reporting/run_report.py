@@ -180,8 +180,8 @@ class RunReport:
         """A rank's BYE: the requests it interrupted for new weights (and resumed), the tokens whose versions its
         engine reported and how many of those differed from the versions expected."""
         self.aborted_requests += body["interrupted"]
-        self.engine_versions[0] += body.get("versions_checked", 0)
-        self.engine_versions[1] += body.get("versions_mismatched", 0)
+        self.engine_versions[0] += body["versions_checked"]
+        self.engine_versions[1] += body["versions_mismatched"]
 
     # -- the parts of a row -----------------------------------------------------------------------
     def expect(self, v: int, parts: set) -> None:

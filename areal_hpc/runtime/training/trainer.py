@@ -239,7 +239,7 @@ class Trainer(RoleLoop):
         self.loop()
         if self.sender is not None and (info := self.sender.wait()) is not None:
             self._sync_done(info)
-        self.mail.send(0, Tag.BYE, {"interrupted": 0})
+        self.mail.send(0, Tag.BYE, {"interrupted": 0, "versions_checked": 0, "versions_mismatched": 0})
         self.mail.flush()
 
     def close(self) -> None:
