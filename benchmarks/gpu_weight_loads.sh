@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU check of the weight-update modes (under 5 minutes): vLLM (or the torch engine where vLLM does not
-# import) on one GPU with a ~400M-parameter Llama built locally, 256 answers in flight with long-tailed
-# lengths up to 4096 tokens, new weights every 8 s; prints generation tokens/s for keep_kv, recompute and
-# drain across 4 loads each and writes JSON. Needs python3 with CUDA torch, transformers and safetensors.
+# GPU check of the weight-update modes and vLLM's weight-transfer path (under 10 minutes): vLLM (or the torch
+# engine where vLLM does not import) on one GPU with a ~400M-parameter Llama built locally, 256 answers in
+# flight with long-tailed lengths up to 4096 tokens, new weights every 8 s; prints generation tokens/s for
+# keep_kv, recompute and drain across 4 loads each and writes JSON. Needs python3 with CUDA torch,
+# transformers and safetensors.
 #
 #   bash benchmarks/gpu_weight_loads.sh [OUT_DIR]   # OUT_DIR defaults to $OUT or benchmarks/results
 # Never blocks anything: CI does not run it; run it whenever a GPU machine is lent.
@@ -21,3 +22,13 @@ export PYTHONUNBUFFERED=1
 timeout 280 "$PY" benchmarks/weight_loads.py --engine "$engine" --device cuda --dtype bfloat16 --hidden 1024 \
   --layers 24 --heads 16 --max-new 4096 --in-flight 256 --period-s 8 --loads 4 --repeats 1 --kv-cache-gib 40 \
   --out "$OUT_DIR/weight_loads_gpu.json"
+# vLLM's weight-transfer path (issue 50): a TP 1 and, with 2 GPUs, a TP 2 generator of a ~0.9B-parameter Llama
+# receive 4 versions from a trainer process, two of them mid-answer (keep_kv); prints sync s/GB, whether every
+# checksum and every token's version (vLLM's stamp) equals what was sent, and tokens/s. The transfer engine is
+# this project's areal_gloo (host-staged over gloo); vLLM's nccl engine is not wired in yet (docs/cluster.md)
+if [[ "$engine" == vllm ]]; then
+  gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l || echo 1)
+  tps="1"; [[ "$gpus" -ge 2 ]] && tps="1 2"
+  timeout 280 "$PY" benchmarks/vllm_transfer.py --device cuda --dtype bfloat16 --tp $tps --hidden 2048 --layers 16 \
+    --heads 16 --requests 256 --max-new 512 --load-every 64 --kv-cache-gib 20 --out "$OUT_DIR/vllm_transfer_gpu.json"
+fi

@@ -66,8 +66,9 @@ def run_tp(args, model_dir: str, tp: int) -> dict:
     from areal_hpc.runtime.comm.weight_sync import BucketPlan, published_layout
     from areal_hpc.types import GenRequest
 
-    eng = VLLMGenerationEngine(model_dir, dtype=args.dtype, device=args.device, tensor_parallel=tp,
-                               kv_cache_gib=args.kv_cache_gib)
+    eng = VLLMGenerationEngine(
+        model_dir, dtype=args.dtype, device=args.device, tensor_parallel=tp, kv_cache_gib=args.kv_cache_gib
+    )
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=600), wait_for_workers=False)
     plan = BucketPlan(published_layout(model_dir, args.dtype), args.bucket_mb << 20, "meta")
     q = mp.get_context("spawn").Queue()
@@ -75,8 +76,16 @@ def run_tp(args, model_dir: str, tp: int) -> dict:
         target=trainer, args=(store.port, 1 + tp, model_dir, args.dtype, args.versions, args.bucket_mb, q)
     )
     proc.start()
-    eng.connect({"master_address": "127.0.0.1", "master_port": store.port, "group": "bench", "world_size": 1 + tp,
-                 "buckets": plan.buckets(), "timeout_s": 600})
+    eng.connect(
+        {
+            "master_address": "127.0.0.1",
+            "master_port": store.port,
+            "group": "bench",
+            "world_size": 1 + tp,
+            "buckets": plan.buckets(),
+            "timeout_s": 600,
+        }
+    )
     tok = load_tokenizer(model_dir)
     eng.ignore_eos = True
     reqs = [GenRequest(f"r{i}", tok.encode("12+34="), args.max_new) for i in range(args.requests)]
@@ -137,17 +146,26 @@ def main() -> None:
     from areal_hpc.utils import atomic_write_text
 
     shape = f"h{args.hidden}-l{args.layers}"
-    model_dir = str(build_tiny_model(Path(args.out).parent / f"bench-llama-{shape}", arch="llama", seed=0,
-                                     hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                                     num_layers=args.layers, num_heads=args.heads))
+    model_dir = str(
+        build_tiny_model(
+            Path(args.out).parent / f"bench-llama-{shape}",
+            arch="llama",
+            seed=0,
+            hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden,
+            num_layers=args.layers,
+            num_heads=args.heads,
+        )
+    )
     rows = [run_tp(args, model_dir, tp) for tp in args.tp]
     print(f"{'tp':>3} {'MB':>8} {'sync s/GB (per load)':>28} {'crc ok':>7} {'versions ok':>12} {'tok/s':>9}")
     for r in rows:
-        print(f"{r['tp']:>3} {r['bytes'] / 1e6:>8.1f} {str(r['sync_s_per_gb']):>28} {str(r['checksums_equal']):>7} "
-              f"{str(r['versions_equal']):>12} {r['gen_tokens_per_s']:>9}")
+        print(
+            f"{r['tp']:>3} {r['bytes'] / 1e6:>8.1f} {str(r['sync_s_per_gb']):>28} {str(r['checksums_equal']):>7} "
+            f"{str(r['versions_equal']):>12} {r['gen_tokens_per_s']:>9}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(args.out), json.dumps({"host": platform.node(), "args": vars(args), "rows": rows},
-                                                 indent=1))
+    atomic_write_text(Path(args.out), json.dumps({"host": platform.node(), "args": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

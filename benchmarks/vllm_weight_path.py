@@ -160,7 +160,9 @@ def old_tree() -> Path:
     """A git worktree of the old engine's commit (made once; reused while it is at that commit)."""
     if not (OLD_TREE / "areal_hpc").is_dir():
         subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=True)
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--quiet", "--detach", str(OLD_TREE), OLD_COMMIT], check=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--quiet", "--detach", str(OLD_TREE), OLD_COMMIT], check=True
+        )
     head = subprocess.run(["git", "-C", str(OLD_TREE), "rev-parse", "HEAD"], capture_output=True, text=True)
     if not head.stdout.startswith(OLD_COMMIT):
         raise SystemExit(f"{OLD_TREE} is not a worktree at {OLD_COMMIT}: remove it and run again")

@@ -40,7 +40,8 @@ def _peft_model(base_dir, spec: LoraSpec, adapter: dict):
     """Hugging Face PEFT's own model with the same adapter: the reference the merged engines must equal."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules="all-linear", lora_dropout=0.0)
+    targets = list(spec.targets) or "all-linear"
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets, lora_dropout=0.0)
     model = get_peft_model(load_causal_lm(base_dir), config).eval()
     state = {f"base_model.model.{k.replace('.weight', '.default.weight')}": v for k, v in adapter.items()}
     missing = model.load_state_dict(state, strict=False)
@@ -69,12 +70,17 @@ def make_gen():
         eng.close()
 
 
-@pytest.mark.parametrize("kind", ["torch", "vllm"])
-def test_adapter_merged_on_the_generator_equals_peft_and_the_merged_model(kind, tiny_model_dir, tmp_path, make_gen):
+@pytest.mark.parametrize(
+    "kind,targets",
+    [("torch", ()), ("vllm", ()), ("vllm", ("q_proj", "v_proj"))],  # q and v only: vLLM fuses them with k
+)
+def test_adapter_merged_on_the_generator_equals_peft_and_the_merged_model(
+    kind, targets, tiny_model_dir, tmp_path, make_gen
+):
     tok = load_tokenizer(tiny_model_dir)
     eng = make_gen(kind, tiny_model_dir)
     base = generate(eng, _requests(tok, greedy=True))
-    spec = LoraSpec(4, 8.0)
+    spec = LoraSpec(4, 8.0, targets)
     tr = TorchTrainEngine(str(tiny_model_dir), lora=spec)
     layers = sorted({k.rsplit(".lora_", 1)[0] for k in tr.weights()})
     merger = AdapterMerger(load_causal_lm(tiny_model_dir).state_dict(), layers, spec.scale)  # the base folder's

@@ -142,17 +142,37 @@ def adapters_off(model: nn.Module):
                 p.requires_grad_(trainable[id(p)])
 
 
+# Layers vLLM fuses into one matrix (qkv_proj, gate_up_proj): a load that names one of a group must name them all,
+# since vLLM rebuilds a fused layer from the tensors a load gives it and leaves the rest of it uninitialised
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fused_siblings(layers: list[str]) -> list[str]:
+    """The layers fused with these ones (same module, another member of a FUSED_GROUPS group), not among them."""
+    given, out = set(layers), []
+    for name in layers:
+        prefix, _, leaf = name.rpartition(".")
+        for group in FUSED_GROUPS:
+            if leaf in group:
+                out += [f"{prefix}.{s}" for s in group if f"{prefix}.{s}" not in given and f"{prefix}.{s}" not in out]
+    return out
+
+
 class AdapterMerger:
     """A generator's side of LoRA: host copies of the adapted layers' base weights, and each received
     adapter turned into full weights for the engine's ordinary in-place load (so decoding runs on plain
     merged matrices, at full-weight speed, with no LoRA kernel).
 
-    Built from the engine's weights before any adapter is loaded, so `base` is W0 whatever was merged since.
+    Built from the base weights, so `base` is W0 whatever was merged since. An adapted layer's unadapted fused
+    siblings (k_proj beside adapted q_proj and v_proj) go with every load too, as their base weights.
     """
 
     def __init__(self, engine_state: dict[str, torch.Tensor], layers: list[str], scale: float):
         self.scale = scale
         self.base = {f"{n}.weight": engine_state[f"{n}.weight"].detach().to("cpu", copy=True) for n in layers}
+        self.siblings = {
+            f"{n}.weight": engine_state[f"{n}.weight"].detach().to("cpu", copy=True) for n in fused_siblings(layers)
+        }
 
     def merged(self, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         want = {f"{k.removesuffix('.weight')}.lora_{ab}.weight" for k in self.base for ab in "AB"}
@@ -161,7 +181,7 @@ class AdapterMerger:
                 f"received adapter tensors {sorted(set(adapter) ^ want)[:2]} do not fit the adapted layers "
                 f"({len(self.base)} layers, {len(want)} tensors expected)"
             )
-        return merge(self.base, adapter, self.scale)
+        return merge(self.base, adapter, self.scale) | self.siblings
 
 
 # -- checkpoints (their adapter in ADAPTER_FILE: alone, fp32, published names) ----------------------
