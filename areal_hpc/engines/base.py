@@ -65,6 +65,11 @@ class GenerationEngine(ABC):
     """Sequences one step can hold; more are queued and join as slots free."""
     prefill_tokens: int
     """Tokens processed by prefills since start-up (new requests, and resumed ones' prompt + partial again)."""
+    versions_checked: int = 0
+    """Output tokens whose version the engine's backend stamped itself (vLLM's weight_versions), compared with the
+    version this class recorded; 0 for engines that keep no stamp of their own."""
+    versions_mismatched: int = 0
+    """... of those, the tokens whose stamp differed (then the backend's is kept)."""
     prefill_shared_tokens: int
     """Prompt (+ partial) tokens of requests prefilled since start-up that were served from a prefix cache or
     a group's shared prefill instead of computed: prefill_tokens + this is every prompt token prefilled."""

@@ -39,9 +39,9 @@ class VLLMGenerationEngine(GenerationEngine):
 
     One engine spans `tensor_parallel` devices (worker processes on CPU, GPUs of one node on cuda). Weights reach
     them only through vLLM's weight-transfer API: start_weight_update -> update_weights -> finish_weight_update
-    (version), with this project's engine (vllm_transfer) on CPU and vLLM's nccl engine on GPUs. Every worker
-    receives and loads what it holds; this process keeps no copy of the weights. Per-token versions are vLLM's own
-    (its weight_versions spans), checked against the versions this engine expects.
+    (version), with this project's engine (vllm_transfer; on GPUs too until vLLM's nccl engine is wired in). Every
+    worker receives and loads what it holds; this process keeps no copy of the weights. Per-token versions are
+    vLLM's own (its weight_versions spans), checked against the versions this engine expects.
     """
 
     def __init__(
@@ -99,8 +99,6 @@ class VLLMGenerationEngine(GenerationEngine):
         self.llm.init_weight_transfer_engine({"init_info": {}})  # file updates from here on; connect() adds the group
         self._checksum: int | None = None  # of the weights loaded last (None: the model folder's, computed on demand)
         self.receive_s = 0.0  # the workers' receive + load seconds of the last update
-        self.versions_checked = 0  # output tokens whose version vLLM reported and this engine compared
-        self.versions_mismatched = 0  # ... and found different from the version loaded when they were sampled
         # OpenMP thread counts are per thread: stepping from another thread than this one must use the
         # count vLLM set up here, or its CPU attention refuses ("thread_num ... 2 vs. 1")
         self._threads = torch.get_num_threads()
@@ -128,7 +126,7 @@ class VLLMGenerationEngine(GenerationEngine):
 
     # -- weights ---------------------------------------------------------------------------------
     def connect(self, init_info: dict) -> None:
-        """Join trainer 0's group for this generator (collective with trainer 0: weight_sync.TransferGroup)."""
+        """Join trainer 0's group for this generator (collective with trainer 0's transfer_groups.TransferGroups)."""
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     @torch.no_grad()

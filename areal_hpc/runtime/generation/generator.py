@@ -345,8 +345,9 @@ class Generator(RoleLoop):
             self.evals.asked.append("init")  # the model folder as it is, before any training
         self.loop()
         self.spans.end_generate()
-        checked = {k: getattr(self.engine, k, 0) for k in ("versions_checked", "versions_mismatched")}
-        self.mail.send(0, Tag.BYE, {"interrupted": self.weights.interrupted} | checked)
+        e = self.engine
+        body = {"versions_checked": e.versions_checked, "versions_mismatched": e.versions_mismatched}
+        self.mail.send(0, Tag.BYE, {"interrupted": self.weights.interrupted} | body)
         self.mail.flush()
 
     def close(self) -> None:
