@@ -157,7 +157,9 @@ def decode_speed(kind: str, model_dir: str, rounds: int, n_req: int, new_tokens:
     from areal_hpc.types import GenRequest
 
     eng = make_generation_engine(kind, model_path=model_dir, temperature=1.0, top_p=1.0, dtype="float32", seed=0)
-    base = {k: v.detach().clone().cpu() for k, v in eng.state_dict().items()}
+    from areal_hpc.model import load_causal_lm
+
+    base = load_causal_lm(model_dir, "float32").state_dict()  # the folder's: the vLLM engine keeps no copy
     g = torch.Generator().manual_seed(0)
     full = {k: v + 0.01 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v for k, v in base.items()}
     shapes = adapter_shapes(model_dir, LoraSpec(32, 32.0))

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))  # runs from a bare checkout too (the GPU machine 
 
 from engines import make_gen  # noqa: E402  (benchmarks/ is on the path when a benchmark runs as a script)
 
-from areal_hpc.model import build_tiny_model, load_tokenizer  # noqa: E402
+from areal_hpc.model import build_tiny_model, load_causal_lm, load_tokenizer  # noqa: E402
 from areal_hpc.types import GenRequest  # noqa: E402
 from areal_hpc.utils import atomic_write_text  # noqa: E402
 
@@ -44,8 +44,9 @@ def answer_lengths(n: int, mean: float, cap: int, seed: int = 0) -> list[int]:
 
 
 def run_mode(engine, mode: str, prompts: list[list[int]], lengths: list[int], args) -> dict:
-    """Keep the engine full for --loads periods, loading the engine's own weights at every period's end."""
-    weights = {k: v.clone() for k, v in engine.state_dict().items()}
+    """Keep the engine full for --loads periods, loading the model folder's weights at every period's end (the vLLM
+    engine keeps no copy of its own to take them from)."""
+    weights = load_causal_lm(engine.model_path, args.dtype).state_dict()
     next_req, running = 0, 0
     finished_tokens, finished, resumed = 0, 0, 0
     prefill0 = engine.prefill_tokens

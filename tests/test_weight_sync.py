@@ -19,19 +19,25 @@ class Loopback:
     """gloo's broadcast between trainer 0 and one generator in this process: what is posted is what arrives."""
 
     def __init__(self):
-        self.posted: list[torch.Tensor] = []
+        self.sent: list[torch.Tensor] = []
 
     peers = "the loopback"
 
     def post(self, buf: torch.Tensor) -> list:
-        self.posted.append(buf.clone())
+        self.sent.append(buf.clone())
         return [self]  # its Work: done at once
 
     def wait(self, timeout=None) -> None:
         pass
 
+    def posted(self, version: int) -> None:
+        pass
+
+    def wait_ready(self, version: int) -> None:
+        pass
+
     def broadcast(self, buf: torch.Tensor) -> None:
-        buf.copy_(self.posted.pop(0))
+        buf.copy_(self.sent.pop(0))
 
 
 def unique_nbytes(state: dict[str, torch.Tensor]) -> int:

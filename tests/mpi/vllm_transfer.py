@@ -11,7 +11,7 @@ import torch
 
 from areal_hpc.model import load_causal_lm
 from areal_hpc.model.weights import WeightSyncTimeout, weights_checksum
-from areal_hpc.runtime.comm.transfer_groups import TransferGroups, worker_init_info
+from areal_hpc.runtime.comm.transfer_groups import TransferGroups, ready_key, worker_init_info
 from areal_hpc.runtime.comm.weight_sync import BucketPlan, SyncGroup, WeightSender, published_layout
 from areal_hpc.runtime.worker import exit_rank
 
@@ -54,9 +54,11 @@ def main(model_dir: str, out: str) -> None:
         sync.check_layout(plan.layout)
         engine.connect(worker_init_info(sync, plan, TP, 60))
         for version in (1, 2):
+            sync.store.set(ready_key(1, version), "1")  # as the generator says it (its send limit counts from here)
             engine.load({"rank": 1, "limit_s": LIMIT_S}, version)
             result[f"loaded_{version}"] = engine.weights_checksum()
             result[f"expected_{version}"] = weights_checksum(moved(model_dir, version))
+        sync.store.set(ready_key(1, 3), "1")
         try:  # the chaos suite's stall: trainer 0's limit must say so while the workers sleep
             engine.load({"rank": 1, "limit_s": 60, "stall_s": 3 * LIMIT_S}, 3)
         except Exception as err:  # after the stall the trainer's side of the group is gone

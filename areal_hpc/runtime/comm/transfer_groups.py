@@ -10,6 +10,16 @@ import torch.distributed as dist
 from areal_hpc.runtime.comm.weight_sync import BucketPlan, SyncGroup
 
 
+def posted_key(version: int) -> str:
+    """The store key trainer 0 sets once `version` is posted on every group."""
+    return f"vllm_transfer/posted/{version}"
+
+
+def ready_key(generator_index: int, version: int) -> str:
+    """The store key a generator sets as its workers start to receive `version`."""
+    return f"vllm_transfer/{generator_index}/ready/{version}"
+
+
 def group_name(generator_index: int) -> str:
     """The store prefix of generator `generator_index`'s group (its rank in the SyncGroup, from 1)."""
     return f"vllm_transfer/{generator_index}"
@@ -26,6 +36,7 @@ class TransferGroups:
 
     def __init__(self, sync: SyncGroup, devices_per_generator: int, timeout_s: float):
         timeout = datetime.timedelta(seconds=timeout_s)
+        self.store, self.timeout = sync.store, timeout
         self.ranks = list(range(1, sync.size))  # the generators' ranks in the SyncGroup
         self.groups = [
             dist.ProcessGroupGloo(dist.PrefixStore(group_name(g), sync.store), 0, 1 + devices_per_generator, timeout)
@@ -39,6 +50,16 @@ class TransferGroups:
     @property
     def peers(self) -> str:
         return f"the vLLM workers of generators {self.ranks} (sync group ranks)"
+
+    def posted(self, version: int) -> None:
+        """Tell the generators `version` is on the wire: a generator starts its receive only then, so its receive
+        limit never counts trainer 0's wait for another generator (the previous publish must complete first)."""
+        self.store.set(posted_key(version), "1")
+
+    def wait_ready(self, version: int) -> None:
+        """Until every generator has started to receive `version` (a drain may take minutes; it has the collective
+        timeout, not the sync limit, which then counts the transfer alone)."""
+        self.store.wait([ready_key(g, version) for g in self.ranks], self.timeout)
 
     def close(self) -> None:
         for pg in self.groups:

@@ -173,6 +173,12 @@ class SyncGroup:
     def peers(self) -> str:
         return "the generators"
 
+    def posted(self, version: int) -> None:
+        """Every generator takes the broadcast at its next engine step: nothing to announce (TransferGroups has)."""
+
+    def wait_ready(self, version: int) -> None:
+        """... and none has a wait of its own before it joins."""
+
     def check_layout(self, layout: list, device: str = "cpu") -> None:
         """Collective, once at start-up: every generator compares trainer 0's layout with its own and raises
         WeightLayoutMismatch (one line) if they differ, before a mismatched broadcast could hang or garble."""
@@ -289,8 +295,10 @@ class WeightSender:
         return previous
 
     def _wait_for(self, works: list, version: int, limit: float) -> None:
-        deadline = time.time() + limit
         try:
+            self.group.posted(version)
+            self.group.wait_ready(version)  # a receiver's drain is its own time; the limit is the transfer's
+            deadline = time.time() + limit
             for w in works:
                 w.wait(datetime.timedelta(seconds=max(0.001, deadline - time.time())))
         except Exception as err:  # gloo: "Operation timed out!"; a peer that died: a connection error

@@ -178,6 +178,8 @@ class Generator(RoleLoop):
         mode = self.cfg.rollout.weight_update
         if mode == "drain" and (self.engine.num_running or self.engine.num_waiting):
             return
+        if w.direct and self.cfg.sync.method == "broadcast" and not w.posted(w.staged[0]):
+            return  # trainer 0 posts it once the previous version reached every generator
         partials = self.engine.interrupt() if mode == "recompute" else []
         w.interrupted += sum(1 for o in partials if o.output_ids)  # queued ones had not started
         self.spans.end_generate()
@@ -220,6 +222,7 @@ class Generator(RoleLoop):
             update["limit_s"] = sync_limit_s(sc.limit_s, w.nbytes, first=not w.loaded)
             if self.fault_stall_version == version:
                 update["stall_s"] = 3600.0  # the chaos suite's stalled update: trainer 0's send limit must end it
+            w.receiving(version)
         else:
             path = self.run_dir.weights_file(version)
             if not path.exists():

@@ -9,7 +9,7 @@ from pathlib import Path
 from areal_hpc.config import Config
 from areal_hpc.engines import GenerationEngine
 from areal_hpc.runtime.build import lora_spec
-from areal_hpc.runtime.comm.transfer_groups import worker_init_info
+from areal_hpc.runtime.comm.transfer_groups import posted_key, ready_key, worker_init_info
 from areal_hpc.runtime.comm.weight_sync import BucketPlan, WeightReceiver, published_layout
 from areal_hpc.runtime.generation.adapters import AdapterLoader
 
@@ -29,6 +29,7 @@ class WeightIntake:
     prefilled: int = 0  # engine.prefill_tokens at the last WEIGHTS_OK
     prefill_shared: int = 0  # engine.prefill_shared_tokens at the last WEIGHTS_OK
     interrupted: int = 0  # requests a recompute load interrupted after they had started
+    sync: object = None  # the sync group (its store carries the direct path's posted / ready handshake)
 
     @classmethod
     def open(cls, cfg: Config, engine: GenerationEngine, run_dir, model_dir: Path, sync_group) -> WeightIntake:
@@ -52,7 +53,16 @@ class WeightIntake:
             if direct:
                 tp = cfg.cluster.devices_per_generator
                 engine.connect(worker_init_info(sync_group, plan, tp, sync_group.timeout_s))
-        return cls(receiver, adapters, nbytes=plan.nbytes if plan is not None else 0, direct=direct)
+        nbytes = plan.nbytes if plan is not None else 0
+        return cls(receiver, adapters, nbytes=nbytes, direct=direct, sync=sync_group)
+
+    def posted(self, version: int) -> bool:
+        """Trainer 0 has put `version` on the wire for the engine's workers (always true for a file)."""
+        return self.sync is None or self.sync.store.check([posted_key(version)])
+
+    def receiving(self, version: int) -> None:
+        """Tell trainer 0 this generator's workers start to receive `version` (its send limit starts counting)."""
+        self.sync.store.set(ready_key(self.sync.rank, version), "1")
 
     def stage_direct(self, version: int, method: str) -> int | None:
         """A version the engine will take itself: over the group every version in turn (trainer 0 sent each), from
