@@ -7,7 +7,15 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from areal_hpc.config import Config
+from areal_hpc.runtime.build import lora_spec
 from areal_hpc.runtime.comm.weight_sync import BucketPlan, SyncGroup
+
+
+def direct_transfer(cfg: Config) -> bool:
+    """The run's vLLM workers receive trainer 0's weights themselves. Not with LoRA: the adapter comes to the
+    generator rank, which merges it into the base weights and loads those (docs/lora.md)."""
+    return cfg.rollout.engine == "vllm" and lora_spec(cfg) is None
 
 
 def posted_key(version: int) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from areal_hpc.config import Config
 from areal_hpc.engines import GenerationEngine
 from areal_hpc.runtime.build import lora_spec
-from areal_hpc.runtime.comm.transfer_groups import posted_key, ready_key, worker_init_info
+from areal_hpc.runtime.comm.transfer_groups import direct_transfer, posted_key, ready_key, worker_init_info
 from areal_hpc.runtime.comm.weight_sync import BucketPlan, WeightReceiver, published_layout
 from areal_hpc.runtime.generation.adapters import AdapterLoader
 
@@ -39,7 +39,7 @@ class WeightIntake:
         for such an engine, trainer 0's TransferGroups."""
         sc, spec = cfg.sync, lora_spec(cfg)
         adapters = AdapterLoader(spec, run_dir, model_dir, cfg.model.dtype) if spec else None
-        direct = hasattr(engine, "connect") and adapters is None  # LoRA: the adapter comes here, merged here
+        direct = direct_transfer(cfg)
         if direct:  # names, shapes and dtypes only: the plan's buffers are on the meta device
             receiver = None
             plan = BucketPlan(published_layout(model_dir, cfg.model.dtype), sc.bucket_mb << 20, "meta")

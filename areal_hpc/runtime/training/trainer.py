@@ -25,7 +25,7 @@ from areal_hpc.runtime.build import (
 from areal_hpc.runtime.comm.layout import Layout
 from areal_hpc.runtime.comm.protocol import Tag
 from areal_hpc.runtime.comm.role_loop import Handler, RoleLoop
-from areal_hpc.runtime.comm.transfer_groups import TransferGroups
+from areal_hpc.runtime.comm.transfer_groups import TransferGroups, direct_transfer
 from areal_hpc.runtime.comm.weight_sync import WeightSender
 from areal_hpc.runtime.failures import FAULT_ENV
 from areal_hpc.runtime.training.train_step import train_version
@@ -139,7 +139,7 @@ class Trainer(RoleLoop):
             plan = self.sender.plan_for(state)
             self.sync_group.check_layout(plan.layout, self.cfg.cluster.device)
             body["raw_gbps"] = self.sync_group.raw_bandwidth(plan.nbytes, self.cfg.cluster.device)
-            if self.cfg.rollout.engine == "vllm" and self.engine.lora is None:  # vLLM's workers receive themselves
+            if direct_transfer(self.cfg):  # vLLM's workers receive themselves
                 self.sender.use_transfer_groups(
                     TransferGroups(self.sync_group, self.cfg.cluster.devices_per_generator, self.sync_group.timeout_s)
                 )
