@@ -19,7 +19,9 @@ from areal_hpc.store import Ledger, load_trajectories
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "areal_hpc.cli"]
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-VERSIONS, ETA, B, N = 100, 2, 32, 8
+# 16 prompts a version (half the demo's batch), twice the updates: +33 points in 209 s of RL here, where 100
+# versions of 32 gained 18-25
+VERSIONS, ETA, B, N = 200, 2, 16, 8
 
 
 def _overrides(tmp_path: Path, *more: str) -> list[str]:
@@ -30,6 +32,7 @@ def _overrides(tmp_path: Path, *more: str) -> list[str]:
         "cluster.devices_per_generator=2",
         "cluster.n_generators=1",
         f"trainer.versions={VERSIONS}",
+        f"rollout.batch_prompts={B}",
         "trainer.max_wall_s=0",  # versions, not seconds: a busy machine must not cut the run short
         "logging.eval_every=0",  # the first and the last
         "logging.trackers=[]",
