@@ -129,11 +129,17 @@ class GlooTransferEngine(WeightTransferEngine[TransferInit, TransferUpdate]):
                 left = datetime.timedelta(seconds=max(0.001, deadline - time.time()))
                 self.pg.broadcast(buf, 0).wait(left)
             except RuntimeError as err:
-                raise WeightSyncTimeout(
-                    f"weight sync: receive of version {u.version} (bucket {i + 1} of {len(self.init.buckets)}) on "
-                    f"generator rank {u.rank}, worker {self.pg.rank()} of group {self.init.group!r}, passed its "
-                    f"limit of {limit:.0f} s or failed ({str(err).splitlines()[0][:120]})"
-                ) from None
+                why = str(err).splitlines()[0][:120]
+                where = (
+                    f"version {u.version} (bucket {i + 1} of {len(self.init.buckets)}) on generator rank {u.rank}, "
+                    f"worker {self.pg.rank()} of group {self.init.group!r}"
+                )
+                if "timed out" in why.lower():  # a stall: this limit is the failure's cause
+                    raise WeightSyncTimeout(
+                        f"weight sync: receive of {where} passed its limit of {limit:.0f} s ({why})"
+                    ) from None
+                # trainer 0 went away: the echo of its failure (gloo's words say so), which is the cause
+                raise RuntimeError(f"weight sync: receive of {where} failed ({why})") from None
             yield {name: buf[off : off + _numel(shape)].view(shape) for name, off, shape in slots}
 
     def shutdown(self) -> None:

@@ -253,7 +253,7 @@ class WeightSender:
         self.bucket_bytes = bucket_mb << 20
         self.limit_s = limit_s  # sync.limit_s: 0 = derived from the bytes sent (sync_limit_s)
         self.published = 0  # publishes posted: the first gets the first sync's longer limit
-        self._failed: list[str] = []  # the waiter's one line when a send passed its limit
+        self._failed: list[Exception] = []  # the waiter's error when a send passed its limit or failed
         self.checksum, self.keep_versions, self.device, self.dtype = checksum, keep_versions, device, dtype
         self.plan: BucketPlan | None = None
         self._pending: dict | None = None  # the publish in flight: its SYNC_DONE body, until delivered
@@ -302,10 +302,16 @@ class WeightSender:
             for w in works:
                 w.wait(datetime.timedelta(seconds=max(0.001, deadline - time.time())))
         except Exception as err:  # gloo: "Operation timed out!"; a peer that died: a connection error
-            self._failed.append(
-                f"weight sync: send of version {version} from trainer 0 to {self.group.peers} passed its limit of "
-                f"{limit:.0f} s or failed ({str(err).splitlines()[0][:120]})"
-            )
+            why = str(err).splitlines()[0][:120]
+            if "timed out" in why.lower():  # a stall: this limit is the failure's cause
+                self._failed.append(
+                    WeightSyncTimeout(
+                        f"weight sync: send of version {version} from trainer 0 to {self.group.peers} passed its "
+                        f"limit of {limit:.0f} s ({why})"
+                    )
+                )
+            else:  # a receiver went away: the echo of its failure, which is the cause
+                self._failed.append(RuntimeError(f"weight broadcast of version {version} failed ({why})"))
             return
         self._done_at.append(time.time())
 
@@ -331,7 +337,7 @@ class WeightSender:
             self._waiter.join()
             self._waiter = None
             if self._failed:
-                raise WeightSyncTimeout(self._failed[0])
+                raise self._failed[0]
             if not self._done_at:
                 raise RuntimeError(f"weight broadcast of version {info['version']} failed (see the log)")
             info["t_end"] = self._done_at[0]
