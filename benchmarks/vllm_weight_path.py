@@ -6,7 +6,7 @@ update interrupts.
 The old engine runs from a git worktree of commit ffecf22 (made here if missing), each engine in its own process so
 its resident memory is its own; old and new alternate, --repeats rounds, and the table gives medians.
 
-    .venv/bin/python benchmarks/vllm_weight_path.py            # CPU, about 8 minutes on 2 cores
+    .venv/bin/python benchmarks/vllm_weight_path.py            # CPU, about 9 minutes on 2 cores
     .venv/bin/python benchmarks/vllm_weight_path.py --quick    # one round, about 4 minutes
 """
 
@@ -34,13 +34,15 @@ RESULT_TAG = "RESULT "
 
 # -- in a child process: one engine ----------------------------------------------------------------------------------
 def _memory_mib() -> dict[str, float]:
-    """This process's resident memory now and at its peak (/proc/self/status), in MiB."""
-    fields = {}
+    """This process's resident memory now, its parts and its peak (/proc/self/status), in MiB. File pages (a
+    safetensors file mapped while loading) are page cache the kernel may drop; anonymous pages are what it holds."""
+    names = {"VmRSS": "rss_mib", "RssAnon": "anon_mib", "RssFile": "file_mib", "RssShmem": "shmem_mib"}
+    fields = {"peak_mib": 0.0}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0]) / 1024
-    return {"rss_mib": fields["VmRSS"], "peak_mib": fields["VmHWM"]}
+        if key in names or key == "VmHWM":
+            fields[names.get(key, "peak_mib")] = int(value.split()[0]) / 1024
+    return fields
 
 
 def _release_freed() -> None:
@@ -206,6 +208,7 @@ def summarise(runs: dict, models: dict) -> dict:
                 "update_s": median([s for r in rs for s in r["update_s"]]),
                 "rss_startup_mib": median([r["after_startup"]["rss_mib"] for r in rs]),
                 "rss_updates_mib": median([r["after_updates"]["rss_mib"] for r in rs]),
+                "anon_updates_mib": median([r["after_updates"]["anon_mib"] for r in rs]),
                 "peak_mib": median([r["after_updates"]["peak_mib"] for r in rs]),
                 "startup_s": median([r["startup_s"] for r in rs]),
             }
@@ -238,13 +241,14 @@ def print_table(s: dict, args) -> None:
         )
     print(f"\ngenerator process RSS (MiB) after start-up and after {args.updates} updates (TP 1: vLLM's worker in it):")
     head = ("model", "MiB", "old start", "new start", "old end", "new end", "saved")
-    print(f"{head[0]:<10} " + " ".join(f"{h:>10}" for h in head[1:]) + "  peaks")
+    print(f"{head[0]:<10} " + " ".join(f"{h:>10}" for h in head[1:]) + "  end: anonymous pages; peaks")
     for name, r in s["sync"].items():
         o, n = r["old"], r["new"]
         print(
             f"{name:<10} {r['model_mib']:10.0f} {o['rss_startup_mib']:10.0f} {n['rss_startup_mib']:10.0f} "
             f"{o['rss_updates_mib']:10.0f} {n['rss_updates_mib']:10.0f} {r['rss_saved_mib']:10.0f}  "
-            f"old {o['peak_mib']:.0f}, new {n['peak_mib']:.0f}"
+            f"old {o['anon_updates_mib']:.0f}, new {n['anon_updates_mib']:.0f}; old {o['peak_mib']:.0f}, "
+            f"new {n['peak_mib']:.0f}"
         )
     for label, params in s["mirror_at_scale"].items():
         print(f"a mirror at {label} in bf16: {params['bytes'] / 1e9:.0f} GB ({params['bytes'] / (1 << 30):.1f} GiB)")
@@ -271,7 +275,7 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=3, help="weight updates per engine")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--gen-repeats", type=int, default=3, help="timed generations per TP engine")
+    ap.add_argument("--gen-repeats", type=int, default=2, help="timed generations per TP engine")
     ap.add_argument("--kv-cache-gib", type=float, default=0.5)
     ap.add_argument("--quick", action="store_true", help="one round, one timed generation")
     ap.add_argument("--out", type=Path, default=RESULTS / "vllm_weight_path.json")
