@@ -90,7 +90,7 @@ def run_tp(args, model_dir: str, tp: int) -> dict:
     eng.ignore_eos = True
     reqs = [GenRequest(f"r{i}", tok.encode("12+34="), args.max_new) for i in range(args.requests)]
     eng.add(reqs)
-    loads, steps, outs, tokens, t_gen = [], 0, [], 0, 0.0
+    loads, steps, outs, t_gen = [], 0, [], 0.0
     while len(outs) < len(reqs):
         if steps % args.load_every == args.load_every - 1 and len(loads) < args.versions:
             t0 = time.time()
@@ -122,7 +122,6 @@ def run_tp(args, model_dir: str, tp: int) -> dict:
         "greedy_after_last": greedy.output_ids,
     }
     eng.close()
-    store = None
     return row
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_engines import _perturbed
 from test_runtime import _mpirun
 
 from areal_hpc.engines.torch_train import TorchTrainEngine
-from areal_hpc.model import load_causal_lm, load_tokenizer
+from areal_hpc.model import load_tokenizer
 from areal_hpc.model.weights import WeightSyncTimeout, weights_checksum
 from areal_hpc.runtime.comm.weight_sync import BucketPlan, published_layout
 from areal_hpc.types import GenRequest
@@ -29,12 +30,7 @@ def _engine(path, **kw):
 
 
 def _moved(path, seed):
-    model = load_causal_lm(path).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # through the parameters: the tied head stays tied
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn(p.shape, generator=g))
-    return model.state_dict()
+    return _perturbed(path, seed).state_dict()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
