@@ -22,13 +22,11 @@ export PYTHONUNBUFFERED=1
 timeout 280 "$PY" benchmarks/weight_loads.py --engine "$engine" --device cuda --dtype bfloat16 --hidden 1024 \
   --layers 24 --heads 16 --max-new 4096 --in-flight 256 --period-s 8 --loads 4 --repeats 1 --kv-cache-gib 40 \
   --out "$OUT_DIR/weight_loads_gpu.json"
-# vLLM's weight-transfer path (issue 50): a TP 1 and, with 2 GPUs, a TP 2 generator of a ~0.9B-parameter Llama
-# receive 4 versions from a trainer process, two of them mid-answer (keep_kv); prints sync s/GB, whether every
-# checksum and every token's version (vLLM's stamp) equals what was sent, and tokens/s. The transfer engine is
-# this project's areal_gloo (host-staged over gloo); vLLM's nccl engine is not wired in yet (docs/cluster.md)
+# vLLM's weight-transfer path (issue 50): a TP 1 and, with 3 GPUs, a TP 2 generator of a ~0.9B-parameter Llama
+# receive 4 versions from a trainer process on a GPU of its own (NCCL wants one rank per GPU) through vLLM's nccl
+# engine, two of them mid-answer (keep_kv); prints sync s/GB, whether every checksum and every token's version
+# (vLLM's stamp) equals what was sent, and tokens/s. One GPU: skipped with a line saying so
 if [[ "$engine" == vllm ]]; then
-  gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l || echo 1)
-  tps="1"; [[ "$gpus" -ge 2 ]] && tps="1 2"
-  timeout 280 "$PY" benchmarks/vllm_transfer.py --device cuda --dtype bfloat16 --tp $tps --hidden 2048 --layers 16 \
+  timeout 280 "$PY" benchmarks/vllm_transfer.py --device cuda --dtype bfloat16 --tp 1 2 --hidden 2048 --layers 16 \
     --heads 16 --requests 256 --max-new 512 --load-every 64 --kv-cache-gib 20 --out "$OUT_DIR/vllm_transfer_gpu.json"
 fi

@@ -1,6 +1,7 @@
-"""vLLM's weight-transfer path as a run uses it, with no MPI: a trainer process sends bucketed weights over gloo to
-every worker of a tensor-parallel vLLM generator (engines/vllm_transfer.py), several versions; prints sync seconds
-per GB, whether every token's version (vLLM's stamp) and every checksum equals what was sent, and tokens/s.
+"""vLLM's weight-transfer path as a run uses it, with no MPI: a trainer process sends weights to every worker of a
+tensor-parallel vLLM generator (engines/vllm_transfer.py: gloo on CPU, vLLM's nccl engine on GPUs), several
+versions; prints sync seconds per GB, whether every token's version (vLLM's stamp) and every checksum equals what
+was sent, and tokens/s.
 
     .venv/bin/python benchmarks/vllm_transfer.py --tp 1 2                      # CPU, the tiny model (~2 minutes)
     python3 benchmarks/vllm_transfer.py --device cuda --dtype bfloat16 --tp 1 2 --hidden 2048 --layers 16 \\
@@ -17,6 +18,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a bare checkout too (the GPU machine has no install of this package)
@@ -35,26 +37,37 @@ def _weights(model_dir: str, dtype: str, version: int) -> dict:
     return model.state_dict()
 
 
-def trainer(port: int, world: int, model_dir: str, dtype: str, versions: int, bucket_mb: int, q) -> None:
-    """Trainer 0's side: one gloo group with the generator's workers, each version's buckets posted on it."""
+def _sync(port: int, rank: int):
+    """The two things of a run's SyncGroup the transfer groups use: its store and this end's rank (generator: 1)."""
     import torch.distributed as dist
 
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=600))
+    return SimpleNamespace(store=store, rank=rank, size=2)
+
+
+def trainer(port: int, tp: int, args, model_dir: str, q) -> None:
+    """Trainer 0's side, as in a run (transfer_groups): gloo from host buckets on CPU, vLLM's NCCL trainer endpoint
+    from GPU buckets on cuda; each version's buckets posted on the generator's group."""
     from areal_hpc.model.weights import weights_checksum
+    from areal_hpc.runtime.comm.transfer_groups import NcclTransferGroups, TransferGroups, transfer_backend
     from areal_hpc.runtime.comm.weight_sync import BucketPlan
 
-    timeout = datetime.timedelta(seconds=600)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), 0, world, timeout)
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.set_device(tp)  # the GPU after the generator's tp: NCCL wants one rank per GPU
+    nccl = transfer_backend(args.device) == "nccl"
+    groups = (NcclTransferGroups if nccl else TransferGroups)(_sync(port, 0), tp, 600)
     plan = None
-    for v in range(1, versions + 1):
-        sd = _weights(model_dir, dtype, v)
-        plan = plan or BucketPlan(sd, bucket_mb << 20, "cpu")
+    for v in range(1, args.versions + 1):
+        sd = _weights(model_dir, args.dtype, v)
+        plan = plan or BucketPlan(sd, args.bucket_mb << 20, groups.device)
         plan.pack(sd)
         t0 = time.time()
-        for w in [pg.broadcast(buf, 0) for buf in plan.buffers]:
-            w.wait()
+        for w in groups.post(plan):
+            w.wait(datetime.timedelta(seconds=600))
         q.put({"version": v, "send_s": time.time() - t0, "checksum": weights_checksum(plan.views())})
-    pg.shutdown()
+    groups.close()
 
 
 def run_tp(args, model_dir: str, tp: int) -> dict:
@@ -63,29 +76,21 @@ def run_tp(args, model_dir: str, tp: int) -> dict:
     from areal_hpc.engines.base import generate
     from areal_hpc.engines.vllm_gen import VLLMGenerationEngine
     from areal_hpc.model import load_tokenizer
+    from areal_hpc.runtime.comm.transfer_groups import transfer_backend, update_fields, worker_init_info
     from areal_hpc.runtime.comm.weight_sync import BucketPlan, published_layout
     from areal_hpc.types import GenRequest
 
     eng = VLLMGenerationEngine(
         model_dir, dtype=args.dtype, device=args.device, tensor_parallel=tp, kv_cache_gib=args.kv_cache_gib
     )
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=600), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=600), wait_for_workers=False)
     plan = BucketPlan(published_layout(model_dir, args.dtype), args.bucket_mb << 20, "meta")
     q = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(
-        target=trainer, args=(store.port, 1 + tp, model_dir, args.dtype, args.versions, args.bucket_mb, q)
-    )
+    proc = mp.get_context("spawn").Process(target=trainer, args=(store.port, tp, args, model_dir, q))
     proc.start()
-    eng.connect(
-        {
-            "master_address": "127.0.0.1",
-            "master_port": store.port,
-            "group": "bench",
-            "world_size": 1 + tp,
-            "buckets": plan.buckets(),
-            "timeout_s": 600,
-        }
-    )
+    backend = transfer_backend(args.device)
+    eng.connect(worker_init_info(_sync(store.port, 1), plan, tp, 600, backend))
+    wire = {"checksum": True} | update_fields(plan, backend)
     tok = load_tokenizer(model_dir)
     eng.ignore_eos = True
     reqs = [GenRequest(f"r{i}", tok.encode("12+34="), args.max_new) for i in range(args.requests)]
@@ -94,7 +99,7 @@ def run_tp(args, model_dir: str, tp: int) -> dict:
     while len(outs) < len(reqs):
         if steps % args.load_every == args.load_every - 1 and len(loads) < args.versions:
             t0 = time.time()
-            eng.load({"checksum": True}, len(loads) + 1, keep_kv=True)  # mid-answer: keep_kv, vLLM's "keep"
+            eng.load(wire, len(loads) + 1, keep_kv=True)  # mid-answer: keep_kv, vLLM's "keep"
             loads.append({"load_s": time.time() - t0, "checksum": eng.weights_checksum()})
         t0 = time.time()
         done = eng.step()
@@ -103,7 +108,7 @@ def run_tp(args, model_dir: str, tp: int) -> dict:
         steps += 1
     while len(loads) < args.versions:
         t0 = time.time()
-        eng.load({"checksum": True}, len(loads) + 1)
+        eng.load(wire, len(loads) + 1)
         loads.append({"load_s": time.time() - t0, "checksum": eng.weights_checksum()})
     sent = [q.get(timeout=600) for _ in range(args.versions)]
     proc.join(60)
@@ -156,7 +161,15 @@ def main() -> None:
             num_heads=args.heads,
         )
     )
-    rows = [run_tp(args, model_dir, tp) for tp in args.tp]
+    tps = args.tp
+    if args.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        tps = [tp for tp in args.tp if tp + 1 <= gpus]
+        for tp in sorted(set(args.tp) - set(tps)):
+            print(f"TP {tp}: skipped, it needs {tp + 1} GPUs (the trainer's own and the workers'), {gpus} visible")
+    rows = [run_tp(args, model_dir, tp) for tp in tps]
     print(f"{'tp':>3} {'MB':>8} {'sync s/GB (per load)':>28} {'crc ok':>7} {'versions ok':>12} {'tok/s':>9}")
     for r in rows:
         print(

@@ -114,3 +114,30 @@ def test_two_workers_receive_from_trainer_0_and_a_stalled_update_passes_the_send
     assert line.startswith("weight sync: send of version 3 from trainer 0") and "generators [1]" in line, line
     assert "limit of 3 s" in line and "\n" not in line
     print(f"\n[vllm transfer] stalled update reported by trainer 0 after {trainer['send_error_s']:.1f} s (limit 3 s)")
+
+
+def test_on_gpus_vllms_nccl_engine_is_told_every_tensor_in_the_order_trainer_0_broadcasts_them(tiny_model_dir):
+    # what can be checked without a GPU: the worker's backend is registered, an empty init is the file route,
+    # and the update names each tensor NcclTransferGroups.post broadcasts, in that order, as vLLM's receive checks
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    from areal_hpc.engines.vllm_transfer import NCCL_BACKEND, NcclTransferEngine, TransferUpdate, backend_for
+    from areal_hpc.runtime.comm.transfer_groups import transfer_backend, update_fields
+
+    assert backend_for("cuda") == NCCL_BACKEND and transfer_backend("cuda") == "nccl"
+    assert WeightTransferEngineFactory._registry[NCCL_BACKEND]() is NcclTransferEngine
+    assert NcclTransferEngine.parse_init_info(None, {}) is None
+    plan = BucketPlan(published_layout(tiny_model_dir, "bfloat16"), 1 << 16, "meta")
+    assert len(plan.buffers) > 1  # several buckets: the order is the slots', not a bucket's
+    fields = update_fields(plan, "nccl")
+    sent = plan.tensors()
+    assert fields["names"] == [s.name for s in plan.slots] and len(sent) == len(fields["names"])
+    assert fields["shapes"] == [list(t.shape) for t in sent]
+    assert (
+        fields["dtype_names"] == [str(t.dtype).removeprefix("torch.") for t in sent]
+        and "bfloat16" in fields["dtype_names"]
+    )
+    NCCLWeightTransferUpdateInfo(**fields)  # vLLM's own check of the three lists
+    assert TransferUpdate(version=3, **fields).names == fields["names"]
+    assert update_fields(plan, "gloo") == {}  # gloo's workers took the bucket layout at init

@@ -23,7 +23,8 @@ class ModelConfig:
     """The policy model: a local Hugging Face folder, or a tiny model built there for the demos."""
 
     path: str = MISSING  # a local Hugging Face folder (config.json, safetensors, tokenizer files)
-    build_tiny: bool = False  # build a tiny model + tokenizer into `path` if it does not exist
+    # build a tiny model + tokenizer into `path` if it does not exist, or copy the same build from
+    build_tiny: bool = False  # ~/.cache/areal-hpc/tiny-models (AREAL_HPC_TINY_CACHE moves it; empty: off)
     arch: str = "llama"  # tiny-model architecture: llama | qwen2
     # tiny-model vocabulary: arith | arith_tool (the tool demo's code fences) | arith_agent (the agent demo's calls)
     vocab: str = "arith"

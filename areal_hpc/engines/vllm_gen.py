@@ -39,7 +39,7 @@ class VLLMGenerationEngine(GenerationEngine):
 
     One engine spans `tensor_parallel` devices (worker processes on CPU, GPUs of one node on cuda). Weights reach
     them only through vLLM's weight-transfer API: start_weight_update -> update_weights -> finish_weight_update
-    (version), with this project's engine (vllm_transfer; on GPUs too until vLLM's nccl engine is wired in). Every
+    (version): vLLM's nccl engine on GPUs, this project's gloo engine on CPU (engines/vllm_transfer.py). Every
     worker receives and loads what it holds; this process keeps no copy of the weights. Per-token versions are
     vLLM's own (its weight_versions spans), checked against the versions this engine expects.
     """
@@ -87,9 +87,8 @@ class VLLMGenerationEngine(GenerationEngine):
             logprobs_mode="processed_logprobs",
             kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
             max_num_seqs=max_num_seqs,
-            # on GPUs too for now: host-staged over gloo, then each worker's load_weights copies to its GPU
-            # (vLLM's nccl engine, GPU to GPU, is the next step: docs/cluster.md)
-            weight_transfer_config=WeightTransferConfig(backend=vllm_transfer.BACKEND),
+            # this project's gloo engine on CPU; on GPUs vLLM's nccl engine (both also read a file: LoRA, disk)
+            weight_transfer_config=WeightTransferConfig(backend=vllm_transfer.backend_for(device)),
             worker_extension_cls=f"{vllm_transfer.__name__}.TransferWorkerExtension",
             **parallel,
         )

@@ -1,10 +1,10 @@
-"""The weight-transfer engine this project registers with vLLM for CPU: each worker receives trainer 0's weights."""
+"""The weight-transfer engines this project registers with vLLM: each worker receives trainer 0's weights itself."""
 
 from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -15,12 +15,22 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
 from areal_hpc.model.weights import Checksum, WeightSyncTimeout
 
 BACKEND = "areal_gloo"
 """Its name in vLLM's factory (`WeightTransferConfig(backend=BACKEND)`). vLLM's own engines (nccl, ipc) need CUDA;
 this one moves the same calls over gloo, or reads a safetensors file, so the CPU runs use vLLM's API end to end."""
+NCCL_BACKEND = "areal_nccl"
+"""On GPUs: vLLM's nccl engine (trainer 0 broadcasts every tensor to every worker, GPU to GPU), which also reads a
+safetensors file (LoRA's merged weights, sync.method=disk) and keeps this project's checksum of what arrived."""
+
+
+def backend_for(device: str) -> str:
+    """The transfer engine a generator on `device` uses (transfer_groups.transfer_backend is trainer 0's rule)."""
+    return NCCL_BACKEND if device == "cuda" else BACKEND
 
 
 @dataclass
@@ -47,12 +57,52 @@ class TransferUpdate(WeightTransferUpdateInfo):
     rank: int = -1  # the generator's MPI rank, for the error line
     aliases: dict = field(default_factory=dict)  # a tied tensor's other names -> the name it travels under
     stall_s: float = 0.0  # the chaos suite's stalled update (AREAL_HPC_FAULT=stall-update@V): sleep inside it first
+    # vLLM's nccl engine: every tensor sent, in order (weight_sync.BucketPlan.wire), each broadcast on its own
+    names: list = field(default_factory=list)
+    dtype_names: list = field(default_factory=list)
+    shapes: list = field(default_factory=list)
 
 
-class GlooTransferEngine(WeightTransferEngine[TransferInit, TransferUpdate]):
+class _Intake:
+    """What both engines do with what arrives: a tied tensor's other names, the checksum, the model's own
+    `load_weights` (inside vLLM's layerwise reload, started and finished by start/finish_weight_update), timing."""
+
+    last_checksum: int | None = None
+    last_receive_s = 0.0
+
+    def _receive(self, u: TransferUpdate, chunks: Callable[[Callable], Iterator[dict] | None]) -> None:
+        """`chunks(load)` yields {name: tensor} dicts to load, or calls `load(pairs)` itself (vLLM's receive)."""
+        time.sleep(u.stall_s)
+        t0 = time.time()
+        crc = Checksum() if u.checksum else None
+        load_weights = self.model.load_weights
+
+        def load(pairs) -> None:
+            named = dict(pairs)
+            named |= {a: named[k] for a, k in u.aliases.items() if k in named}
+            if crc is not None:
+                for name, t in named.items():
+                    crc.add(name, t)
+            load_weights(list(named.items()))
+
+        for named in chunks(load) or ():
+            load(named.items())
+        self.last_checksum = crc.value if crc is not None else None
+        self.last_receive_s = time.time() - t0
+
+
+def _from_file(path: str) -> Iterator[dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:  # one tensor at a time: the file is never in memory whole
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            yield {name: f.get_tensor(name)}
+
+
+class GlooTransferEngine(_Intake, WeightTransferEngine[TransferInit, TransferUpdate]):
     """Lives in every vLLM worker: receives each bucket into one reused buffer and hands its tensors to the model's
-    own `load_weights` inside vLLM's layerwise reload (started and finished by start/finish_weight_update), so a
-    worker holds at most one bucket besides its (sharded) model, and the generator process holds nothing."""
+    own `load_weights`, so a worker holds at most one bucket besides its (sharded) model, and the generator process
+    holds nothing."""
 
     init_info_cls = TransferInit
     update_info_cls = TransferUpdate
@@ -63,8 +113,6 @@ class GlooTransferEngine(WeightTransferEngine[TransferInit, TransferUpdate]):
         self.pg = None
         self.init: TransferInit | None = None
         self.buffers: dict[str, torch.Tensor] = {}  # dtype name -> a flat buffer of its largest bucket
-        self.last_checksum: int | None = None
-        self.last_receive_s = 0.0
 
     def init_transfer_engine(self, init_info: TransferInit) -> None:
         self.init = init_info
@@ -97,26 +145,8 @@ class GlooTransferEngine(WeightTransferEngine[TransferInit, TransferUpdate]):
             torch.cuda.synchronize()
 
     def receive_weights(self, update_info: TransferUpdate) -> None:
-        t0 = time.time()
-        time.sleep(update_info.stall_s)
-        crc = Checksum() if update_info.checksum else None
-        chunks = self._from_file(update_info.path) if update_info.path else self._from_group(update_info)
-        for named in chunks:
-            named |= {a: named[k] for a, k in update_info.aliases.items() if k in named}
-            chunk = list(named.items())
-            if crc is not None:
-                for name, t in chunk:
-                    crc.add(name, t)
-            self.model.load_weights(chunk)
-        self.last_checksum = crc.value if crc is not None else None
-        self.last_receive_s = time.time() - t0
-
-    def _from_file(self, path: str) -> Iterator[dict[str, torch.Tensor]]:
-        from safetensors import safe_open
-
-        with safe_open(path, "pt") as f:  # one tensor at a time: the file is never in memory whole
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield {name: f.get_tensor(name)}
+        u = update_info
+        self._receive(u, lambda load: _from_file(u.path) if u.path else self._from_group(u))
 
     def _from_group(self, u: TransferUpdate) -> Iterator[dict[str, torch.Tensor]]:
         if self.pg is None:
@@ -151,6 +181,36 @@ class GlooTransferEngine(WeightTransferEngine[TransferInit, TransferUpdate]):
             self.pg = None
 
 
+class NcclTransferEngine(_Intake, NCCLWeightTransferEngine):
+    """vLLM's nccl engine, as it is, in every worker (GPUs): it joins trainer 0's NCCL group (rank 1 + its
+    tensor-parallel rank, transfer_groups.NcclTransferGroups is rank 0) and receives each tensor by broadcast into a
+    fresh GPU tensor; this class only adds a file route, the checksum of what arrived and the chaos suite's stall.
+    NCCL's broadcast has no timeout here: trainer 0's send limit is what ends a stalled update."""
+
+    update_info_cls = TransferUpdate
+    supports_draft_weight_update = False
+
+    def parse_init_info(self, init_dict: dict) -> NCCLWeightTransferInitInfo | None:
+        return NCCLWeightTransferInitInfo(**init_dict) if init_dict else None  # {}: file updates only
+
+    def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo | None) -> None:
+        if init_info is not None:
+            super().init_transfer_engine(init_info)
+
+    def receive_weights(self, update_info: TransferUpdate) -> None:
+        u = update_info
+
+        def over_nccl(load) -> None:
+            # vLLM's receive hands each tensor to model.load_weights: for this receive, that is `load`
+            self.model.load_weights = load
+            try:
+                NCCLWeightTransferEngine.receive_weights(self, u)
+            finally:
+                del self.model.load_weights
+
+        self._receive(u, lambda load: _from_file(u.path) if u.path else over_nccl(load))
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -166,12 +226,13 @@ def last_update(worker) -> tuple[int | None, float]:
 
 
 def register() -> None:
-    """Make BACKEND known to vLLM's factory in this process (every worker imports this module, see
+    """Make both backends known to vLLM's factory in this process (every worker imports this module, see
     TransferWorkerExtension)."""
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, GlooTransferEngine)
-    except ValueError:  # already registered in this process
-        pass
+    for name, engine in ((BACKEND, GlooTransferEngine), (NCCL_BACKEND, NcclTransferEngine)):
+        try:
+            WeightTransferEngineFactory.register_engine(name, engine)
+        except ValueError:  # already registered in this process
+            pass
 
 
 class TransferWorkerExtension:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -115,6 +118,25 @@ def build_arith_tokenizer(tool: bool = False, vocab: str = ""):
     return fast
 
 
+TINY_CACHE_ENV = "AREAL_HPC_TINY_CACHE"
+"""Where built tiny models are kept for the next build of the same one (default ~/.cache/areal-hpc/tiny-models;
+set empty to build every time)."""
+
+
+def _tiny_cache(shape: dict, tokenizer) -> Path | None:
+    """The cache folder of a tiny model of this shape, seed, tokenizer and library versions (None: caching off).
+    A build imports transformers' model code and writes the folder, 5-10 s on 2 cores; sweeps and the test suite
+    build the same folder dozens of times, and every later one copies it (the same bytes: the build is seeded)."""
+    root = os.environ.get(TINY_CACHE_ENV, str(Path.home() / ".cache" / "areal-hpc" / "tiny-models"))
+    if not root:
+        return None
+    from importlib.metadata import version
+
+    what = [shape, tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, torch.__version__]
+    blob = json.dumps([*what, version("transformers"), version("safetensors")], sort_keys=True)
+    return Path(root) / hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
 def build_tiny_model(
     out_dir: str | Path,
     arch: str = "llama",
@@ -126,20 +148,45 @@ def build_tiny_model(
     tokenizer=None,
     if_absent: bool = False,
 ) -> Path:
-    """Build a randomly initialised causal LM + tokenizer and save both as a HF folder (atomic).
+    """Build a randomly initialised causal LM + tokenizer and save both as a HF folder (atomic); a copy of the
+    same build when one is cached (TINY_CACHE_ENV).
 
     if_absent: keep a folder another process published meanwhile (array tasks sharing one model path).
     """
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"tiny model arch must be 'llama' or 'qwen2', got {arch!r}")
+    tokenizer = tokenizer or build_arith_tokenizer()
+    shape = dict(arch=arch, hidden=hidden_size, mlp=intermediate_size, layers=num_layers, heads=num_heads, seed=seed)
+    cached = _tiny_cache(shape, tokenizer)
+    # Save into a temp dir next to the target and rename: a half-built folder never looks usable.
+    tmp = new_tmp_dir_beside(Path(out_dir))
+    torch.manual_seed(seed)  # as a build leaves it, copy or not
+    if cached is not None and (cached / "config.json").is_file():
+        shutil.copytree(cached, tmp, dirs_exist_ok=True)
+    else:
+        _build_into(tmp, tokenizer, arch, hidden_size, intermediate_size, num_layers, num_heads)
+        if cached is not None:  # best effort: a cache that cannot be written only costs the next build its time
+            with contextlib.suppress(OSError):
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                keep = new_tmp_dir_beside(cached)
+                shutil.copytree(tmp, keep, dirs_exist_ok=True)
+                publish_dir_if_absent(keep, cached)
+    if if_absent:
+        publish_dir_if_absent(tmp, Path(out_dir))
+        return Path(out_dir)
+    return atomic_publish_dir(tmp, Path(out_dir))
+
+
+def _build_into(tmp: Path, tokenizer, arch: str, hidden: int, mlp: int, layers: int, heads: int) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    tokenizer = tokenizer or build_arith_tokenizer()
     common = dict(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -147,23 +194,11 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
-    if arch == "llama":
-        config = LlamaConfig(**common)
-    elif arch == "qwen2":
-        config = Qwen2Config(**common)
-    else:
-        raise ValueError(f"tiny model arch must be 'llama' or 'qwen2', got {arch!r}")
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    # Save into a temp dir next to the target and rename: a half-built folder never looks usable.
-    tmp = new_tmp_dir_beside(Path(out_dir))
+    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
+    model = AutoModelForCausalLM.from_config(config)  # initialised from the seeded global generator
     with no_hf_progress_bars():
         model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    if if_absent:
-        publish_dir_if_absent(tmp, Path(out_dir))
-        return Path(out_dir)
-    return atomic_publish_dir(tmp, Path(out_dir))
 
 
 def check_model_folder(path: str | Path) -> Path:

@@ -137,10 +137,13 @@ class BucketPlan:
             for s in self.slots:
                 self.buffers[s.bucket][s.offset : s.offset + s.numel].copy_(state_dict[s.name].reshape(-1))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Each tensor sent, in slot order, as a view into its bucket (valid until the next transfer)."""
+        return [self.buffers[s.bucket][s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+
     def views(self) -> dict[str, torch.Tensor]:
         """The state dict as views into the buffers (valid until the next transfer), aliases included."""
-        views = {s.name: self.buffers[s.bucket][s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
-        return with_aliases(views, self.aliases)
+        return with_aliases(dict(zip((s.name for s in self.slots), self.tensors(), strict=True)), self.aliases)
 
 
 class SyncGroup:
@@ -165,9 +168,10 @@ class SyncGroup:
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.pg.broadcast(tensor, 0).wait()
 
-    def post(self, tensor: torch.Tensor) -> list:
-        """Post the broadcast and return its Works; the backend's own threads (gloo) or stream (NCCL) move it."""
-        return [self.pg.broadcast(tensor, 0)]
+    def post(self, plan: BucketPlan) -> list:
+        """Post the plan's buckets and return their Works; the backend's own threads (gloo) or stream (NCCL) move
+        them."""
+        return [self.pg.broadcast(buf, 0) for buf in plan.buffers]
 
     @property
     def peers(self) -> str:
@@ -282,7 +286,7 @@ class WeightSender:
             return previous
         self.plan_for(state_dict).pack(state_dict)
         crc = weights_checksum(self.plan.views()) if self.checksum else None
-        works = [w for buf in self.plan.buffers for w in self.group.post(buf)]
+        works = self.group.post(self.plan)
         limit = sync_limit_s(self.limit_s, self.plan.nbytes, first=not self.published)
         self.published += 1
         self._pending = {"version": version, "bytes": self.plan.nbytes, "checksum": crc, "t_start": time.time()}
@@ -316,11 +320,12 @@ class WeightSender:
         self._done_at.append(time.time())
 
     def use_transfer_groups(self, groups) -> None:
-        """Send over vLLM's transfer groups (transfer_groups.TransferGroups) from now on: gloo, from host buffers."""
+        """Send over vLLM's transfer groups (transfer_groups.TransferGroups, host buffers over gloo, or
+        NcclTransferGroups, GPU buffers) from now on."""
         self.group = groups
-        if self.plan is not None and self.device != "cpu":
-            self.plan = BucketPlan(self.plan.views(), self.bucket_bytes, "cpu", self.dtype)
-        self.device = "cpu"
+        if self.plan is not None and self.device != groups.device:
+            self.plan = BucketPlan(self.plan.views(), self.bucket_bytes, groups.device, self.dtype)
+        self.device = groups.device
 
     def plan_for(self, state_dict: dict[str, torch.Tensor]) -> BucketPlan:
         """The bucket plan (built on first use): what the generators' receive buffers must match."""

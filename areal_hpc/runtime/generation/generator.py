@@ -219,7 +219,7 @@ class Generator(RoleLoop):
             w.queued.pop(0)
             if w.queued:
                 w.staged = (w.queued[0], {})
-            update["limit_s"] = sync_limit_s(sc.limit_s, w.nbytes, first=not w.loaded)
+            update |= w.wire | {"limit_s": sync_limit_s(sc.limit_s, w.nbytes, first=not w.loaded)}
             if self.fault_stall_version == version:
                 update["stall_s"] = 3600.0  # the chaos suite's stalled update: trainer 0's send limit must end it
             w.receiving(version)

@@ -9,7 +9,14 @@ from pathlib import Path
 from areal_hpc.config import Config
 from areal_hpc.engines import GenerationEngine
 from areal_hpc.runtime.build import lora_spec
-from areal_hpc.runtime.comm.transfer_groups import direct_transfer, posted_key, ready_key, worker_init_info
+from areal_hpc.runtime.comm.transfer_groups import (
+    direct_transfer,
+    posted_key,
+    ready_key,
+    transfer_backend,
+    update_fields,
+    worker_init_info,
+)
 from areal_hpc.runtime.comm.weight_sync import BucketPlan, WeightReceiver, published_layout
 from areal_hpc.runtime.generation.adapters import AdapterLoader
 
@@ -30,6 +37,7 @@ class WeightIntake:
     prefill_shared: int = 0  # engine.prefill_shared_tokens at the last WEIGHTS_OK
     interrupted: int = 0  # requests a recompute load interrupted after they had started
     sync: object = None  # the sync group (its store carries the direct path's posted / ready handshake)
+    wire: dict = field(default_factory=dict)  # direct, over the group: what each update tells the workers to expect
 
     @classmethod
     def open(cls, cfg: Config, engine: GenerationEngine, run_dir, model_dir: Path, sync_group) -> WeightIntake:
@@ -47,14 +55,16 @@ class WeightIntake:
             template = adapters.template() if adapters else engine.state_dict()
             receiver = WeightReceiver(sc.method, sync_group, run_dir, template, sc.bucket_mb, cfg.cluster.device)
             plan = receiver.plan
+        wire = {}
         if sync_group is not None:
             sync_group.check_layout(plan.layout, cfg.cluster.device)
             sync_group.raw_bandwidth(plan.nbytes, cfg.cluster.device)
             if direct:
-                tp = cfg.cluster.devices_per_generator
-                engine.connect(worker_init_info(sync_group, plan, tp, sync_group.timeout_s))
+                tp, backend = cfg.cluster.devices_per_generator, transfer_backend(cfg.cluster.device)
+                engine.connect(worker_init_info(sync_group, plan, tp, sync_group.timeout_s, backend))
+                wire = update_fields(plan, backend)
         nbytes = plan.nbytes if plan is not None else 0
-        return cls(receiver, adapters, nbytes=nbytes, direct=direct, sync=sync_group)
+        return cls(receiver, adapters, nbytes=nbytes, direct=direct, sync=sync_group, wire=wire)
 
     def posted(self, version: int) -> bool:
         """Trainer 0 has put `version` on the wire for the engine's workers (always true for a file)."""

@@ -25,7 +25,12 @@ from areal_hpc.runtime.build import (
 from areal_hpc.runtime.comm.layout import Layout
 from areal_hpc.runtime.comm.protocol import Tag
 from areal_hpc.runtime.comm.role_loop import Handler, RoleLoop
-from areal_hpc.runtime.comm.transfer_groups import TransferGroups, direct_transfer
+from areal_hpc.runtime.comm.transfer_groups import (
+    NcclTransferGroups,
+    TransferGroups,
+    direct_transfer,
+    transfer_backend,
+)
 from areal_hpc.runtime.comm.weight_sync import WeightSender
 from areal_hpc.runtime.failures import FAULT_ENV
 from areal_hpc.runtime.training.train_step import train_version
@@ -139,10 +144,12 @@ class Trainer(RoleLoop):
             plan = self.sender.plan_for(state)
             self.sync_group.check_layout(plan.layout, self.cfg.cluster.device)
             body["raw_gbps"] = self.sync_group.raw_bandwidth(plan.nbytes, self.cfg.cluster.device)
-            if direct_transfer(self.cfg):  # vLLM's workers receive themselves
-                self.sender.use_transfer_groups(
-                    TransferGroups(self.sync_group, self.cfg.cluster.devices_per_generator, self.sync_group.timeout_s)
+            if direct_transfer(self.cfg):  # vLLM's workers receive themselves: gloo on CPU, NCCL on GPUs
+                nccl = transfer_backend(self.cfg.cluster.device) == "nccl"
+                groups = (NcclTransferGroups if nccl else TransferGroups)(
+                    self.sync_group, self.cfg.cluster.devices_per_generator, self.sync_group.timeout_s
                 )
+                self.sender.use_transfer_groups(groups)
         self._announce_and_publish(Tag.READY, body, state)
 
     def _announce_and_publish(self, tag: Tag, body: dict, state: dict | None = None) -> None:
