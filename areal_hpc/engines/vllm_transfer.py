@@ -57,7 +57,7 @@ class TransferUpdate(WeightTransferUpdateInfo):
     rank: int = -1  # the generator's MPI rank, for the error line
     aliases: dict = field(default_factory=dict)  # a tied tensor's other names -> the name it travels under
     stall_s: float = 0.0  # the chaos suite's stalled update (AREAL_HPC_FAULT=stall-update@V): sleep inside it first
-    # vLLM's nccl engine: every tensor sent, in order (weight_sync.BucketPlan.wire), each broadcast on its own
+    # vLLM's nccl engine: every tensor sent, in order (transfer_groups.update_fields), each broadcast on its own
     names: list = field(default_factory=list)
     dtype_names: list = field(default_factory=list)
     shapes: list = field(default_factory=list)
