@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -12,14 +11,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from areal_hpc.engines.lora import model_skeleton
 from areal_hpc.model import DTYPES
 from areal_hpc.model.weights import WeightSyncTimeout, shared_names, tied_aliases, weights_checksum, with_aliases
 from areal_hpc.rundir import RunDir
 from areal_hpc.runtime.comm.torch_groups import store_over_mpi
-from areal_hpc.utils import atomic_publish_dir, new_tmp_dir_beside
+from areal_hpc.runtime.comm.weight_files import prune_weights, save_weights
 
 
 def published_layout(model_dir: Path, dtype: str) -> dict[str, torch.Tensor]:
@@ -375,29 +374,7 @@ class WeightReceiver:
     def receive(self, version: int) -> dict[str, torch.Tensor]:
         """Version `version` under every name of the template, a tied tensor under each of its names."""
         if self.method == "disk":
-            return with_aliases(load_file(str(weights_file(self.run_dir, version))), self.aliases)
+            return with_aliases(load_file(str(RunDir(self.run_dir).weights_file(version))), self.aliases)
         for buf in self.plan.buffers:
             self.group.broadcast(buf)
         return self.plan.views()
-
-
-def weights_file(run_dir: Path, version: int) -> Path:
-    return RunDir(run_dir).weights_file(version)
-
-
-def save_weights(run_dir: Path, state_dict: dict[str, torch.Tensor], version: int) -> int:
-    """RUN_DIR/weights/v{N}/model.safetensors, published by an atomic directory rename."""
-    final = RunDir(run_dir).weights_version(version)
-    if final.exists():  # a resumed run republishing the checkpoint's version
-        shutil.rmtree(final)
-    tmp = new_tmp_dir_beside(final)
-    # clones: safetensors refuses tensors that share storage (ZeRO-1/2's views into one flat buffer)
-    sd = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-    save_file(sd, str(tmp / weights_file(run_dir, version).name))
-    atomic_publish_dir(tmp, final)
-    return sum(t.numel() * t.element_size() for t in sd.values())
-
-
-def prune_weights(run_dir: Path, keep: int) -> None:
-    for old in RunDir(run_dir).published_weights()[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
