@@ -127,7 +127,49 @@ REFUSED = {  # the field an error names -> the request's extra arguments
     "tool_choice": {"tools": [example.CALCULATOR], "tool_choice": "required"},
     "max_tokens": {"max_tokens": MAX_NEW + 1},
     "messages": {"messages": [{"role": "user", "content": "1" * 600}]},  # 600 tokens: past the 512 of the model
+    "return_token_ids": {"extra_body": {"return_token_ids": "yes"}},
 }
+TOKEN_REFUSED = {  # the field a token-route error names -> what the request changes
+    "sampling_params.temperature": {"temperature": 0.5},
+    "sampling_params.stop_token_ids": {"stop_token_ids": [5]},
+    "sampling_params.logprobs": {"logprobs": 5},
+    "sampling_params.top_k": {"top_k": 3},
+    "sampling_params.max_tokens": {"max_tokens": MAX_NEW + 1},
+    "stream": {"stream": True},
+}
+
+
+async def _token_route(client, row, seen: dict) -> float:
+    """A harness that renders its own prompts: a chat call asking for its token ids, then vLLM's token route on
+    the ids it was given plus ids of its own (twice, extending), then ids that rewrite the history (a branch);
+    and every refused setting."""
+    base, key = str(client.base_url).rstrip("/").removesuffix("/v1"), {"Authorization": f"Bearer {client.api_key}"}
+    messages = [{"role": "user", "content": row["question"]}]
+    raw = await client.chat.completions.with_raw_response.create(
+        model="policy", messages=messages, max_tokens=4, extra_body={"return_token_ids": True}
+    )
+    seen["chat"] = first = json.loads(raw.content)
+    ids = first["prompt_token_ids"] + first["choices"][0]["token_ids"] + row["more"]
+    sp = {"max_tokens": 3, "logprobs": 1, "stop_token_ids": row["stop_ids"], "skip_special_tokens": False}
+    seen["routes"] = []
+    async with httpx.AsyncClient(headers=key) as http:
+
+        async def generate(token_ids, stream=False, **change):
+            body = {"token_ids": token_ids, "sampling_params": sp | change, "return_token_ids": True, "stream": stream}
+            r = await http.post(f"{base}/inference/v1/generate", json=body)
+            return r.status_code, r.json()
+
+        for _ in range(2):
+            status, reply = await generate(ids)
+            seen["routes"].append(reply)
+            ids = reply["prompt_token_ids"] + reply["choices"][0]["token_ids"] + row["more"]
+        seen["routes"].append((await generate(first["prompt_token_ids"][:1] + row["more"]))[1])  # a rewrite
+        seen["token_refused"] = {}
+        for field, change in TOKEN_REFUSED.items():
+            status, body = await generate(ids, **change)
+            seen["token_refused"][field] = (status, body["error"]["param"], body["error"]["message"])
+        seen["token_no_key"] = (await httpx.AsyncClient().post(f"{base}/inference/v1/generate", json={})).status_code
+    return 0.0
 
 
 async def _status(call) -> tuple:
@@ -183,7 +225,8 @@ async def agent(client: openai.AsyncOpenAI, row: dict):
     elif mode in ("plain", "stream"):
         result = await _tool_episode(client, row, seen, stream_first=mode == "stream")
     else:
-        result = await {"short": _short_turn, "rewrite": _rewrite, "bad": _bad_calls}[mode](client, row, seen)
+        modes = {"short": _short_turn, "rewrite": _rewrite, "bad": _bad_calls, "tokens": _token_route}
+        result = await modes[mode](client, row, seen)
     FINISHED.append(client.api_key)
     # the agents run in the endpoint's process: what this one saw goes back to the test through a file
     Path(row["out"], f"{row['id']}.pkl").write_bytes(pickle.dumps(seen))
@@ -315,6 +358,7 @@ ROWS = [
     {"id": "short", "mode": "short", "question": "12*34=", "answer": "408"},
     {"id": "rewrite", "mode": "rewrite", "question": "12*34=", "answer": "408"},
     {"id": "bad", "mode": "bad", "question": "12*34=", "answer": "408"},
+    {"id": "tokens", "mode": "tokens", "question": "12*34=", "answer": "408"},
 ]
 
 
@@ -322,8 +366,9 @@ ROWS = [
 def agent_run(agent_model, tmp_path_factory):
     """One greedy batch of the agents above, through the in-process form: (tokenizer, engine, episodes by row id,
     what each agent saw)."""
-    out = tmp_path_factory.mktemp("seen")
-    rows = [dict(r, out=str(out)) for r in ROWS]
+    out, tok = tmp_path_factory.mktemp("seen"), agent_model[1]
+    more = tok.encode("<user>1+1=<assistant>", add_special_tokens=False)  # what the token harness appends
+    rows = [dict(r, out=str(out), more=more, stop_ids=[tok.eos_token_id]) for r in ROWS]
     eng, eps = _run(agent_model, rows, greedy=True, agent=f"{THIS}:agent", max_request_kb=MAX_KB)
     seen = {r["id"]: pickle.loads((out / f"{r['id']}.pkl").read_bytes()) for r in ROWS}
     return agent_model[1], eng, {r["id"]: (k, ep) for k, (r, ep) in enumerate(zip(ROWS, eps))}, seen
@@ -411,13 +456,48 @@ def test_stored_trajectories_are_the_sampled_tokens_with_rendered_messages_untra
 def test_a_rewritten_history_becomes_a_branch(agent_run):
     tok, eng, eps, _ = agent_run
     k, ep = eps["rewrite"]
-    assert ep.stats.branches == 1 and sum(e.stats.branches for _, e in eps.values()) == 1
+    assert ep.stats.branches == 1 and sum(e.stats.branches for n, (_, e) in eps.items() if n != "tokens") == 1
     first, second = to_trajectories(ep, SampleId(0, k), 0, 0)
     outs = _outputs(eng, ep.key)
     assert _check_sampled(first, outs[:1]) == [] and len(_check_sampled(second, outs[1:])) == 1
     assert tok.decode(first.input_ids[: first.prompt_len].tolist()) == "<user>12*34=<assistant>"
     assert tok.decode(second.input_ids[: second.prompt_len].tolist()) == "<system>1+1=<user>12*34=<assistant>"
     assert first.reward == second.reward == 0.0
+
+
+def test_the_token_route_and_token_fields_answer_with_the_sampled_tokens_on_the_episodes_transcript(agent_run):
+    tok, eng, eps, seen = agent_run
+    k, ep = eps["tokens"]
+    seen = seen["tokens"]
+    outs = _outputs(eng, ep.key)
+    assert len(outs) == 4 and ep.stats.branches == 1  # a chat call, two token calls extending it, a rewrite
+    # chat completions with return_token_ids: vLLM's fields and NeMo-Gym's, as the engine saw and sampled them
+    chat, o = seen["chat"], outs[0]
+    msg, choice = chat["choices"][0]["message"], chat["choices"][0]
+    assert chat["prompt_token_ids"] == msg["prompt_token_ids"] == list(o.prompt_ids)
+    assert choice["token_ids"] == msg["generation_token_ids"] == list(o.output_ids)
+    assert msg["generation_log_probs"] == pytest.approx(list(o.output_logprobs))
+    assert choice["weight_versions"] == [{"version": "1", "start": 0, "end": len(o.output_ids)}]
+    # the token route: the harness's ids are the engine's prompt, its answer the engine's output
+    for reply, o in zip(seen["routes"], outs[1:]):
+        (c,) = reply["choices"]
+        assert reply["prompt_token_ids"] == list(o.prompt_ids) and c["token_ids"] == list(o.output_ids)
+        assert [e["token"] for e in c["logprobs"]["content"]] == [f"token_id:{t}" for t in o.output_ids]
+        assert [e["token_id"] for e in c["logprobs"]["content"]] == list(o.output_ids)
+        assert [e["logprob"] for e in c["logprobs"]["content"]] == pytest.approx(list(o.output_logprobs))
+        assert c["weight_versions"] == [{"version": "1", "start": 0, "end": len(o.output_ids)}]
+        assert c["finish_reason"] in ("stop", "length") and reply["output_mode"] == "tokens"
+    # stored: the chat turn and both token turns in one transcript, the rewrite a sample of its own
+    first, second = to_trajectories(ep, SampleId(0, k), 0, 0)
+    between = _check_sampled(first, outs[:3])
+    assert [tok.decode(b) for b in between] == ["<user>1+1=<assistant>"] * 2
+    assert _check_sampled(second, outs[3:]) == []
+    assert tok.decode(second.input_ids[: second.prompt_len].tolist()) == "<user><user>1+1=<assistant>"
+    # every setting the run cannot honour: a 400 naming it; no key, no route
+    for field, (status, param, message) in seen["token_refused"].items():
+        assert (status, param) == (400, field) and message.startswith(f"{field}: "), (field, message)
+    assert "it ends at [" in seen["token_refused"]["sampling_params.stop_token_ids"][2]
+    assert seen["token_no_key"] == 401
 
 
 def _example_result(tok, sampled) -> str:
@@ -592,7 +672,11 @@ def test_the_pipe_carries_typed_records_and_refuses_a_bad_one_in_one_line():
     for msg, allowed, words in (
         (pipe.Ready("8000"), pipe.TO_GENERATOR, "Ready.port is a str, the protocol says int"),
         (pipe.CallRefused(1, "no"), pipe.TO_HOST, "CallRefused.error is a str, the protocol says OpenAIError"),
-        (pipe.Quit(), pipe.TO_GENERATOR, "a Quit where the protocol carries Ready, Failed, ChatCall, AgentDone"),
+        (
+            pipe.Quit(),
+            pipe.TO_GENERATOR,
+            "a Quit where the protocol carries Ready, Failed, ChatCall, TokenCall, AgentDone",
+        ),
         (("start", "k", {}), pipe.TO_HOST, "a tuple where the protocol carries StartAgent"),
     ):
         with pytest.raises(pipe.PipeError) as err:

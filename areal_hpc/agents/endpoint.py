@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_hpc.agents import host, pipe
@@ -20,6 +20,7 @@ from areal_hpc.agents.protocol import OpenAIError, RunSampling
 from areal_hpc.agents.running import ENDED, STOPPED, AgentOutcome
 from areal_hpc.agents.session import AgentSession
 from areal_hpc.agents.transcript import ChatRenderer, ToolCallReader
+from areal_hpc.model import stop_token_ids
 
 STOP_EXITS = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP}  # how a job's stop ends a process
 
@@ -33,13 +34,15 @@ class EndpointSettings:
     max_request_kb: int = 1024
     tool_parser: str = "hermes"
     max_context: int | None = None
+    stop_ids: list[int] = field(default_factory=list)  # the tokens the engine ends an answer at
 
     @classmethod
-    def of_run(cls, cfg, max_context: int | None) -> EndpointSettings:
+    def of_run(cls, cfg, max_context: int | None, tokenizer) -> EndpointSettings:
         """The run's: it samples at rollout.temperature and top_p, and lists the model by its folder's name."""
         rc, wc = cfg.rollout, cfg.workflow
         run = RunSampling(rc.temperature, rc.top_p, rc.max_new_tokens, Path(cfg.model.path).name or "policy")
-        return cls(run, wc.endpoint_host, wc.max_request_kb, wc.tool_parser, max_context)
+        stops = stop_token_ids(cfg.model.path, tokenizer)
+        return cls(run, wc.endpoint_host, wc.max_request_kb, wc.tool_parser, max_context, stops)
 
 
 class Endpoint:
@@ -53,7 +56,7 @@ class Endpoint:
     START_S = 120  # the process imports aiohttp, openai and the user's agent before it answers
 
     def __init__(self, tokenizer, cfg, max_context: int | None, call_in_loop: Callable):
-        self.settings = settings = EndpointSettings.of_run(cfg, max_context)
+        self.settings = settings = EndpointSettings.of_run(cfg, max_context, tokenizer)
         workflow_cfg = cfg.workflow
         self.call_in_loop = call_in_loop  # fn(*args) on the runner's loop, from any thread
         self.renderer = ChatRenderer(tokenizer)
@@ -125,13 +128,13 @@ class Endpoint:
         bad = None
         while True:
             try:
-                msg = pipe.receive(self.conn, (pipe.ChatCall, pipe.AgentDone))
+                msg = pipe.receive(self.conn, (pipe.ChatCall, pipe.TokenCall, pipe.AgentDone))
             except (EOFError, OSError):
                 break
             except pipe.PipeError as e:  # a bug on the process's side: the endpoint is lost, in one line
                 bad = str(e)
                 break
-            if isinstance(msg, pipe.ChatCall):
+            if isinstance(msg, (pipe.ChatCall, pipe.TokenCall)):
                 self.call_in_loop(self._start_call, msg)
             else:
                 fut = self.agents.get(msg.key)
@@ -153,7 +156,7 @@ class Endpoint:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
         return f"the agent endpoint's process {how} (its log is this rank's)"
 
-    def _start_call(self, msg: pipe.ChatCall) -> None:
+    def _start_call(self, msg: pipe.ChatCall | pipe.TokenCall) -> None:
         """On the runner's loop: the call as a task on its session, which sends the outcome back itself (a done
         callback alone would wait for another pass of the runner's loop, which nothing may ask for)."""
         ended = OpenAIError(401, "this episode has ended; its key is no longer valid", code="invalid_api_key")
@@ -173,9 +176,11 @@ class Endpoint:
         def submitted():
             self.latencies_ms.append((time.monotonic() - msg.t_received) * 1000)
 
+        answer_on = session.answer if isinstance(msg, pipe.ChatCall) else session.answer_tokens
+
         async def answer():
             try:
-                tell(pipe.CallAnswered(msg.call, await session.answer(msg.request, submitted)))
+                tell(pipe.CallAnswered(msg.call, await answer_on(msg.request, submitted)))
             except OpenAIError as e:
                 tell(pipe.CallRefused(msg.call, e))
             except Exception as e:  # a bug or a template that cannot render: the agent hears it, the log keeps it

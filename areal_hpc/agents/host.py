@@ -11,6 +11,8 @@ import time
 from areal_hpc.agents import pipe
 from areal_hpc.agents.protocol import OpenAIError, chunks, completion, models, parse_request
 from areal_hpc.agents.running import AgentOutcome, AgentRunner
+from areal_hpc.agents.token_route import PATH as TOKEN_PATH
+from areal_hpc.agents.token_route import generate_reply, parse_generate
 
 log = logging.getLogger("areal_hpc.agents")
 # the pipe's messages to and from the generator: agents/pipe.py
@@ -28,9 +30,10 @@ def main(conn, settings, wc) -> None:
 
 
 class Host:
-    """Serves POST /v1/chat/completions and GET /v1/models to the holders of an open episode's key, and nothing
-    else: no route fetches a URL or reads a file. Each checked call goes to the generator, whose session of
-    that episode answers it from the engine. Runs the episodes' agents on the same loop."""
+    """Serves POST /v1/chat/completions, GET /v1/models and vLLM's token route (POST /inference/v1/generate) to
+    the holders of an open episode's key, and nothing else: no route fetches a URL or reads a file. Each checked
+    call goes to the generator, whose session of that episode answers it from the engine. Runs the episodes'
+    agents on the same loop."""
 
     def __init__(self, conn, settings, wc):
         self.conn, self.settings, self.wc = conn, settings, wc
@@ -50,6 +53,7 @@ class Host:
             app = web.Application(client_max_size=self.settings.max_request_kb * 1024, middlewares=[self._guard()])
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/v1/chat/completions", self._chat)
+            app.router.add_post(TOKEN_PATH, self._tokens)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             # hundreds of agents connect at once when a batch of episodes starts: aiohttp's default backlog
@@ -145,22 +149,36 @@ class Host:
 
         return web.json_response(models(self.settings.run.model_name))
 
+    async def _body(self, request):
+        try:
+            return await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise OpenAIError(400, "the request body is not JSON") from None
+
+    async def _ask(self, record, key: str, req, t0: float):
+        """The checked request across the pipe to the episode's session; its answer (or its refusal, raised)."""
+        call = next(self.ids)
+        fut = self.calls[call] = asyncio.get_running_loop().create_future()
+        self._send(record(call, key, req, t0))
+        try:
+            return await fut
+        finally:
+            self.calls.pop(call, None)
+
+    async def _tokens(self, request):
+        from aiohttp import web
+
+        t0 = time.monotonic()
+        req = parse_generate(await self._body(request), self.settings.run, self.settings.stop_ids)
+        answer = await self._ask(pipe.TokenCall, request["key"], req, t0)
+        return web.json_response(generate_reply(answer, req))
+
     async def _chat(self, request):
         from aiohttp import web
 
         t0 = time.monotonic()  # the system's monotonic clock: the generator reads the same one
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raise OpenAIError(400, "the request body is not JSON") from None
-        req = parse_request(body, self.settings.run)
-        call = next(self.ids)
-        fut = self.calls[call] = asyncio.get_running_loop().create_future()
-        self._send(pipe.ChatCall(call, request["key"], req, t0))
-        try:
-            answer = await fut
-        finally:
-            self.calls.pop(call, None)
+        req = parse_request(await self._body(request), self.settings.run)
+        answer = await self._ask(pipe.ChatCall, request["key"], req, t0)
         if not req.stream:
             return web.json_response(completion(answer, req.model))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -3,14 +3,15 @@
 generator -> endpoint's process
   StartAgent     key, row                      an episode opened: its agent starts under its key
   CloseSession   key                           the episode ended: its key is refused, its agent cancelled
-  CallAnswered   call, answer (Answer)         a chat call's answer from the episode's session
-  CallRefused    call, error (OpenAIError)     a chat call refused (an ended episode, a bad request)
+  CallAnswered   call, answer (Answer)         a call's answer from the episode's session
+  CallRefused    call, error (OpenAIError)     a call refused (an ended episode, a bad request)
   Quit                                         the endpoint's process ends
 endpoint's process -> generator
   Ready          port                          the HTTP server listens (the first message)
   Failed         what                          it could not start (the first message, and the last)
   ChatCall       call, key, request, t_received  a checked chat request of an open episode (its monotonic
                                                arrival time: the endpoint's latency figure)
+  TokenCall      call, key, request, t_received  a checked token-route request (TokenRequest), likewise
   AgentDone      key, outcome (AgentOutcome)   an episode's agent ended
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, fields
 
 from areal_hpc.agents.protocol import Answer, ChatRequest, OpenAIError
 from areal_hpc.agents.running import AgentOutcome
+from areal_hpc.agents.token_route import TokenRequest
 
 
 class PipeError(RuntimeError):
@@ -75,13 +77,21 @@ class ChatCall:
 
 
 @dataclass(frozen=True)
+class TokenCall:
+    call: int
+    key: str
+    request: TokenRequest
+    t_received: float
+
+
+@dataclass(frozen=True)
 class AgentDone:
     key: str
     outcome: AgentOutcome
 
 
 TO_HOST = (StartAgent, CloseSession, CallAnswered, CallRefused, Quit)
-TO_GENERATOR = (Ready, Failed, ChatCall, AgentDone)
+TO_GENERATOR = (Ready, Failed, ChatCall, TokenCall, AgentDone)
 
 
 @functools.cache

@@ -61,6 +61,7 @@ class ChatRequest:
     include_usage: bool = False  # stream_options.include_usage
     logprobs: bool = False
     model: str = ""
+    return_token_ids: bool = False  # the token ids and logprobs in the reply (vLLM's and NeMo-Gym's fields)
 
 
 def _text(content, where: str) -> str:
@@ -193,6 +194,9 @@ def parse_request(body, run: RunSampling) -> ChatRequest:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise refused("stop", "must be a string or a list of up to 4 non-empty strings")
     opts = body.get("stream_options") or {}
+    return_ids = _flag(body, "return_token_ids")
+    if return_ids and body.get("stream"):
+        raise refused("return_token_ids", "is served on calls that are not streamed; send stream: false")
     return ChatRequest(
         messages=messages,
         tools=tools or None,
@@ -203,7 +207,26 @@ def parse_request(body, run: RunSampling) -> ChatRequest:
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
         logprobs=bool(body.get("logprobs")),
         model=str(body.get("model") or run.model_name),
+        return_token_ids=return_ids,
     )
+
+
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is not None and not isinstance(v, bool):
+        raise refused(key, f"must be true or false, not {v!r}")
+    return bool(v)
+
+
+@dataclass
+class Sampled:
+    """One call's tokens as the engine saw and sampled them: the whole context it continued, and per sampled
+    token its logprob and the weight version that sampled it."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
 
 
 @dataclass
@@ -215,6 +238,7 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[tuple[str, float]] | None = None  # (token text, logprob) when asked for
+    sampled: Sampled | None = None  # when asked for (return_token_ids), and always on the token route
 
 
 def new_id(prefix: str) -> str:
@@ -236,16 +260,40 @@ def _logprobs(a: Answer) -> dict | None:
     return {"content": tokens}
 
 
+def version_spans(versions: list[int]) -> list[dict]:
+    """Per-token weight versions as vLLM's `weight_versions`: runs of one version, [start, end) over the output."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
 def completion(a: Answer, model: str) -> dict:
-    """A chat.completion object."""
-    return {
+    """A chat.completion object; with the sampled tokens when the request asked (return_token_ids): vLLM's
+    fields (prompt_token_ids, the choice's token_ids) and NeMo-Gym's on the message (prompt_token_ids,
+    generation_token_ids, generation_log_probs), plus the per-token versions."""
+    choice = {"index": 0, "message": a.message, "finish_reason": a.finish_reason, "logprobs": _logprobs(a)}
+    out = {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": a.message, "finish_reason": a.finish_reason, "logprobs": _logprobs(a)}],
+        "choices": [choice],
         "usage": _usage(a),
     }
+    if a.sampled is not None:
+        s = a.sampled
+        choice["message"] = a.message | {
+            "prompt_token_ids": s.prompt_ids,
+            "generation_token_ids": s.ids,
+            "generation_log_probs": s.logprobs,
+        }
+        choice |= {"token_ids": s.ids, "weight_versions": version_spans(s.versions)}
+        out["prompt_token_ids"] = s.prompt_ids
+    return out
 
 
 def chunks(a: Answer, model: str, include_usage: bool) -> list[dict]:

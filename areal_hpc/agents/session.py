@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
-from areal_hpc.agents.protocol import Answer, ChatRequest, OpenAIError, normal_message, same_turn
+from areal_hpc.agents.protocol import Answer, ChatRequest, OpenAIError, Sampled, normal_message, same_turn
+from areal_hpc.agents.token_route import TokenRequest
 from areal_hpc.agents.transcript import ChatRenderer, ToolCallReader, template_messages
 
 
@@ -15,7 +17,8 @@ class AgentSession:
     only its new messages rendered and appended (not trained); earlier assistant turns are recognised as the
     answers this session returned, and their sampled tokens stay as they were. A request that does not
     extend the history starts a branch (`ep.branch`): the transcript so far is kept as a sample of its own.
-    Runs on the episode runner's event loop."""
+    A token-route request (ids the harness rendered itself) extends the transcript when the transcript is a
+    prefix of its ids, and starts a branch otherwise. Runs on the episode runner's event loop."""
 
     def __init__(self, ep, key: str, renderer: ChatRenderer, reader: ToolCallReader, max_context: int | None):
         self.ep, self.key = ep, key
@@ -61,29 +64,55 @@ class AgentSession:
                 "context_length_exceeded",
             )
 
-    async def answer(self, req: ChatRequest, on_submit=None) -> Answer:
-        """One call: the context updated, one generate call, the answer read for tool calls. `on_submit()` runs
-        as the request goes to the engine (the endpoint's latency figure)."""
+    @contextlib.asynccontextmanager
+    async def _turn(self):
+        """One call at a time, on an open episode."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             if self.closed:
                 raise OpenAIError(401, "this episode has ended; its key is no longer valid", code="invalid_api_key")
+            yield
+
+    async def _generate(self, kind: str, ids: list[int], req, on_submit, counts_branch: bool):
+        """The transcript extended by `ids` or branched to them, then one generate call: (its output, the
+        context the engine continued)."""
+        n_prompt = len(ids) + (len(self.ep.tokens) if kind == "extend" else 0)
+        self._check_length(n_prompt, req)
+        if kind == "extend":
+            self.ep.append_tokens(ids)
+        else:
+            self.branches += counts_branch  # the first call starts the transcript: not a branch
+            self.ep.branch(ids)
+        self.calls += 1
+        context = self.ep.tokens
+        if on_submit is not None:
+            on_submit()
+        out = await self.ep.generate(max_new_tokens=req.max_tokens, stop=req.stop or None)
+        self.last_sampled = list(out.ids)
+        return out, context
+
+    async def answer_tokens(self, req: TokenRequest, on_submit=None) -> Answer:
+        """One token-route call: the harness's ids extend the transcript (or branch it), one generate call."""
+        async with self._turn():
+            have = self.ep.tokens
+            if req.token_ids[: len(have)] == have:
+                kind, ids = "extend", req.token_ids[len(have) :]
+            else:
+                kind, ids = "branch", req.token_ids
+            out, context = await self._generate(kind, ids, req, on_submit, counts_branch=self.calls > 0)
+            self.history = []  # the chat history no longer describes the transcript: a chat call branches
+            message = {"role": "assistant", "content": out.text}
+            return Answer(message, out.finish_reason, len(context), len(out.ids), sampled=_sampled(context, out))
+
+    async def answer(self, req: ChatRequest, on_submit=None) -> Answer:
+        """One call: the context updated, one generate call, the answer read for tool calls. `on_submit()` runs
+        as the request goes to the engine (the endpoint's latency figure)."""
+        async with self._turn():
             tools_key = repr(req.tools)
             kind, ids = self._context(req, tools_key)
-            n_prompt = len(ids) + (len(self.ep.tokens) if kind == "extend" else 0)
-            self._check_length(n_prompt, req)
-            if kind == "extend":
-                self.ep.append_tokens(ids)
-            else:
-                self.branches += bool(self.history)  # the first call starts the transcript: not a branch
-                self.ep.branch(ids)
             self.tools_key = tools_key
-            self.calls += 1
-            if on_submit is not None:
-                on_submit()
-            out = await self.ep.generate(max_new_tokens=req.max_tokens, stop=req.stop or None)
-            self.last_sampled = list(out.ids)
+            out, context = await self._generate(kind, ids, req, on_submit, counts_branch=bool(self.history))
             self.history = list(req.messages)  # the transcript has them now, whatever reading the answer does
             text = out.text
             for s in req.stop:  # the API leaves a stop sequence out of the content (the transcript keeps it)
@@ -102,7 +131,8 @@ class AgentSession:
             if req.logprobs:
                 toks = self.ep.tokenizer.convert_ids_to_tokens(list(out.ids))
                 lps = list(zip(toks, (float(x) for x in out.logprobs)))
-            return Answer(message, finish, n_prompt, len(out.ids), lps)
+            sampled = _sampled(context, out) if req.return_token_ids else None
+            return Answer(message, finish, len(context), len(out.ids), lps, sampled)
 
     def close(self) -> None:
         """The episode ended: calls still in flight are cancelled and their handlers answered (401) now."""
@@ -110,3 +140,7 @@ class AgentSession:
         for task, tell in list(self.tasks.items()):
             task.cancel()
             tell()
+
+
+def _sampled(context: list[int], out) -> Sampled:
+    return Sampled(context, list(out.ids), [float(x) for x in out.logprobs], list(out.versions))
