@@ -168,6 +168,8 @@ async def _token_route(client, row, seen: dict) -> float:
         for field, change in TOKEN_REFUSED.items():
             status, body = await generate(ids, **change)
             seen["token_refused"][field] = (status, body["error"]["param"], body["error"]["message"])
+        status, body = await generate([10**6])
+        seen["token_refused"]["token_ids"] = (status, body["error"]["param"], body["error"]["message"])
         seen["token_no_key"] = (await httpx.AsyncClient().post(f"{base}/inference/v1/generate", json={})).status_code
     return 0.0
 
@@ -497,6 +499,7 @@ def test_the_token_route_and_token_fields_answer_with_the_sampled_tokens_on_the_
     for field, (status, param, message) in seen["token_refused"].items():
         assert (status, param) == (400, field) and message.startswith(f"{field}: "), (field, message)
     assert "it ends at [" in seen["token_refused"]["sampling_params.stop_token_ids"][2]
+    assert f"1000000 is not a token id of this model (0 to {len(tok) - 1})" in seen["token_refused"]["token_ids"][2]
     assert seen["token_no_key"] == 401
 
 

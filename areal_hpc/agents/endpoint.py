@@ -35,6 +35,7 @@ class EndpointSettings:
     tool_parser: str = "hermes"
     max_context: int | None = None
     stop_ids: list[int] = field(default_factory=list)  # the tokens the engine ends an answer at
+    vocab_size: int = 0  # the tokenizer's: a token-route id at or above it is refused
 
     @classmethod
     def of_run(cls, cfg, max_context: int | None, tokenizer) -> EndpointSettings:
@@ -42,7 +43,7 @@ class EndpointSettings:
         rc, wc = cfg.rollout, cfg.workflow
         run = RunSampling(rc.temperature, rc.top_p, rc.max_new_tokens, Path(cfg.model.path).name or "policy")
         stops = stop_token_ids(cfg.model.path, tokenizer)
-        return cls(run, wc.endpoint_host, wc.max_request_kb, wc.tool_parser, max_context, stops)
+        return cls(run, wc.endpoint_host, wc.max_request_kb, wc.tool_parser, max_context, stops, len(tokenizer))
 
 
 class Endpoint:

@@ -169,7 +169,8 @@ class Host:
         from aiohttp import web
 
         t0 = time.monotonic()
-        req = parse_generate(await self._body(request), self.settings.run, self.settings.stop_ids)
+        settings = self.settings
+        req = parse_generate(await self._body(request), settings.run, settings.stop_ids, settings.vocab_size)
         answer = await self._ask(pipe.TokenCall, request["key"], req, t0)
         return web.json_response(generate_reply(answer, req))
 

@@ -74,7 +74,7 @@ class AgentSession:
                 raise OpenAIError(401, "this episode has ended; its key is no longer valid", code="invalid_api_key")
             yield
 
-    async def _generate(self, kind: str, ids: list[int], req, on_submit, counts_branch: bool):
+    async def _generate(self, kind: str, ids: list[int], req, on_submit):
         """The transcript extended by `ids` or branched to them, then one generate call: (its output, the
         context the engine continued)."""
         n_prompt = len(ids) + (len(self.ep.tokens) if kind == "extend" else 0)
@@ -82,7 +82,7 @@ class AgentSession:
         if kind == "extend":
             self.ep.append_tokens(ids)
         else:
-            self.branches += counts_branch  # the first call starts the transcript: not a branch
+            self.branches += self.calls > 0  # the first call starts the transcript: not a branch
             self.ep.branch(ids)
         self.calls += 1
         context = self.ep.tokens
@@ -100,7 +100,7 @@ class AgentSession:
                 kind, ids = "extend", req.token_ids[len(have) :]
             else:
                 kind, ids = "branch", req.token_ids
-            out, context = await self._generate(kind, ids, req, on_submit, counts_branch=self.calls > 0)
+            out, context = await self._generate(kind, ids, req, on_submit)
             self.history = []  # the chat history no longer describes the transcript: a chat call branches
             message = {"role": "assistant", "content": out.text}
             return Answer(message, out.finish_reason, len(context), len(out.ids), sampled=_sampled(context, out))
@@ -112,7 +112,7 @@ class AgentSession:
             tools_key = repr(req.tools)
             kind, ids = self._context(req, tools_key)
             self.tools_key = tools_key
-            out, context = await self._generate(kind, ids, req, on_submit, counts_branch=bool(self.history))
+            out, context = await self._generate(kind, ids, req, on_submit)
             self.history = list(req.messages)  # the transcript has them now, whatever reading the answer does
             text = out.text
             for s in req.stop:  # the API leaves a stop sequence out of the content (the transcript keeps it)

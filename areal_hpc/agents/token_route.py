@@ -51,16 +51,18 @@ def _same(v, allowed) -> bool:
     return any(v == a and type(v) is not bool or v is a for a in allowed)
 
 
-def parse_generate(body, run: RunSampling, stop_ids: list[int]) -> TokenRequest:
+def parse_generate(body, run: RunSampling, stop_ids: list[int], vocab_size: int) -> TokenRequest:
     """vLLM's generate request checked against what the run can honour (`stop_ids`: the tokens the engine ends
-    an answer at); OpenAIError (400, naming the field) for anything it cannot, as chat completions refuse."""
+    an answer at; ids below `vocab_size`); OpenAIError (400, naming the field) for anything it cannot, as chat
+    completions refuse: a bad request never reaches the engine."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     ids = body.get("token_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise refused("token_ids", "must be a non-empty list of token ids")
-    if min(ids) < 0:
-        raise refused("token_ids", "must not hold negative ids")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise refused("token_ids", f"{bad} is not a token id of this model (0 to {vocab_size - 1})")
     for key in ("features", "content_parts"):
         if body.get(key):
             raise refused(key, "multimodal input is not served: send text token ids")
