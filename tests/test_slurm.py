@@ -305,6 +305,7 @@ def test_cancel_then_resume_with_more_versions_pending_first(tmp_path):
         out = _cli("status", str(run)).stdout
         assert "/100000" not in out, out
         said.add(f"progress: starting (resumed from v{stopped})" in out)
+        time.sleep(0.5)  # status back to back would hold a core the job's own ranks need
     assert True in said  # seen while its ranks started (seconds: prepare, srun, imports, the weights' publish)
     assert wait_for(new_id, DONE, 240) == "COMPLETED"
     s = json.loads((run / "summary.json").read_text())

@@ -239,7 +239,7 @@ def test_a_resume_that_fails_at_start_up_ends_failed_with_its_error_in_status(tm
     sd = load_file(weights)
     del sd["model.norm.weight"]
     save_file(sd, weights, metadata={"format": "pt"})
-    grace = 20  # AREAL_EXIT_GRACE_S (60 s by default): reaches the job through sbatch's environment
+    grace = 10  # AREAL_EXIT_GRACE_S (60 s by default): reaches the job through sbatch's environment
     env = {**os.environ, "AREAL_EXIT_GRACE_S": str(grace)}
     r = subprocess.run(
         [*CLI, "resume", str(run), "trainer.versions=4", "--sbatch"], capture_output=True, text=True, env=env
