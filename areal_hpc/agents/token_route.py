@@ -47,8 +47,9 @@ def _sp_refused(key: str, message: str) -> OpenAIError:
 
 
 def _same(v, allowed) -> bool:
+    """Whether `v` is one of the `allowed` values; a bool is no number here (True == 1), only itself."""
     allowed = allowed if isinstance(allowed, tuple) else (allowed,)
-    return any(v == a and type(v) is not bool or v is a for a in allowed)
+    return any((v == a and type(v) is not bool) or v is a for a in allowed)
 
 
 def parse_generate(body, run: RunSampling, stop_ids: list[int], vocab_size: int) -> TokenRequest:
@@ -133,7 +134,10 @@ def _check_sampling(sp: dict, run: RunSampling, stop_ids: list[int]) -> None:
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise _sp_refused("stop", "must be a string or a list of up to 4 non-empty strings")
-    extra = sorted(set(sp.get("stop_token_ids") or []) - set(stop_ids))
+    ids = sp.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise _sp_refused("stop_token_ids", f"must be a list of token ids, not {ids!r}")
+    extra = sorted(set(ids) - set(stop_ids))
     if extra:
         raise _sp_refused(
             "stop_token_ids",
