@@ -243,10 +243,27 @@ def ensure_model(model_cfg) -> Path:
     return check_model_folder(p)
 
 
+# tokenizer classes that name transformers' generic fast tokenizer, the class AutoTokenizer would pick for them
+GENERIC_FAST = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
 def load_tokenizer(path: str | Path):
+    """The folder's tokenizer, as AutoTokenizer loads it. A folder whose tokenizer is transformers' generic fast one
+    (the tiny models' is) gets that class straight away: importing AutoTokenizer costs 4-5 s of CPU more, paid by
+    every process that only needs a tokenizer (the launcher, each Slurm world's prepare step, rank 0)."""
+    p = Path(path)
+    try:
+        tc = json.loads((p / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tc = {}
+    # a folder that maps its own tokenizer code (auto_map) is AutoTokenizer's to load
+    if tc.get("tokenizer_class") in GENERIC_FAST and "auto_map" not in tc and (p / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(p))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(p))
 
 
 def text_decoder(tokenizer):
