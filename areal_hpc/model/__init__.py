@@ -256,6 +256,7 @@ def load_tokenizer(path: str | Path):
         tc = json.loads((p / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         tc = {}
+    tc = tc if isinstance(tc, dict) else {}  # a malformed file is AutoTokenizer's to report
     # a folder that maps its own tokenizer code (auto_map) is AutoTokenizer's to load
     if tc.get("tokenizer_class") in GENERIC_FAST and "auto_map" not in tc and (p / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
