@@ -170,7 +170,8 @@ async def _token_route(client, row, seen: dict) -> float:
             seen["token_refused"][field] = (status, body["error"]["param"], body["error"]["message"])
         status, body = await generate([10**6])
         seen["token_refused"]["token_ids"] = (status, body["error"]["param"], body["error"]["message"])
-        seen["token_no_key"] = (await httpx.AsyncClient().post(f"{base}/inference/v1/generate", json={})).status_code
+        async with httpx.AsyncClient() as stranger:
+            seen["token_no_key"] = (await stranger.post(f"{base}/inference/v1/generate", json={})).status_code
     return 0.0
 
 

@@ -127,11 +127,50 @@ def same_turn(a: dict, b: dict) -> bool:
     return strip(a) == strip(b)
 
 
-def _number(body: dict, key: str, kind=(int, float)):
+def _number(body: dict, key: str, kind=(int, float), prefix: str = ""):
     v = body.get(key)
     if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):
-        raise refused(key, f"must be a number, not {type(v).__name__}")
+        raise refused(prefix + key, f"must be a number, not {type(v).__name__}")
     return v
+
+
+# Checks both routes share (chat completions, and vLLM's token route with `prefix` "sampling_params."): the same
+# field gets the same refusal on either.
+
+
+def check_run_sampling(fields: dict, run: RunSampling, prefix: str = "") -> None:
+    """temperature and top_p absent or the run's own."""
+    for key, want in (("temperature", run.temperature), ("top_p", run.top_p)):
+        v = _number(fields, key, prefix=prefix)
+        if v is not None and abs(v - want) > 1e-6:
+            raise refused(
+                prefix + key,
+                f"{v:g} is not this run's {want:g}: the answers train the policy, so their logprobs must be "
+                f"those of the policy as it samples (rollout.{key}); leave it out or send {want:g}",
+            )
+
+
+def checked_max_tokens(v, param: str, run: RunSampling) -> int | None:
+    if v is not None:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise refused(param, f"must be a positive integer, not {v!r}")
+        if v > run.max_new_tokens:
+            raise refused(param, f"{v} is above this run's rollout.max_new_tokens={run.max_new_tokens}")
+    return v
+
+
+def checked_stop(v, param: str) -> list[str]:
+    stop = [v] if isinstance(v, str) else (v or [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise refused(param, "must be a string or a list of up to 4 non-empty strings")
+    return stop
+
+
+def flag(fields: dict, key: str) -> bool:
+    v = fields.get(key, False)
+    if v is not None and not isinstance(v, bool):
+        raise refused(key, f"must be true or false, not {v!r}")
+    return bool(v)
 
 
 def parse_request(body, run: RunSampling) -> ChatRequest:
@@ -143,14 +182,7 @@ def parse_request(body, run: RunSampling) -> ChatRequest:
     if not isinstance(msgs, list) or not msgs:
         raise refused("messages", "must be a non-empty list")
     messages = [normal_message(m, i) for i, m in enumerate(msgs)]
-    for key, want in (("temperature", run.temperature), ("top_p", run.top_p)):
-        v = _number(body, key)
-        if v is not None and abs(v - want) > 1e-6:
-            raise refused(
-                key,
-                f"{v:g} is not this run's {want:g}: the answers train the policy, so their logprobs must be "
-                f"those of the policy as it samples (rollout.{key}); leave it out or send {want:g}",
-            )
+    check_run_sampling(body, run)
     if (n := _number(body, "n", int)) not in (None, 1):
         raise refused("n", f"{n} answers per call are not served; ask once per answer (n=1)")
     if body.get("logit_bias"):
@@ -183,18 +215,10 @@ def parse_request(body, run: RunSampling) -> ChatRequest:
     if not isinstance(body.get("stream", False), bool):
         raise refused("stream", f"must be true or false, not {body['stream']!r}")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = body.get(key)
-    if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise refused(key, f"must be a positive integer, not {max_tokens!r}")
-        if max_tokens > run.max_new_tokens:
-            raise refused(key, f"{max_tokens} is above this run's rollout.max_new_tokens={run.max_new_tokens}")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise refused("stop", "must be a string or a list of up to 4 non-empty strings")
+    max_tokens = checked_max_tokens(body.get(key), key, run)
+    stop = checked_stop(body.get("stop"), "stop")
     opts = body.get("stream_options") or {}
-    return_ids = _flag(body, "return_token_ids")
+    return_ids = flag(body, "return_token_ids")
     if return_ids and body.get("stream"):
         raise refused("return_token_ids", "is served on calls that are not streamed; send stream: false")
     return ChatRequest(
@@ -209,13 +233,6 @@ def parse_request(body, run: RunSampling) -> ChatRequest:
         model=str(body.get("model") or run.model_name),
         return_token_ids=return_ids,
     )
-
-
-def _flag(body: dict, key: str) -> bool:
-    v = body.get(key, False)
-    if v is not None and not isinstance(v, bool):
-        raise refused(key, f"must be true or false, not {v!r}")
-    return bool(v)
 
 
 @dataclass
@@ -245,7 +262,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def _usage(a: Answer) -> dict:
+def usage(a: Answer) -> dict:
     return {
         "prompt_tokens": a.prompt_tokens,
         "completion_tokens": a.completion_tokens,
@@ -282,7 +299,7 @@ def completion(a: Answer, model: str) -> dict:
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
-        "usage": _usage(a),
+        "usage": usage(a),
     }
     if a.sampled is not None:
         s = a.sampled
@@ -313,7 +330,7 @@ def chunks(a: Answer, model: str, include_usage: bool) -> list[dict]:
         out.append(chunk({"tool_calls": [{"index": i, **call}]}))
     out.append(chunk({}, a.finish_reason))
     if include_usage:
-        out.append(chunk({}) | {"choices": [], "usage": _usage(a)})
+        out.append(chunk({}) | {"choices": [], "usage": usage(a)})
     return out
 
 

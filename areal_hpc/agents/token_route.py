@@ -6,7 +6,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from areal_hpc.agents.protocol import Answer, OpenAIError, RunSampling, new_id, refused, version_spans
+from areal_hpc.agents.protocol import (
+    Answer,
+    OpenAIError,
+    RunSampling,
+    check_run_sampling,
+    checked_max_tokens,
+    checked_stop,
+    flag,
+    new_id,
+    refused,
+    usage,
+    version_spans,
+)
 
 PATH = "/inference/v1/generate"  # at the server's root, as vLLM mounts it (not under /v1)
 
@@ -46,6 +58,10 @@ def _sp_refused(key: str, message: str) -> OpenAIError:
     return refused(f"sampling_params.{key}", message)
 
 
+def _id_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
 def _same(v, allowed) -> bool:
     """Whether `v` is one of the `allowed` values; a bool is no number here (True == 1), only itself."""
     allowed = allowed if isinstance(allowed, tuple) else (allowed,)
@@ -59,7 +75,7 @@ def parse_generate(body, run: RunSampling, stop_ids: list[int], vocab_size: int)
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     ids = body.get("token_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not _id_list(ids) or not ids:
         raise refused("token_ids", "must be a non-empty list of token ids")
     if min(ids) < 0 or max(ids) >= vocab_size:
         bad = min(ids) if min(ids) < 0 else max(ids)
@@ -79,34 +95,23 @@ def parse_generate(body, run: RunSampling, stop_ids: list[int], vocab_size: int)
     unknown = set(body) - BODY
     if unknown:
         raise refused(sorted(unknown)[0], "is not a field of vLLM's generate request this endpoint serves")
-    return_ids = body.get("return_token_ids")
-    if return_ids is not None and not isinstance(return_ids, bool):
-        raise refused("return_token_ids", f"must be true or false, not {return_ids!r}")
+    return_ids = flag(body, "return_token_ids")
     sp = body.get("sampling_params")
     if not isinstance(sp, dict):
         raise refused("sampling_params", "must be an object of vLLM's sampling settings")
     _check_sampling(sp, run, stop_ids)
-    stop = sp.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
     return TokenRequest(
         token_ids=list(ids),
-        max_tokens=sp.get("max_tokens"),
-        stop=stop,
+        max_tokens=checked_max_tokens(sp.get("max_tokens"), "sampling_params.max_tokens", run),
+        stop=checked_stop(sp.get("stop"), "sampling_params.stop"),
         request_id=str(body.get("request_id") or new_id("gen")),
         model=str(body.get("model") or run.model_name),
-        return_token_ids=bool(return_ids),
+        return_token_ids=return_ids,
     )
 
 
 def _check_sampling(sp: dict, run: RunSampling, stop_ids: list[int]) -> None:
-    for key, want in (("temperature", run.temperature), ("top_p", run.top_p)):
-        v = sp.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or abs(v - want) > 1e-6):
-            raise _sp_refused(
-                key,
-                f"{v!r} is not this run's {want:g}: the answers train the policy, so their logprobs must be "
-                f"those of the policy as it samples (rollout.{key}); leave it out or send {want:g}",
-            )
+    check_run_sampling(sp, run, "sampling_params.")
     for key, allowed in AS_SAMPLED.items():
         v = sp.get(key)
         if v is not None and not _same(v, allowed):
@@ -124,18 +129,8 @@ def _check_sampling(sp: dict, run: RunSampling, stop_ids: list[int]) -> None:
     unknown = set(sp) - known - set(NOT_SERVED) - FORMAT_ONLY
     if unknown:
         raise _sp_refused(sorted(unknown)[0], "is not a sampling setting this endpoint serves")
-    n = sp.get("max_tokens")
-    if n is not None:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise _sp_refused("max_tokens", f"must be a positive integer, not {n!r}")
-        if n > run.max_new_tokens:
-            raise _sp_refused("max_tokens", f"{n} is above this run's rollout.max_new_tokens={run.max_new_tokens}")
-    stop = sp.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise _sp_refused("stop", "must be a string or a list of up to 4 non-empty strings")
     ids = sp.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not _id_list(ids):
         raise _sp_refused("stop_token_ids", f"must be a list of token ids, not {ids!r}")
     extra = sorted(set(ids) - set(stop_ids))
     if extra:
@@ -160,14 +155,13 @@ def generate_reply(a: Answer, req: TokenRequest) -> dict:
         "logprobs": {"content": content},
         "weight_versions": version_spans(s.versions),
     }
-    usage = {"prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens}
     out = {
         "request_id": req.request_id,
         "model": req.model,
         "created": int(time.time()),
         "output_mode": "tokens",
         "choices": [choice],
-        "usage": usage | {"total_tokens": a.prompt_tokens + a.completion_tokens},
+        "usage": usage(a),
     }
     if req.return_token_ids:
         out["prompt_token_ids"] = s.prompt_ids
